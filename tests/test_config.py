@@ -1,0 +1,81 @@
+"""Test 6 (bad config): each error names the field, exits non-zero, and comes before any model is loaded."""
+
+import os
+
+import pytest
+import yaml
+from conftest import RECIPE, run
+
+from toolkit.config import ConfigError, parse_args
+
+
+def _yaml(tmp_path, **values):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+@pytest.fixture
+def base(tiny_model, padded_data, tmp_path):
+    return {"model_name_or_path": tiny_model, "train_file": padded_data["train_file"],
+            "output_dir": str(tmp_path / "out"), "block_size": 32}
+
+
+def test_yaml_plus_cli_override(base, tmp_path):
+    cfg = parse_args(["--config", _yaml(tmp_path, **base, learning_rate=1e-3), "--learning_rate", "1e-4",
+                      "--packing", "false"])
+    assert cfg.train.learning_rate == 1e-4
+    assert cfg.data.packing is False
+    assert cfg.model.model_name_or_path == base["model_name_or_path"]
+
+
+@pytest.mark.parametrize(
+    "extra, field, words",
+    [
+        ({"learning_rat": 1e-3}, "learning_rat", "Did you mean 'learning_rate'"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size", "positive"),
+        ({"learning_rate": "fast"}, "learning_rate", "invalid float"),
+        ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps", "invalid int"),
+        ({"train_file": "/nonexistent/train.jsonl"}, "train_file", "not found"),
+        ({"block_size": 4096}, "block_size", "exceeds the model's 64 positions"),
+        ({"optim": "adamw"}, "optim", "choose one of"),
+        ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type", "Did you mean 'cosine'"),
+        ({"max_grad_norm": -1}, "max_grad_norm", "0 turns clipping off"),
+        ({"max_steps": 0}, "max_steps", "positive"),
+        ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint", "no checkpoint"),
+    ],
+)
+def test_bad_yaml_values(base, tmp_path, extra, field, words):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", _yaml(tmp_path, **{**base, **extra})])
+    assert err.value.field_name == field
+    assert words in str(err.value)
+
+
+def test_bad_cli_values(base, tmp_path):
+    path = _yaml(tmp_path, **base)
+    with pytest.raises(ConfigError, match="per_device_train_batch_sise.*Did you mean 'per_device_train_batch_size'"):
+        parse_args(["--config", path, "--per_device_train_batch_sise", "4"])
+    with pytest.raises(ConfigError, match="seed.*invalid int"):
+        parse_args(["--config", path, "--seed", "x"])
+
+
+def test_finished_output_dir_is_refused(base, tmp_path):
+    final = tmp_path / "out" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="overwrite_output_dir"):
+        parse_args(["--config", _yaml(tmp_path, **base)])
+    parse_args(["--config", _yaml(tmp_path, **base, overwrite_output_dir=True)])
+
+
+def test_recipe_exits_before_loading(base, tmp_path):
+    """Through the real recipe: one line on stderr, exit code 2, nothing written, no weights loaded."""
+    path = _yaml(tmp_path, **{**base, "block_size": 4096})
+    proc = run(["python", RECIPE, "--config", path], check=False)
+    assert proc.returncode == 2
+    assert "config error: block_size: 4096 exceeds the model's 64 positions" in proc.stderr
+    assert "Loading weights" not in proc.stderr + proc.stdout
+    assert not os.path.exists(base["output_dir"])
+    proc = run(["python", RECIPE, "--config", path, "--block_size", "32", "--warmup_step", "3"], check=False)
+    assert proc.returncode == 2 and "Did you mean 'warmup_steps'" in proc.stderr

@@ -1,0 +1,159 @@
+"""Datasets for causal-LM training: load (Hub, local files, or the embedded ``pydoc`` text), tokenize, pack or pad.
+
+Tokenization and packing run through ``datasets.map(batched=True)`` so results are cached on disk for file-backed
+datasets; the recipe wraps the calls in ``accelerator.main_process_first()`` so rank 0 fills the cache and the
+others read it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from datasets import Dataset, DatasetDict, load_dataset
+
+from toolkit.config import DATA_EXTENSIONS, ConfigError, DataArguments
+
+PYDOC = "pydoc"
+
+
+def pydoc_dataset() -> DatasetDict:
+    """CPython's reference documentation (``pydoc_data.topics``), shipped with every Python: no download.
+
+    One row per paragraph. The split is by topic (every 10th topic, in sorted order, is validation) so no
+    validation paragraph shares a topic with training: a fixed split, the same on every machine.
+    """
+    from pydoc_data.topics import topics
+
+    train, valid = [], []
+    for i, name in enumerate(sorted(topics)):
+        paragraphs = [p.strip() for p in topics[name].split("\n\n") if p.strip()]
+        (valid if i % 10 == 0 else train).extend(paragraphs)
+    return DatasetDict({"train": Dataset.from_dict({"text": train}), "validation": Dataset.from_dict({"text": valid})})
+
+
+def load_raw_datasets(args: DataArguments) -> DatasetDict:
+    """A DatasetDict with 'train' and (unless there is none) 'validation', and the text column checked."""
+    if args.dataset_name == PYDOC:
+        raw = pydoc_dataset()
+    elif args.dataset_name is not None:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        if "validation" not in raw and args.validation_split_percentage > 0:
+            pct = args.validation_split_percentage
+            raw = DatasetDict(
+                {
+                    "train": load_dataset(args.dataset_name, args.dataset_config_name, split=f"train[{pct}%:]"),
+                    "validation": load_dataset(args.dataset_name, args.dataset_config_name, split=f"train[:{pct}%]"),
+                }
+            )
+    else:
+        files = {"train": args.train_file}
+        if args.validation_file:
+            files["validation"] = args.validation_file
+        builders = {DATA_EXTENSIONS[os.path.splitext(p)[1].lower()] for p in files.values()}
+        if len(builders) != 1:
+            raise ConfigError("validation_file", "train_file and validation_file must have the same format")
+        builder = builders.pop()
+        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+        try:
+            raw = load_dataset(builder, data_files=files, **kwargs)
+        except Exception as e:  # malformed json/csv: name the file, not a pyarrow internals trace
+            raise ConfigError("train_file", f"cannot read {files}: {type(e).__name__}: {e}") from None
+        if "validation" not in raw and args.validation_split_percentage > 0:
+            split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, shuffle=False)
+            raw = DatasetDict({"train": split["train"], "validation": split["test"]})
+
+    column = text_column(args)
+    for split_name, split in raw.items():
+        if column not in split.column_names:
+            raise ConfigError(
+                "text_column_name",
+                f"column {column!r} not in the {split_name} split; it has {split.column_names}",
+            )
+    if args.max_train_samples:
+        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+    if args.max_eval_samples and "validation" in raw:
+        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+    return raw
+
+
+def text_column(args: DataArguments) -> str:
+    return args.text_column_name or "text"
+
+
+def resolve_block_size(args: DataArguments, tokenizer, model_positions: int | None) -> int:
+    """run_clm's default: the tokenizer's max length capped at 1024, and never above the model's positions."""
+    if args.block_size is not None:
+        if model_positions is not None and args.block_size > model_positions:
+            raise ConfigError("block_size", f"{args.block_size} exceeds the model's {model_positions} positions")
+        return args.block_size
+    limit = min(1024, tokenizer.model_max_length or 1024)
+    return min(limit, model_positions) if model_positions else limit
+
+
+def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+    """Tokenize with a batched map, then pack into ``block_size`` rows or truncate one example per row."""
+    column = text_column(args)
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        texts = [t if isinstance(t, str) else "" for t in batch[column]]
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        # End every document with EOS so packed rows mark where one text stops and the next starts.
+        return {"input_ids": [x + [eos] if eos is not None and x else x for x in ids]}
+
+    map_kwargs: dict[str, Any] = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
+    tokenized = raw.map(
+        tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize", **map_kwargs
+    )
+
+    if args.packing:
+        # One map batch over the whole split (batch_size=None): run_clm's group_texts works per 1000-row map batch
+        # and drops each batch's tail, losing up to block_size-1 tokens per 1000 rows. Here only the split's final
+        # partial block (< block_size tokens in all) is left out.
+        def pack(batch):
+            stream = [tok for ids in batch["input_ids"] for tok in ids]
+            n = (len(stream) // block_size) * block_size
+            return {"input_ids": [stream[i : i + block_size] for i in range(0, n, block_size)]}
+
+        grouped = tokenized.map(pack, batched=True, batch_size=None, desc=f"pack into {block_size}-token rows",
+                                load_from_cache_file=not args.overwrite_cache)
+    else:
+        # A row with fewer than 2 tokens has no next-token target: drop it rather than feed a zero-token loss.
+        grouped = tokenized.map(
+            lambda b: {"input_ids": [ids[:block_size] for ids in b["input_ids"]]},
+            batched=True,
+            desc=f"truncate to {block_size}",
+            **map_kwargs,
+        ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
+
+    if len(grouped["train"]) == 0:
+        what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
+        raise ConfigError(
+            "train_file" if args.train_file else "dataset_name",
+            f"no training rows after tokenization: {what}; use more data or a smaller block_size",
+        )
+    return grouped
+
+
+class CausalLMCollator:
+    """Right-pads a list of ``{"input_ids": [...]}`` rows to the longest in the batch.
+
+    Pad positions get attention_mask 0 and label -100, so they carry no loss and (with right padding and a causal
+    mask) do not change the logits of real tokens: a padded row trains exactly like the same row alone.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+            mask[i, :n] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,167 @@
+"""Building the Accelerator, and the one shim that lets every strategy run for real on CPU ranks (gloo).
+
+On a machine with a GPU (or any torch accelerator) nothing here changes accelerate's behaviour.
+
+On a CPU-only host, accelerate 1.15/1.16 enables DeepSpeed and FSDP only when it finds an accelerator, and otherwise
+falls back *silently* (measured, ``../shared/notes/cpu-strategies.md``):
+  - the DDP config without cpu=True, or an FSDP config: each rank becomes an independent process believing it is
+    rank 0 and trains alone on all the data;
+  - a DeepSpeed config: num_processes=1 on both ranks, then DeepSpeed's batch-size assertion.
+What makes each real on CPU (all measured with 2 gloo ranks, equal to one process to 7.5e-9 in fp32):
+  - DDP:       ``cpu=True``  (MULTI_CPU over gloo);
+  - DeepSpeed: a PartialState created first with ``backend="gloo"`` (cpu stays False, so DeepSpeed is considered);
+  - FSDP 1/2:  the same, then the state's distributed_type set to MULTI_GPU so accelerate considers FSDP.
+``AcceleratorState`` reuses an existing PartialState, which is what makes the last two work; it is the one fragile
+point, so the accelerate range is pinned and ``check_world`` refuses any run whose world is not what was launched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, ProjectConfiguration
+
+from toolkit.config import ConfigError, TrainingArguments
+
+
+def has_accelerator() -> bool:
+    try:
+        return bool(torch.accelerator.is_available())
+    except AttributeError:  # torch < 2.6
+        return torch.cuda.is_available()
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def launched_strategy() -> str:
+    """What ``accelerate launch`` asked for, from the environment it sets: 'deepspeed', 'fsdp' or 'ddp'."""
+    if _env_true("ACCELERATE_USE_DEEPSPEED"):
+        return "deepspeed"
+    if _env_true("ACCELERATE_USE_FSDP"):
+        return "fsdp"
+    return "ddp"
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _prepare_cpu_state(strategy: str) -> dict:
+    """Set up accelerate's shared state for a CPU-only host; returns extra Accelerator kwargs."""
+    if strategy == "ddp":
+        return {"cpu": True}
+    if _env_true("ACCELERATE_USE_CPU"):
+        raise ConfigError(
+            "ACCELERATE_USE_CPU",
+            f"is set with a {strategy} launch config; accelerate would quietly run plain DDP instead. Unset it: "
+            "toolkit runs DeepSpeed and FSDP on CPU ranks by itself",
+        )
+    if strategy == "fsdp":
+        # FSDP1 refuses sync_module_states on CPU; every rank loads the same weights, so nothing is lost.
+        os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+    if strategy == "deepspeed":
+        _skip_deepspeed_shm_build()
+    state = PartialState(backend="gloo")
+    if strategy == "fsdp":
+        state.distributed_type = DistributedType.MULTI_GPU
+    return {}
+
+
+def _skip_deepspeed_shm_build() -> None:
+    # DeepSpeed JIT-compiles a shared-memory comm op on first init (47 s here, needs g++/ninja) that is only used for
+    # inference all-reduce; marking it incompatible skips the build.
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:
+        pass
+
+
+def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
+    """The Accelerator for a run, checked to have the world that was launched."""
+    strategy = launched_strategy()
+    _check_accumulation_env(args)
+    extra = {} if has_accelerator() else _prepare_cpu_state(strategy)
+    trackers = [] if args.report_to in ("none", "", None) else args.report_to
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # We step the scheduler ourselves once per optimizer step: AcceleratedScheduler otherwise steps it
+        # num_processes times per call (accelerate #1382), ending a schedule sized in optimizer steps early.
+        step_scheduler_with_optimizer=False,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(
+            project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")
+        ),
+        **extra,
+        **kwargs,
+    )
+    check_world(accelerator, strategy)
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            f"the recipe says {args.gradient_accumulation_steps} but accelerate uses "
+            f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
+        )
+    return accelerator
+
+
+def _check_accumulation_env(args: TrainingArguments) -> None:
+    # `accelerate launch` copies a gradient_accumulation_steps found in the config's DeepSpeed section into this
+    # variable, and the Accelerator then prefers it over the argument we pass, silently (accelerate #2210, #3369).
+    value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if value not in (None, "", "auto") and int(value) != args.gradient_accumulation_steps:
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            f"the accelerate config sets {value} (deepspeed_config.gradient_accumulation_steps) but the recipe "
+            f"says {args.gradient_accumulation_steps}; delete it from the accelerate config: the recipe owns it",
+        )
+
+
+def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> None:
+    """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+
+    def agree(key, want, field_name):
+        have = ds.get(key, "auto")
+        if have in ("auto", None):
+            ds[key] = want
+        elif float(have) != float(want):
+            raise ConfigError(
+                field_name,
+                f"the DeepSpeed config sets {key}={have} but the recipe says {want}; "
+                f"set it to 'auto' (or remove it) in the accelerate config",
+            )
+
+    # Our DataLoader is driven by a batch sampler, so accelerate cannot read a batch size off it.
+    agree("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size")
+    agree("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps")
+    # DeepSpeed clips inside engine.step(); 0 means off since accelerate 1.16 (no key would mean 1.0).
+    agree("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    ds["train_batch_size"] = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    )
+
+
+def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
+    """Refuse a silent fallback: the world the launcher started must be the one accelerate sees."""
+    strategy = strategy or launched_strategy()
+    expected = launched_world_size()
+    if accelerator.num_processes != expected:
+        raise RuntimeError(
+            f"launched {expected} processes but the Accelerator sees {accelerator.num_processes} "
+            f"(distributed_type={accelerator.distributed_type}); each rank would train alone on all the data. "
+            "Check the accelerate config and that the process group came up."
+        )
+    want = {"deepspeed": DistributedType.DEEPSPEED, "fsdp": DistributedType.FSDP}.get(strategy)
+    if want is not None and accelerator.distributed_type != want:
+        raise RuntimeError(
+            f"the launch config asks for {strategy} but the Accelerator runs {accelerator.distributed_type}; "
+            "refusing to train with a different strategy than configured."
+        )

