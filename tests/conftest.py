@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gpt2.py")
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+sys.path.insert(0, SCRIPTS)
 
 
 def _env() -> dict:

@@ -21,7 +21,7 @@ import os
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, ProjectConfiguration
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
 from toolkit.config import ConfigError, TrainingArguments
 
@@ -89,7 +89,12 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     extra = {} if has_accelerator() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # The loop fetches a step's k micro-batches before the first backward (to count the step's tokens), so the
+        # loader reaches its end one micro-step early; accelerate's default would then force a sync there. Our steps
+        # are always whole groups of k, so the boundary is simply every k-th micro-step.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # We step the scheduler ourselves once per optimizer step: AcceleratedScheduler otherwise steps it
         # num_processes times per call (accelerate #1382), ending a schedule sized in optimizer steps early.
         step_scheduler_with_optimizer=False,

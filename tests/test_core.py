@@ -1,0 +1,178 @@
+"""The training core, proven with real runs: 2 gloo ranks through `accelerate launch` vs one process.
+
+All runs use padded rows of very different lengths (so per-micro-batch averaging would be wrong), shuffling on,
+fp32, dropout off. Runs are shared between assertions (a launch costs ~10 s of process start alone).
+"""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import SCRIPTS, args_from, launch, load_weights, max_abs_diff
+
+PROBE = os.path.join(SCRIPTS, "probe_run.py")
+
+COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=6, save_steps=3, logging_steps=1, seed=7,
+              report_to="none", per_device_eval_batch_size=3)
+SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0)
+ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=2,
+             weight_decay=0.01)
+LAYOUTS = {"2x2x2": (2, 2, 2), "1x8x1": (1, 8, 1), "1x2x4": (1, 2, 4)}  # ranks x micro-batch x accumulation
+
+
+class Runs:
+    """Lazily launched, cached runs, keyed by name."""
+
+    def __init__(self, tmp, model, data):
+        self.tmp, self.model, self.data, self.done = tmp, model, data, {}
+
+    def get(self, name, layout, extra, script=None, prepare=None):
+        if name not in self.done:
+            world, micro, accum = LAYOUTS[layout] if isinstance(layout, str) else layout
+            out = str(self.tmp / name)
+            if prepare:
+                prepare(out)
+            cfg = {**COMMON, **self.data, "model_name_or_path": self.model, "output_dir": out,
+                   "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
+            launch(args_from(cfg), num_processes=world, script=script or PROBE)
+            self.done[name] = out
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, padded_data):
+    return Runs(tmp_path_factory.mktemp("core"), tiny_model, padded_data)
+
+
+def ckpt(out, step):
+    return os.path.join(out, "checkpoints", f"step-{step}")
+
+
+def final(out):
+    return os.path.join(out, "final")
+
+
+@pytest.mark.slow
+def test_sgd_equivalence_across_layouts(runs, tiny_model):
+    """Plain SGD is linear in the gradient: any normalisation error shows. <= 1e-6 after 3 and after 6 steps."""
+    dist = runs.get("sgd_2x2x2", "2x2x2", SGD)
+    ref = runs.get("sgd_1x8x1", "1x8x1", SGD)
+    acc = runs.get("sgd_1x2x4", "1x2x4", SGD)
+    init = load_weights(tiny_model)
+    assert max_abs_diff(load_weights(final(ref)), init) > 1e-2, "the runs must actually train"
+    for step_dir in (lambda o: ckpt(o, 3), final):
+        assert max_abs_diff(load_weights(step_dir(dist)), load_weights(step_dir(ref))) <= 1e-6
+        assert max_abs_diff(load_weights(step_dir(acc)), load_weights(step_dir(ref))) <= 1e-6
+    probe = json.load(open(os.path.join(dist, "probe", "comm_rank0.json")))
+    assert probe["num_processes"] == 2 and probe["distributed_type"] == "MULTI_CPU"
+    assert probe["model_type"] == "DistributedDataParallel"
+
+
+@pytest.mark.slow
+def test_per_micro_batch_mean_shows_the_bug(runs):
+    """The pre-2024 normalisation (mean per micro-batch) must fail the same check the correct one passes."""
+    ref = runs.get("sgd_1x8x1", "1x8x1", SGD)
+    buggy = runs.get("sgd_2x2x2_buggy", "2x2x2", {**SGD, "loss_normalization": "per_micro_batch", "max_steps": 3})
+    diff = max_abs_diff(load_weights(final(buggy)), load_weights(ckpt(ref, 3)))
+    assert diff > 1e-4, f"per-micro-batch averaging should differ on padded data, got {diff:.2e}"
+
+
+@pytest.mark.slow
+def test_adamw_with_clipping_equivalence(runs):
+    dist = runs.get("adamw_2x2x2", "2x2x2", ADAMW)
+    ref = runs.get("adamw_1x8x1", "1x8x1", ADAMW)
+    for step_dir in (lambda o: ckpt(o, 3), final):
+        assert max_abs_diff(load_weights(step_dir(dist)), load_weights(step_dir(ref))) <= 1e-4
+    # the logged loss and grad norm are global quantities: the same on both layouts
+    a = [r for r in map(json.loads, open(os.path.join(dist, "metrics.jsonl"))) if "loss" in r]
+    b = [r for r in map(json.loads, open(os.path.join(ref, "metrics.jsonl"))) if "loss" in r]
+    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5)
+        assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-4)
+        assert x["lr"] == pytest.approx(y["lr"]) and x["tokens_seen"] == y["tokens_seen"]
+    assert a[1]["lr"] == pytest.approx(3e-3)  # warmup 2 steps: the schedule is per optimizer step, not per rank
+
+
+@pytest.mark.slow
+def test_resume_mid_run_equals_straight_run(runs):
+    """6 steps straight == 3 steps, stop, resume from the checkpoint, 3 more (AdamW + linear schedule + clipping)."""
+    straight = runs.get("adamw_2x2x2", "2x2x2", ADAMW)
+
+    def copy_checkpoint(out):
+        shutil.copytree(ckpt(straight, 3), ckpt(out, 3))
+
+    resumed = runs.get("adamw_2x2x2_resumed", "2x2x2", {**ADAMW, "resume_from_checkpoint": "latest"},
+                       prepare=copy_checkpoint)
+    assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
+    rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [4, 5, 6]
+
+
+@pytest.mark.slow
+def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
+    """Accumulation 4: gradient all-reduces happen on the 4th micro-step only; final/ reloads with the same logits."""
+    out = runs.get("comm_2x1x4", (2, 1, 4), {**ADAMW, "max_steps": 3, "save_steps": 100, "packing": True,
+                                              "block_size": 16, "report_to": "tensorboard"})
+    for rank in (0, 1):
+        probe = json.load(open(os.path.join(out, "probe", f"comm_rank{rank}.json")))
+        calls = {(s, m): c for s, m, c in probe["per_micro_step"]}
+        assert sorted(calls) == [(s, m) for s in range(3) for m in range(4)]
+        buckets = calls[(0, 3)]
+        assert buckets >= 1
+        for s in range(3):
+            assert [calls[(s, m)] for m in range(4)] == [0, 0, 0, buckets], calls
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final(out)).eval()
+    from probe_run import PROBE_IDS
+
+    with torch.no_grad():
+        logits = model(input_ids=PROBE_IDS).logits
+    assert torch.allclose(logits, torch.load(os.path.join(out, "probe", "logits.pt")), atol=1e-5, rtol=0)
+    # the run's other outputs
+    import yaml
+
+    cfg = yaml.safe_load(open(os.path.join(out, "config.yaml")))
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["packing"] is True
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    last = rows[-1]
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "eval_loss", "perplexity"):
+        assert key in last, key
+    assert last["perplexity"] == pytest.approx(math.exp(last["eval_loss"]))
+    assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(os.path.join(out, "runs")) for f in fs)
+
+
+def test_data_order_two_ranks(tmp_path):
+    """Ranks' shards in a step are disjoint and together equal the 1-process batch; epoch 2 differs; a resume-style
+    skip_first_batches continues with the same rows."""
+    from toolkit.order import GlobalBatchSampler
+
+    n, micro, accum, seed = 40, 2, 2, 5
+    out = str(tmp_path / "order.json")
+    launch([out, str(n), str(micro), str(accum), str(seed)], script=os.path.join(SCRIPTS, "order_probe.py"))
+    ranks = json.load(open(out))["ranks"]
+    assert len(ranks) == 2
+    ref = GlobalBatchSampler(n, micro * 2 * accum, 1, 1, seed=seed, shuffle=True)  # 1 process, batch 8
+    epochs = []
+    for epoch in range(2):
+        steps = []
+        for step in range(ref.steps_per_epoch):
+            r0 = [i for mb in ranks[0][epoch][step] for i in mb]
+            r1 = [i for mb in ranks[1][epoch][step] for i in mb]
+            assert not set(r0) & set(r1)
+            assert sorted(r0 + r1) == sorted(ref.global_batch(epoch, step))
+            steps.append(sorted(r0 + r1))
+        epochs.append(steps)
+    assert epochs[0] != epochs[1]
+
+    out2 = str(tmp_path / "order_skip.json")
+    launch([out2, str(n), str(micro), str(accum), str(seed), "2"], script=os.path.join(SCRIPTS, "order_probe.py"))
+    skipped = json.load(open(out2))["ranks"]
+    for rank in range(2):
+        assert skipped[rank][0] == ranks[rank][0][2:]
+        assert skipped[rank][1] == ranks[rank][1]
