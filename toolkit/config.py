@@ -227,6 +227,22 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, validate
     return groups
 
 
+def config_from_dict(values: dict, validate_fn=None) -> RunConfig:
+    """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
+    known = field_names()
+    argv, nulls = _yaml_to_argv(values, "the given values", known)
+    parser = _parser(ARGUMENT_CLASSES)
+    if nulls:
+        parser.set_defaults(**nulls)
+    try:
+        *groups, _ = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except ConfigError as e:
+        raise _name_field(e, known) from None
+    cfg = RunConfig(*groups)
+    (validate_fn or validate)(cfg)
+    return cfg
+
+
 def _name_field(err: ConfigError, known: list[str]) -> ConfigError:
     # argparse says "argument --learning_rate: invalid float value: 'abc'"; lift the field name to the front.
     msg = str(err)

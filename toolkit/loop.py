@@ -294,6 +294,10 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             state.step_in_epoch = 0
 
     logger.close()
+    if accelerator.is_main_process:
+        from toolkit.plots import plot_run
+
+        plot_run(t.output_dir)
     final_dir = os.path.join(t.output_dir, "final")
     if t.save_final_model:
         ckpt.save_final(accelerator, model, tokenizer, final_dir)

@@ -1,0 +1,25 @@
+"""``python -m toolkit <command>`` (also the ``toolkit`` console script).
+
+  verify   run a short job under a launch config and under one process; compare weights and losses
+  report   redraw plots and the summary of one or more runs from their metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"verify": "toolkit.verify", "report": "toolkit.report"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
