@@ -69,6 +69,14 @@ def test_finished_output_dir_is_refused(base, tmp_path):
     parse_args(["--config", _yaml(tmp_path, **base, overwrite_output_dir=True)])
 
 
+def test_earlier_checkpoints_are_not_overwritten(base, tmp_path):
+    (tmp_path / "out" / "checkpoints" / "step-3").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="resume_from_checkpoint: latest"):
+        parse_args(["--config", _yaml(tmp_path, **base)])
+    cfg = parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint="latest")])
+    assert cfg.train.resume_from_checkpoint == "latest"
+
+
 def test_recipe_exits_before_loading(base, tmp_path):
     """Through the real recipe: one line on stderr, exit code 2, nothing written, no weights loaded."""
     path = _yaml(tmp_path, **{**base, "block_size": 4096})

@@ -366,6 +366,16 @@ def validate(cfg: RunConfig) -> None:
             "set overwrite_output_dir: true, or resume_from_checkpoint",
         )
 
+    if t.resume_from_checkpoint is None and not t.overwrite_output_dir:
+        from toolkit.checkpoint import list_checkpoints
+
+        if list_checkpoints(t.output_dir):
+            raise ConfigError(
+                "output_dir",
+                f"{t.output_dir}/checkpoints already holds checkpoints of an earlier run; continue it with "
+                "resume_from_checkpoint: latest, or set overwrite_output_dir: true to start over",
+            )
+
     positions = _model_positions(m)
     if positions is not None and d.block_size is not None and d.block_size > positions:
         raise ConfigError("block_size", f"{d.block_size} exceeds the model's {positions} positions; use <= {positions}")
