@@ -1,0 +1,126 @@
+"""notebooks/quickstart.ipynb executed top to bottom in a fresh kernel (nbclient), outputs checked.
+
+The notebook trains in its kernel (1 process) and through ``accelerate.notebook_launcher`` on 2 forked gloo ranks;
+everything it writes goes to a tmp folder (``TOOLKIT_QUICKSTART_DIR``, also the kernel's working dir), never the repo.
+The executed runs are shared with tests/test_report.py (``executed_quickstart``: one execution per session).
+"""
+
+import json
+import os
+import time
+
+import nbformat
+import pytest
+from conftest import ROOT, _env
+
+NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+RESULT_TAG = "QUICKSTART_RESULT "
+
+
+def _texts(nb) -> str:
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream":
+                out.append(o["text"])
+            elif "data" in o:
+                out.append(o["data"].get("text/plain", ""))
+    return "\n".join(out)
+
+
+_EXECUTED: dict = {}
+
+
+def executed_quickstart(tmp_path_factory) -> dict:
+    """Execute the notebook once per pytest session, whichever test module asks first (it takes ~45 s)."""
+    if "run" not in _EXECUTED:
+        _EXECUTED["run"] = _execute(tmp_path_factory)
+    return _EXECUTED["run"]
+
+
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory) -> dict:
+    return executed_quickstart(tmp_path_factory)
+
+
+def _execute(tmp_path_factory) -> dict:
+    from nbclient import NotebookClient
+
+    work = tmp_path_factory.mktemp("quickstart")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = _env()
+    env["TOOLKIT_QUICKSTART_DIR"] = str(work)
+    env.pop("OMP_NUM_THREADS", None)  # the kernel run may use both cores; accelerate sets 1 per rank after the fork
+    before = sorted(os.listdir(os.path.dirname(NOTEBOOK)))
+    started = time.perf_counter()
+    client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(work)}})
+    client.execute(env=env)
+    seconds = time.perf_counter() - started
+    text = _texts(nb)
+    line = next((s for s in text.splitlines() if s.startswith(RESULT_TAG)), None)
+    assert line is not None, f"the notebook printed no {RESULT_TAG.strip()} line; its output:\n{text[-4000:]}"
+    return {"work": str(work), "nb": nb, "text": text, "seconds": seconds, "before": before,
+            "result": json.loads(line[len(RESULT_TAG):]),
+            "kernel_run": str(work / "kernel-1x4x2"), "launch_run": str(work / "launcher-2x4x1")}
+
+
+def test_committed_notebook_has_no_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "clear the notebook's outputs before committing"
+
+
+@pytest.mark.slow
+def test_notebook_runs_two_real_ranks(quickstart):
+    r = quickstart["result"]
+    assert r["ranks"] == [{"rank": 0, "num_processes": 2, "distributed_type": "MULTI_CPU"},
+                          {"rank": 1, "num_processes": 2, "distributed_type": "MULTI_CPU"}]
+    # printed from inside train_fn on each forked rank
+    for rank in (0, 1):
+        assert f'[rank {rank}] inside train_fn: {{"rank": {rank}, "num_processes": 2' in quickstart["text"]
+    assert "Launching training on 2 CPUs." in quickstart["text"]
+    assert quickstart["seconds"] < 150, f"the quickstart should stay quick; took {quickstart['seconds']:.0f} s"
+
+
+@pytest.mark.slow
+def test_notebook_loss_fell_and_model_exported(quickstart):
+    r = quickstart["result"]
+    assert r["launch_loss"][-1] < r["launch_loss"][0] - 1.0, r["launch_loss"]
+    assert r["launch_eval_loss"][-1] < r["launch_eval_loss"][0] - 1.0, r["launch_eval_loss"]
+    assert r["kernel_loss"][-1] < r["kernel_loss"][0] - 1.0, r["kernel_loss"]
+    # 1 process x 4 x 2 accumulation and 2 ranks x 4: same global batch, same order, same losses
+    assert r["max_loss_gap"] < 1e-4
+    assert r["final_exists"]
+    for run in (quickstart["kernel_run"], quickstart["launch_run"]):
+        assert os.path.isfile(os.path.join(run, "final", "model.safetensors"))
+        with open(os.path.join(run, "loss.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.isfile(os.path.join(quickstart["work"], "compare.png"))
+    # nothing written next to the notebook
+    assert sorted(os.listdir(os.path.dirname(NOTEBOOK))) == quickstart["before"]
+
+
+@pytest.mark.slow
+def test_tensorboard_events_readable(quickstart):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = os.path.join(quickstart["launch_run"], "runs")
+    dirs = sorted({d for d, _, files in os.walk(runs) for f in files if f.startswith("events.out.tfevents")})
+    # accelerate's TensorBoardTracker writes the scalars in runs/<project>/ and the run's hyperparameters
+    # (add_hparams) in a timestamped sub-folder; tensorboard shows both as runs.
+    readers = []
+    for d in dirs:
+        acc = EventAccumulator(d)
+        acc.Reload()
+        readers.append(acc)
+    with_loss = [acc for acc in readers if "loss" in acc.Tags()["scalars"]]
+    assert len(with_loss) == 1, f"expected one event folder with 'loss' under {runs}: {dirs}"
+    acc = with_loss[0]
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "tokens_seen", "eval_loss", "perplexity"} <= tags, tags
+    loss = acc.Scalars("loss")
+    assert [e.step for e in loss] == [2, 4, 6, 8, 10, 12]
+    assert [e.value for e in loss] == pytest.approx(quickstart["result"]["launch_loss"], rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval_loss")] == [0, 6, 12]

@@ -1,0 +1,151 @@
+"""toolkit.report: summaries and plots from metrics.jsonl, one run or several side by side.
+
+Synthetic metrics files check the arithmetic; the quickstart notebook's two real runs (1 process with accumulation,
+2 gloo ranks) check it on what the loop actually writes, including the command line.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, _env
+from test_notebook import executed_quickstart
+
+from toolkit.report import format_run_summary, load_run, main, summarize, table
+
+
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory) -> dict:
+    """The executed quickstart notebook's two runs (executed once per session, shared with test_notebook)."""
+    return executed_quickstart(tmp_path_factory)
+
+
+def write_run(folder, rows, config=None, summary=None):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    if config is not None:
+        with open(os.path.join(folder, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+    if summary is not None:
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump(summary, f)
+    return str(folder)
+
+
+CONFIG = {"packing": True, "block_size": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+
+
+def synthetic_rows(world=2, steps=6, rate=(100.0, 300.0, 300.0), loss0=10.0):
+    per_step = world * 2 * 2 * 16
+    rows = [{"step": 0, "epoch": 0.0, "tokens_seen": 0, "eval_loss": loss0 + 0.5, "perplexity": math.exp(loss0 + 0.5)}]
+    for i, step in enumerate(range(2, steps + 1, 2)):
+        row = {"step": step, "epoch": step / 100, "tokens_seen": step * per_step, "loss": loss0 - step,
+               "lr": 1e-3 * (1 - step / steps), "grad_norm": 1.0, "tokens_per_s": rate[i]}
+        if step in (4, 6):
+            row.update(eval_loss=loss0 - step + (3.0 if step == 6 else 0.5))  # best eval at step 4, not the last
+            row["perplexity"] = math.exp(row["eval_loss"])
+        rows.append(row)
+    return rows
+
+
+def test_summary_numbers(tmp_path):
+    run = write_run(tmp_path / "ddp", synthetic_rows(), CONFIG)
+    s = summarize(load_run(run))
+    assert s["steps"] == 6 and s["tokens_seen"] == 6 * 128
+    assert s["first_train_loss"] == 8.0 and s["final_train_loss"] == 4.0
+    assert s["first_eval_loss"] == 10.5 and s["best_eval_loss"] == 6.5 and s["best_eval_step"] == 4
+    assert s["best_perplexity"] == pytest.approx(math.exp(6.5))
+    # equal token windows at 100, 300, 300 tokens/s: 3 windows / (1/100 + 2/300) s per token = 180, not the mean 233
+    assert s["tokens_per_s"] == pytest.approx(180.0)
+    assert s["world_size"] == 2 and s["world_size_source"] == "inferred from tokens/step"
+    assert s["global_batch"] == 8 and s["final_model"] is None and s["strategy"] is None
+
+
+def test_summary_json_wins_and_padded_runs_do_not_guess(tmp_path):
+    run = write_run(tmp_path / "a", synthetic_rows(), CONFIG, summary={"world_size": 4, "distributed_type": "DEEPSPEED",
+                                                                       "seconds": 12.5})
+    s = summarize(load_run(run))
+    assert (s["world_size"], s["strategy"], s["seconds"]) == (4, "DEEPSPEED", 12.5)
+    padded = write_run(tmp_path / "b", synthetic_rows(), {**CONFIG, "packing": False})
+    assert summarize(load_run(padded))["world_size"] is None  # rows have variable length: no inference
+
+
+def test_compare_table_text_and_markdown(tmp_path, capsys):
+    a = write_run(tmp_path / "x" / "run", synthetic_rows(world=2), CONFIG)
+    b = write_run(tmp_path / "y" / "run", synthetic_rows(world=1, loss0=9.0), CONFIG)
+    out = tmp_path / "cmp.png"
+    md = tmp_path / "cmp.md"
+    assert main([a, b, "--out", str(out), "--markdown", str(md)]) == 0
+    printed = capsys.readouterr().out
+    assert "x/run" in printed and "y/run" in printed  # same folder names: parent added
+    assert "2 (inferred)" in printed and "1 (inferred)" in printed
+    assert "8.0000 -> 4.0000" in printed and "7.0000 -> 3.0000" in printed
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    lines = md.read_text().splitlines()
+    assert lines[0] == "|  | x/run | y/run |" and lines[1] == "| --- | --- | --- |"
+    assert "| optimizer steps | 6 | 6 |" in lines
+    assert all(line.count("|") == 4 for line in lines[:len(table([summarize(load_run(a))]).splitlines())] if line)
+
+
+def test_one_run_redraws_in_place_without_touching_pyplot(tmp_path):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    run = write_run(tmp_path / "r", synthetic_rows(), CONFIG)
+    assert main([run, "--format", "json"]) == 0
+    assert os.path.isfile(os.path.join(run, "loss.png"))
+    assert matplotlib.get_backend() == backend  # a notebook's inline backend survives a training run
+    if "matplotlib.pyplot" in sys.modules:
+        assert sys.modules["matplotlib.pyplot"].get_fignums() == []
+
+
+def test_errors_name_the_folder_and_the_fix(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    os.makedirs(tmp_path / "empty")
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    bad = write_run(tmp_path / "bad", synthetic_rows())
+    with open(os.path.join(bad, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 8, "loss"\n')  # a run killed mid-write
+    assert main([bad]) == 2
+    assert "line 5 is not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_format_run_summary():
+    text = format_run_summary({"steps": 12, "tokens_seen": 3072, "seconds": 11.7, "tokens_per_s": 262.1,
+                               "best_eval_perplexity": 9644.44, "final_model": "/x/final", "world_size": 2,
+                               "distributed_type": "MULTI_CPU"})
+    assert "12 optimizer steps, 3,072 tokens in 11.7 s (262 tokens/s" in text
+    assert "world size 2 (MULTI_CPU)" in text and "best eval perplexity: 9644.44" in text and "/x/final" in text
+
+
+@pytest.mark.slow
+def test_report_on_real_runs(quickstart, tmp_path):
+    """The notebook's 1-process and 2-rank runs, through the command line, as a user would compare strategies."""
+    kernel, launch = quickstart["kernel_run"], quickstart["launch_run"]
+    out = tmp_path / "compare.png"
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "report", kernel, launch, "--out", str(out), "--format",
+                           "md"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "|  | kernel-1x4x2 | launcher-2x4x1 |"
+    # "(inferred)" from tokens per step until the loop writes summary.json, then read from it
+    world = next(line for line in lines if line.startswith("| world size |"))
+    assert world.replace(" (inferred)", "") == "| world size | 1 | 2 |", world
+    assert "| micro batch x accumulation | 4 x 2 | 4 x 1 |" in lines
+    assert "| global batch (sequences) | 8 | 8 |" in lines
+    assert "| optimizer steps | 12 | 12 |" in lines and "| tokens seen | 3,072 | 3,072 |" in lines
+    assert os.path.getsize(out) > 10_000
+    s = summarize(load_run(launch))
+    r = quickstart["result"]
+    assert s["final_train_loss"] == r["launch_loss"][-1] and s["best_eval_loss"] == min(r["launch_eval_loss"])
+    assert s["final_model"] == os.path.join(launch, "final") and s["tokens_per_s"] > 0

@@ -1,0 +1,64 @@
+"""Everything a run trains on, built from a ``RunConfig``: tokenizer, model, tokenized datasets, collator.
+
+One function so that ``recipes/gpt2.py``, the quickstart notebook's in-kernel run and its ``notebook_launcher``
+ranks build the model and the data the same way, step for step:
+
+    accelerator = make_accelerator(cfg.train)
+    parts = build(cfg, accelerator)
+    train(cfg, accelerator, **parts.train_kwargs())
+
+The order matters and is the recipe's: seed first (a model built from a config is initialised from it), the
+tokenizer and the raw data (cheap checks of files and columns) before the weights load, and tokenization inside
+``main_process_first`` so that for file-backed datasets rank 0 fills the ``datasets`` cache and the others read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit import data
+from toolkit.config import RunConfig
+from toolkit.model import load_config, load_model, load_tokenizer, max_positions
+
+
+@dataclass
+class Parts:
+    tokenizer: Any
+    model: Any
+    train_dataset: Any
+    eval_dataset: Any  # None when the data has no validation split
+    collator: data.CausalLMCollator
+    block_size: int
+
+    def train_kwargs(self) -> dict:
+        """The keyword arguments of ``toolkit.loop.train`` after ``cfg`` and ``accelerator``."""
+        return dict(model=self.model, tokenizer=self.tokenizer, train_dataset=self.train_dataset,
+                    eval_dataset=self.eval_dataset, collator=self.collator)
+
+
+def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
+    """Seed, then load the tokenizer, the data (tokenized and packed or padded) and the model.
+
+    ``accelerator`` may be None outside a run (e.g. to look at the data in a notebook before any Accelerator
+    exists, which ``notebook_launcher`` requires): then tokenization runs in this process without coordination.
+    """
+    from accelerate.utils import set_seed
+
+    if log is None:
+        log = accelerator.print if accelerator is not None else print
+    set_seed(cfg.train.seed)
+
+    tokenizer = load_tokenizer(cfg.model, log=log)
+    model_config = load_config(cfg.model)
+    raw = data.load_raw_datasets(cfg.data)  # checks files and the text column before the weights load
+    block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
+    if accelerator is not None:
+        with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
+            lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
+    else:
+        lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
+
+    model = load_model(cfg.model, model_config)
+    return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
+                 collator=data.CausalLMCollator(tokenizer.pad_token_id), block_size=block_size)

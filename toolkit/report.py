@@ -1,0 +1,252 @@
+"""``python -m toolkit report RUN [RUN ...]``: re-draw the loss plot and the summary of finished runs.
+
+Everything comes from what a run leaves in its ``output_dir``: ``metrics.jsonl`` (required), ``config.yaml`` and,
+where the loop wrote one, ``summary.json`` (wall time, world size, strategy). One run: its summary and
+``RUN/loss.png`` re-drawn. Two or more: one plot with every run's loss curves and a table with a column per run, to
+compare strategies or layouts (e.g. 2 ranks x 4 against 1 process x 4 x 2 accumulation: same global batch, same
+sample order, so the curves should lie on top of each other).
+
+    python -m toolkit report outputs/tiny-gpt2-pydoc
+    python -m toolkit report outputs/ddp outputs/zero3 --out compare.png --markdown compare.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from toolkit.metrics import METRICS_FILE
+from toolkit.plots import plot_runs
+
+SUMMARY_FILE = "summary.json"
+
+
+class ReportError(ValueError):
+    """A run folder that cannot be reported on; the message names the folder and what to do."""
+
+
+def load_run(output_dir: str) -> dict:
+    """metrics rows, config (or {}) and the loop's summary (or {}) of one output_dir."""
+    path = os.path.join(output_dir, METRICS_FILE)
+    if not os.path.isdir(output_dir):
+        raise ReportError(f"{output_dir}: no such folder; pass the output_dir of a run")
+    if not os.path.isfile(path):
+        raise ReportError(f"{output_dir}: no {METRICS_FILE}; is it the output_dir of a toolkit run (it holds "
+                          f"config.yaml, runs/, final/)?")
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                # Typically the last line of a run killed mid-write.
+                raise ReportError(f"{path}: line {lineno} is not JSON ({e.msg}); the file is damaged: delete that "
+                                  "line and report again") from None
+    config, summary = {}, {}
+    cfg_path = os.path.join(output_dir, "config.yaml")
+    if os.path.isfile(cfg_path):
+        import yaml
+
+        with open(cfg_path) as f:
+            config = yaml.safe_load(f) or {}
+    sum_path = os.path.join(output_dir, SUMMARY_FILE)
+    if os.path.isfile(sum_path):
+        with open(sum_path) as f:
+            summary = json.load(f)
+    return {"output_dir": output_dir, "rows": rows, "config": config, "summary": summary}
+
+
+def _training_tokens_per_s(rows: list[dict]) -> float | None:
+    """Tokens over training seconds, from the per-window rates the loop logs (eval time is already excluded).
+
+    Each logged row's rate covers the tokens since the previous logged row, so the run's rate is
+    sum(tokens) / sum(tokens / rate): a plain mean of the rates would weight a short last window like a full one.
+    """
+    tokens = seconds = 0.0
+    previous = 0
+    for r in rows:
+        if r.get("tokens_per_s") is None or "tokens_seen" not in r:
+            continue
+        window = r["tokens_seen"] - previous
+        previous = r["tokens_seen"]
+        if r["tokens_per_s"] > 0 and window > 0:
+            tokens += window
+            seconds += window / r["tokens_per_s"]
+    return tokens / seconds if seconds > 0 else None
+
+
+def _inferred_world(rows: list[dict], config: dict) -> int | None:
+    """With packing every row holds block_size real tokens, so tokens per step = world x micro x accumulation x block."""
+    if not config.get("packing") or not config.get("block_size"):
+        return None
+    steps = [r for r in rows if r.get("step") and r.get("tokens_seen")]
+    if not steps:
+        return None
+    last = steps[-1]
+    per_rank = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"] * config["block_size"]
+    world = last["tokens_seen"] / (last["step"] * per_rank)
+    return int(round(world)) if world >= 1 and abs(world - round(world)) < 1e-9 else None
+
+
+def summarize(run: dict) -> dict:
+    """The numbers of one run, from its files. Missing values are None."""
+    rows, config, summary = run["rows"], run["config"], run["summary"]
+    train = [r for r in rows if r.get("loss") is not None]
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    best = min(evals, key=lambda r: r["eval_loss"]) if evals else None
+    world = summary.get("world_size")
+    world_source = "summary" if world is not None else None
+    if world is None:
+        world = _inferred_world(rows, config)
+        world_source = "inferred from tokens/step" if world is not None else None
+    micro, accum = config.get("per_device_train_batch_size"), config.get("gradient_accumulation_steps")
+    return {
+        "output_dir": run["output_dir"],
+        "world_size": world,
+        "world_size_source": world_source,
+        "strategy": summary.get("distributed_type"),
+        "micro_batch": micro,
+        "accumulation": accum,
+        "global_batch": micro * accum * world if micro and accum and world else None,
+        "steps": max((r.get("step", 0) for r in rows), default=0),
+        "tokens_seen": max((r.get("tokens_seen", 0) for r in rows), default=0),
+        "first_train_loss": train[0]["loss"] if train else None,
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "first_eval_loss": evals[0]["eval_loss"] if evals else None,
+        "best_eval_loss": best["eval_loss"] if best else None,
+        "best_eval_step": best["step"] if best else None,
+        "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best else None,
+        "tokens_per_s": _training_tokens_per_s(rows),
+        "seconds": summary.get("seconds"),
+        "final_model": _final_model(run),
+    }
+
+
+def _final_model(run: dict) -> str | None:
+    path = os.path.join(run["output_dir"], "final")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+# --------------------------------------------------------------------------------------------------- formatting
+ROWS = (  # (label, key, format)
+    ("world size", "world_size", "d"),
+    ("strategy", "strategy", "s"),
+    ("micro batch x accumulation", None, None),
+    ("global batch (sequences)", "global_batch", "d"),
+    ("optimizer steps", "steps", "d"),
+    ("tokens seen", "tokens_seen", ","),
+    ("train loss first -> final", None, None),
+    ("eval loss first -> best", None, None),
+    ("best eval perplexity", "best_perplexity", ".2f"),
+    ("training tokens/s", "tokens_per_s", ",.0f"),
+    ("wall time (s)", "seconds", ".1f"),
+    ("final model", "final_model", "s"),
+)
+
+
+def _fmt(value, spec) -> str:
+    if value is None:
+        return "?"
+    if spec == "s":
+        return str(value)
+    return format(value, spec)
+
+
+def _cell(s: dict, label: str, key, spec) -> str:
+    if label.startswith("micro batch"):
+        return f"{_fmt(s['micro_batch'], 'd')} x {_fmt(s['accumulation'], 'd')}"
+    if label.startswith("train loss"):
+        return f"{_fmt(s['first_train_loss'], '.4f')} -> {_fmt(s['final_train_loss'], '.4f')}"
+    if label.startswith("eval loss"):
+        best = _fmt(s["best_eval_loss"], ".4f")
+        at = f" (step {s['best_eval_step']})" if s["best_eval_step"] is not None else ""
+        return f"{_fmt(s['first_eval_loss'], '.4f')} -> {best}{at}"
+    value = _fmt(s[key], spec)
+    if key == "world_size" and s["world_size_source"] == "inferred from tokens/step":
+        value += " (inferred)"
+    return value
+
+
+def run_names(summaries: list[dict]) -> list[str]:
+    """Folder names, made longer (parent/name) only where two runs share a name."""
+    names = [os.path.basename(os.path.normpath(s["output_dir"])) for s in summaries]
+    if len(set(names)) < len(names):
+        names = [os.path.join(*os.path.normpath(os.path.abspath(s["output_dir"])).split(os.sep)[-2:])
+                 for s in summaries]
+    return names
+
+
+def table(summaries: list[dict], markdown: bool = False) -> str:
+    """One column per run; markdown=True gives a GitHub table, otherwise aligned plain text."""
+    names = run_names(summaries)
+    body = [[label] + [_cell(s, label, key, spec) for s in summaries] for label, key, spec in ROWS]
+    header = [""] + names
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body)
+
+
+def format_run_summary(summary: dict) -> str:
+    """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
+    ppl = summary.get("best_eval_perplexity")
+    lines = [
+        "run summary",
+        f"  {summary['steps']} optimizer steps, {summary['tokens_seen']:,} tokens in {summary['seconds']:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s, wall clock incl. evaluation and export)",
+        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
+        f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
+        f"  model: {summary['final_model']}" if summary.get("final_model") else "  model: not saved (save_final_model false)",
+    ]
+    return "\n".join(lines)
+
+
+def report(output_dirs: list[str], out: str | None = None, markdown_path: str | None = None,
+           fmt: str = "text") -> tuple[str, str]:
+    """Draw the plot and build the table; returns (image path, table text in the requested format)."""
+    runs = [load_run(d) for d in output_dirs]
+    summaries = [summarize(r) for r in runs]
+    names = run_names(summaries)
+    if out is None:
+        out = os.path.join(output_dirs[0], "loss.png") if len(runs) == 1 else "compare.png"
+    title = names[0] if len(runs) == 1 else " vs ".join(names)
+    plot_runs({n: r["rows"] for n, r in zip(names, runs)}, out, title=title)
+    if markdown_path:
+        os.makedirs(os.path.dirname(os.path.abspath(markdown_path)), exist_ok=True)
+        with open(markdown_path, "w") as f:
+            f.write(table(summaries, markdown=True) + "\n\n" + f"![loss curves]({os.path.abspath(out)})\n")
+    if fmt == "json":
+        return out, json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2)
+    return out, table(summaries, markdown=fmt == "md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit report",
+        description="Re-draw the loss plot and print the summary of one run, or compare several side by side.",
+    )
+    parser.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="output_dir of a run (metrics.jsonl)")
+    parser.add_argument("--out", default=None,
+                        help="image to write (default: OUTPUT_DIR/loss.png for one run, ./compare.png for several)")
+    parser.add_argument("--format", choices=("text", "md", "json"), default="text", help="how to print the summary")
+    parser.add_argument("--markdown", default=None, metavar="FILE.md", help="also write the table as markdown here")
+    args = parser.parse_args(argv)
+    try:
+        out, text = report(args.output_dirs, args.out, args.markdown, args.format)
+    except ReportError as e:
+        print(f"report error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    print(f"plot: {out}", file=sys.stderr if args.format == "json" else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
