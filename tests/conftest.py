@@ -94,6 +94,27 @@ def padded_data(tmp_path_factory) -> dict:
     return {"train_file": str(train), "validation_file": str(valid)}
 
 
+class Runs:
+    """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py), keyed by name, so that
+    several tests share one launch (each costs ~10 s of process start)."""
+
+    def __init__(self, tmp, model: str, data: dict, common: dict):
+        self.tmp, self.model, self.data, self.common, self.done = tmp, model, data, common, {}
+
+    def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
+        if name not in self.done:
+            out = str(self.tmp / name)
+            if prepare:
+                prepare(out)
+            cfg = {**self.common, **self.data, "model_name_or_path": self.model, "output_dir": out,
+                   "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
+            cfg = {k: v for k, v in cfg.items() if v is not None}  # None: leave the field at its default
+            launch(args_from(cfg), num_processes=world, config=config or "ddp.yaml",
+                   script=os.path.join(SCRIPTS, "probe_run.py"))
+            self.done[name] = out
+        return self.done[name]
+
+
 def load_weights(folder: str) -> dict:
     """Weights of a final/ export or a DDP checkpoint folder, as fp64 tensors by name."""
     from safetensors.torch import load_file

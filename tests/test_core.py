@@ -11,9 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import SCRIPTS, args_from, launch, load_weights, max_abs_diff
-
-PROBE = os.path.join(SCRIPTS, "probe_run.py")
+from conftest import SCRIPTS, Runs, launch, load_weights, max_abs_diff
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=6, save_steps=3, logging_steps=1, seed=7,
               report_to="none", per_device_eval_batch_size=3)
@@ -23,28 +21,15 @@ ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_sche
 LAYOUTS = {"2x2x2": (2, 2, 2), "1x8x1": (1, 8, 1), "1x2x4": (1, 2, 4)}  # ranks x micro-batch x accumulation
 
 
-class Runs:
-    """Lazily launched, cached runs, keyed by name."""
-
-    def __init__(self, tmp, model, data):
-        self.tmp, self.model, self.data, self.done = tmp, model, data, {}
-
-    def get(self, name, layout, extra, script=None, prepare=None):
-        if name not in self.done:
-            world, micro, accum = LAYOUTS[layout] if isinstance(layout, str) else layout
-            out = str(self.tmp / name)
-            if prepare:
-                prepare(out)
-            cfg = {**COMMON, **self.data, "model_name_or_path": self.model, "output_dir": out,
-                   "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
-            launch(args_from(cfg), num_processes=world, script=script or PROBE)
-            self.done[name] = out
-        return self.done[name]
+class CoreRuns(Runs):
+    def get(self, name, layout, extra, prepare=None):
+        world, micro, accum = LAYOUTS[layout] if isinstance(layout, str) else layout
+        return super().get(name, "ddp.yaml", world, micro, accum, extra, prepare=prepare)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, padded_data):
-    return Runs(tmp_path_factory.mktemp("core"), tiny_model, padded_data)
+    return CoreRuns(tmp_path_factory.mktemp("core"), tiny_model, padded_data, COMMON)
 
 
 def ckpt(out, step):
@@ -95,6 +80,12 @@ def test_adamw_with_clipping_equivalence(runs):
         assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-4)
         assert x["lr"] == pytest.approx(y["lr"]) and x["tokens_seen"] == y["tokens_seen"]
     assert a[1]["lr"] == pytest.approx(3e-3)  # warmup 2 steps: the schedule is per optimizer step, not per rank
+    # evaluation covers each validation row once on any world size (gather_for_metrics drops the padding repeats:
+    # 16 rows over 2 ranks x 3 per batch does not divide evenly)
+    ea = [r for r in map(json.loads, open(os.path.join(dist, "metrics.jsonl"))) if "eval_loss" in r]
+    eb = [r for r in map(json.loads, open(os.path.join(ref, "metrics.jsonl"))) if "eval_loss" in r]
+    assert len(ea) == len(eb) == 1 and ea[0]["eval_tokens"] == eb[0]["eval_tokens"]
+    assert ea[0]["eval_loss"] == pytest.approx(eb[0]["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -115,8 +106,8 @@ def test_resume_mid_run_equals_straight_run(runs):
 @pytest.mark.slow
 def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
     """Accumulation 4: gradient all-reduces happen on the 4th micro-step only; final/ reloads with the same logits."""
-    out = runs.get("comm_2x1x4", (2, 1, 4), {**ADAMW, "max_steps": 3, "save_steps": 100, "packing": True,
-                                              "block_size": 16, "report_to": "tensorboard"})
+    out = runs.get("comm_2x1x4", (2, 1, 4), {**ADAMW, "max_steps": 3, "save_steps": 1, "save_total_limit": 2,
+                                              "packing": True, "block_size": 16, "report_to": "tensorboard"})
     for rank in (0, 1):
         probe = json.load(open(os.path.join(out, "probe", f"comm_rank{rank}.json")))
         calls = {(s, m): c for s, m, c in probe["per_micro_step"]}
@@ -144,6 +135,9 @@ def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
     for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "eval_loss", "perplexity"):
         assert key in last, key
     assert last["perplexity"] == pytest.approx(math.exp(last["eval_loss"]))
+    # checkpoints every step, only the 2 newest kept, `latest` names the last
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step-2", "step-3"]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-3"
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(os.path.join(out, "runs")) for f in fs)
 
 

@@ -97,18 +97,93 @@ def _rotate(output_dir: str, limit: int | None, keep: set) -> None:
         excess -= 1
 
 
+def load_checkpoint(accelerator: Accelerator, path: str, optimizer) -> None:
+    """``accelerator.load_state`` (collective), made exact under FSDP1.
+
+    accelerate loads an FSDP1 sharded optimizer checkpoint *into the shape of the current optimizer state*
+    (``FSDP.optim_state_dict`` as the DCP template). A freshly built AdamW has no state until its first step, so the
+    template is empty and the saved moments are silently skipped (measured: a resumed step 2.7e-3 off the straight
+    run; FSDP2 and DeepSpeed are exact). Materialising the state first, as torch's own DCP helpers do, fixes it.
+    """
+    if _is_fsdp1(accelerator):
+        _materialise_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+    accelerator.load_state(path)
+
+
+def _is_fsdp1(accelerator: Accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Create the optimizer's state with a step of zero gradients at lr 0 (moves no weight); the load overwrites it."""
+    import torch
+
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def full_state_dict(accelerator: Accelerator, model):
+    """The full, unsharded weights on the main process (other ranks may get None or {}). Collective: call everywhere.
+
+    ZeRO-3 gathers through ``stage3_gather_16bit_weights_on_model_save`` (``zero3_save_16bit_model: true`` in our
+    config; the dtype stays the training dtype), FSDP2 through DCP's full state dict, broadcast to rank 0. FSDP1 on a
+    CPU-only host is the exception: accelerate asks FSDP1 for ``offload_to_cpu=True``, which segfaults when the
+    weights already live on the CPU (measured, torch 2.13); DCP's full state dict without the offload gathers the
+    same weights (diff 0 to the unsharded model) on every rank.
+    """
+    from toolkit.distributed import has_accelerator
+
+    if _is_fsdp1(accelerator) and not has_accelerator():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return accelerator.get_state_dict(model)
+
+
+def _realias_tied(state_dict: dict, model) -> dict:
+    """Make tied weights (GPT-2's lm_head / wte) one tensor again, so that save_pretrained writes them once.
+
+    A gathered state dict (ZeRO, FSDP) holds a separate copy per name; transformers only recognises ties by shared
+    storage, and would write both (29 tensors instead of 28 here).
+    """
+    from collections import defaultdict
+
+    names_by_param = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param[id(param)].append(name.replace("_fsdp_wrapped_module.", ""))
+    state_dict = dict(state_dict)
+    for names in names_by_param.values():
+        present = [n for n in names if n in state_dict]
+        for alias in present[1:]:
+            state_dict[alias] = state_dict[present[0]]
+    return state_dict
+
+
 def save_final(accelerator: Accelerator, model, tokenizer, path: str) -> None:
     """Full (unsharded) weights via ``save_pretrained``, loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    ``get_state_dict`` is collective (it gathers ZeRO-3 / FSDP shards), so every rank calls it; only the main process
-    writes. Under ZeRO-3 / FSDP2 the other ranks get None / an empty dict, which is expected.
+    Gathering is collective (ZeRO-3 / FSDP shards), so every rank calls it; only the main process writes.
     """
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = full_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
+        if not state_dict:
+            raise RuntimeError("the final export gathered no weights on the main process; nothing written")
         os.makedirs(path, exist_ok=True)
-        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        unwrapped.save_pretrained(path, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()

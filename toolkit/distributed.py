@@ -13,10 +13,12 @@ What makes each real on CPU (all measured with 2 gloo ranks, equal to one proces
   - FSDP 1/2:  the same, then the state's distributed_type set to MULTI_GPU so accelerate considers FSDP.
 ``AcceleratorState`` reuses an existing PartialState, which is what makes the last two work; it is the one fragile
 point, so the accelerate range is pinned and ``check_world`` refuses any run whose world is not what was launched.
+``TOOLKIT_CPU_SHIM=0`` switches the shim off (to watch accelerate's own fallback being refused).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -48,6 +50,12 @@ def launched_strategy() -> str:
 
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def cpu_shim_enabled() -> bool:
+    """``TOOLKIT_CPU_SHIM=0`` turns the shim off, to see what accelerate does on its own (the tests use it to prove
+    that ``check_world`` stops the silent fallback)."""
+    return os.environ.get("TOOLKIT_CPU_SHIM", "1").lower() not in ("0", "false", "no", "off")
 
 
 def _prepare_cpu_state(strategy: str) -> dict:
@@ -86,7 +94,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     strategy = launched_strategy()
     _check_accumulation_env(args)
-    extra = {} if has_accelerator() else _prepare_cpu_state(strategy)
+    extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
         # The loop fetches a step's k micro-batches before the first backward (to count the step's tokens), so the
@@ -106,6 +114,8 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
         **kwargs,
     )
     check_world(accelerator, strategy)
+    atexit.register(_destroy_process_group)
+    _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
         raise ConfigError(
             "gradient_accumulation_steps",
@@ -113,6 +123,31 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _honour_zero3_init_flag(accelerator: Accelerator) -> None:
+    # accelerate registers its DeepSpeed config with transformers whatever zero3_init_flag says, and transformers then
+    # builds every model under ZeRO-3 inside deepspeed.zero.Init. Pretrained weights load the same, but a model built
+    # from a config gets a different random initialisation than under DDP from the same seed (measured: 0.36 off
+    # after 3 SGD steps). With zero3_init_flag: false we take the flag at its word: each rank builds the full model
+    # once, exactly as under DDP, and deepspeed.initialize shards it in prepare().
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+
+
+def _destroy_process_group() -> None:
+    # A script that ends without accelerator.end_training() leaves the gloo process group alive at interpreter exit,
+    # and torch then aborts now and then ("terminate called without an active exception", exit -6; measured 1 in 4
+    # launches of tests/scripts/order_probe.py). Tearing it down first makes every exit clean.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:
@@ -152,6 +187,12 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> No
     ds["train_batch_size"] = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     )
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload not in (None, "none") and not args.optim.startswith("adamw"):
+        # With the optimizer offloaded, accelerate swaps *any* torch optimizer for DeepSpeedCPUAdam
+        # (map_pytorch_optim_to_deepspeed): SGD silently becomes Adam (measured: 1.5 off after 3 steps). Only AdamW
+        # has a faithful CPU twin; anything else runs as the recipe's own torch optimizer on the CPU partitions.
+        ds["zero_force_ds_cpu_optimizer"] = False
 
 
 def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:

@@ -53,12 +53,19 @@ class LoopState:
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    # The usual split: no weight decay on biases and norm weights (the 1-D parameters).
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    # The usual split: no weight decay on biases and norm weights (the 1-D parameters). Under ZeRO-3, transformers
+    # builds the model already partitioned (deepspeed.zero.Init: every parameter's data is an empty 1-D tensor), so
+    # the real shape is ``ds_shape``; reading ``ndim`` would silently put every weight in the no-decay group.
+    def ndim(p):
+        return len(getattr(p, "ds_shape", p.shape))
+
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
+    # DeepSpeed drops empty groups from the optimizer, after the scheduler has counted them; never hand it one.
     groups = [
-        {"params": decay, "weight_decay": args.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        g
+        for g in ({"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
     ]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
@@ -167,7 +174,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     resume_from = ckpt.resolve_resume(t.output_dir, t.resume_from_checkpoint)
     if resume_from is not None:
         accelerator.print(f"resuming from {resume_from}")
-        accelerator.load_state(resume_from)
+        ckpt.load_checkpoint(accelerator, resume_from, optimizer)
         state.world_size = world
     if accelerator.is_main_process:
         write_config(cfg, os.path.join(t.output_dir, "config.yaml"))
@@ -301,7 +308,6 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     final_dir = os.path.join(t.output_dir, "final")
     if t.save_final_model:
         ckpt.save_final(accelerator, model, tokenizer, final_dir)
-    accelerator.end_training()
     elapsed = time.time() - started
     summary = {
         "steps": state.step,
@@ -310,12 +316,21 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         "seconds": elapsed,
         "tokens_per_s": state.tokens_seen / elapsed if elapsed > 0 else 0.0,
         "best_eval_perplexity": best_eval,
-        "final_model": final_dir if t.save_final_model else None,
+        "final_model": os.path.abspath(final_dir) if t.save_final_model else None,
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
     }
+    # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
+    # for a forward pass.
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
+    accelerator.end_training()
     if accelerator.is_main_process:
-        lines = [f"  {k_}: {v}" for k_, v in summary.items()]
-        print("run summary\n" + "\n".join(lines), flush=True)
+        import json
+
+        from toolkit.report import SUMMARY_FILE, format_run_summary
+
+        # `toolkit report` reads it: world size, strategy and wall time are in no other file of the run.
+        with open(os.path.join(t.output_dir, SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(format_run_summary(summary), flush=True)
     return summary

@@ -1,10 +1,13 @@
 """The real recipe (recipes/gpt2.py), plus two test probes passed as callbacks:
 
 - counts DDP gradient all-reduces per micro-step with a DDP communication hook (proves no_sync skips them);
-- records the trained model's logits on a fixed input, to compare with what final/ loads back.
+- records the trained model's logits on a fixed input, to compare with what final/ loads back;
+- records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
+  and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree.
 Writes ``probe/comm_rank{R}.json`` and ``probe/logits.pt`` into output_dir.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -22,8 +25,11 @@ class Probe:
         self.calls = 0
         self.per_micro_step = []  # (step, micro_step, all-reduce calls during that backward)
         self.output_dir = None
+        self.weight_decays = None
 
     def on_prepared(self, accelerator, model, optimizer):
+        # weight decay per optimizer group, as the strategy's optimizer holds them (ZeRO-3 once lost the split)
+        self.weight_decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -40,14 +46,45 @@ class Probe:
     def on_end(self, accelerator, model, summary):
         out = os.path.join(summary["final_model"], "..", "probe")
         os.makedirs(out, exist_ok=True)
+        record = {"per_micro_step": self.per_micro_step, "distributed_type": summary["distributed_type"],
+                  "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
+                  "model_type": type(model).__name__, "is_fsdp2": bool(getattr(accelerator, "is_fsdp2", False)),
+                  "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays}
+        if summary["distributed_type"] == "DEEPSPEED":
+            record.update(zero_stage=model.zero_optimization_stage(), gradient_clipping=model.gradient_clipping(),
+                          global_steps=model.global_steps, optimizer_type=type(model.optimizer).__name__,
+                          basic_optimizer_type=type(getattr(model, "basic_optimizer", None)).__name__)
         with open(os.path.join(out, f"comm_rank{accelerator.process_index}.json"), "w") as f:
-            json.dump({"per_micro_step": self.per_micro_step, "distributed_type": summary["distributed_type"],
-                       "num_processes": accelerator.num_processes, "model_type": type(model).__name__}, f)
+            json.dump(record, f)
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=PROBE_IDS.to(accelerator.device)).logits.float().cpu()
         if accelerator.is_main_process:
             torch.save(logits, os.path.join(out, "logits.pt"))
+
+
+def full_weights(accelerator, model) -> dict:
+    """This rank's full weights, gathered from the shards where the strategy shards them (collective)."""
+    kind = accelerator.distributed_type.value
+    if kind == "DEEPSPEED" and model.zero_optimization_stage() == 3:
+        import deepspeed
+
+        params = dict(model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+    if kind == "FSDP":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {n: p.detach() for n, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+def weights_fingerprint(accelerator, model) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(full_weights(accelerator, model).items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 if __name__ == "__main__":

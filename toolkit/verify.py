@@ -1,0 +1,246 @@
+"""``python -m toolkit verify``: does a launch config train exactly like one process? Check before paying for GPUs.
+
+    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--optim sgd|adamw|both]
+        [--steps 3] [--recipe recipes/gpt2.py] [--work_dir DIR]  RECIPE ARGS (--config ..., any field)
+
+For each optimizer asked for, it runs the recipe twice for a few steps, deterministically (fp32, dropout off, shuffle
+on, the recipe's seed and data, a linear schedule) and compares the exported ``final/`` weights:
+
+  1. under the launch config: ``accelerate launch --config_file ... --num_processes N``, micro batch m, accumulation k;
+  2. as one plain process with the same global batch: micro batch N x m x k, no accumulation.
+
+It prints max |dw| and the two loss curves side by side, then PASS or FAIL: SGD without clipping must agree to 1e-6
+(SGD is linear in the gradient, so any error in the loss normalisation, the accumulation boundary or the gradient
+reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-4 (Adam divides by sqrt(v), which amplifies
+fp32 rounding in different summation orders). DeepSpeed clips inside its engine at the recipe's max_grad_norm
+(``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
+Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error.
+
+The recipe must expose ``main(callbacks=None)`` and parse its arguments with ``toolkit.config`` (as recipes/gpt2.py).
+Verify runs it through this module (``--_worker``) so that it can switch dropout off without touching the recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SGD_TOLERANCE = 1e-6
+ADAMW_TOLERANCE = 1e-4
+TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE}
+DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "gpt2.py")
+
+
+def _optimizer_overrides(name: str, args) -> list[str]:
+    """Appended after the user's arguments (the command line's last value wins)."""
+    if name == "sgd":
+        # Plain SGD is linear in the gradient, so this run has no clipping: on CPU the fp32 norm of a large gradient
+        # is itself off by 1e-5 to 1e-3 relative, differently for every sharding (measured: torch's vector_norm of
+        # 1.6M fp32 values vs fp64), which clipping turns into ~1e-5 of dw. Clipping is checked by the AdamW run.
+        return ["--optim", "sgd", "--learning_rate", str(args.sgd_lr), "--weight_decay", "0", "--max_grad_norm", "0"]
+    return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m toolkit verify", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--config_file", required=True, help="the accelerate launch config to verify")
+    p.add_argument("--num_processes", type=int, default=None, help="ranks to launch (default: the config's)")
+    p.add_argument("--optim", choices=("sgd", "adamw", "both"), default="both", help="optimizer(s) to check")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe script with main(callbacks=None)")
+    p.add_argument("--work_dir", default=None, help="where the runs go (default: a new temporary folder)")
+    p.add_argument("--sgd_lr", type=float, default=0.5, help="SGD learning rate (large, so that errors show)")
+    p.add_argument("--adamw_lr", type=float, default=3e-3, help="AdamW learning rate")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--_worker"]:
+        return _worker(argv[1:])
+    args, recipe_args = _parser().parse_known_args(argv)
+    from toolkit.config import ConfigError
+
+    try:
+        plan = _plan(args, recipe_args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    work = args.work_dir or tempfile.mkdtemp(prefix="toolkit-verify-")
+    print(f"verify {args.config_file}: {plan['world']} processes x micro batch {plan['micro']} x accumulation "
+          f"{plan['accum']} vs 1 process x micro batch {plan['global']}; {args.steps} steps, fp32, dropout off, "
+          f"shuffle on; runs in {work}", flush=True)
+    ok = True
+    for name in (["sgd", "adamw"] if args.optim == "both" else [args.optim]):
+        tolerance = TOLERANCES[name]
+        common = [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(name, args)]
+        runs = {}
+        for label in ("strategy", "reference"):
+            out = os.path.join(work, f"{name}-{label}")
+            if label == "strategy":
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+                       "--num_processes", str(plan["world"]), "--mixed_precision", "no",
+                       "--main_process_port", str(_free_port()), "-m", "toolkit.verify", "--_worker", args.recipe,
+                       *common, "--output_dir", out]
+            else:
+                cmd = [sys.executable, "-m", "toolkit.verify", "--_worker", args.recipe, *common,
+                       "--per_device_train_batch_size", str(plan["global"]), "--gradient_accumulation_steps", "1",
+                       "--output_dir", out]
+            started = time.time()
+            log = out + ".log"
+            rc = _run(cmd, log, single=label == "reference")
+            print(f"  {name} {label}: exit {rc} in {time.time() - started:.0f} s (log: {log})", flush=True)
+            if rc != 0:
+                print(_tail(log), file=sys.stderr)
+                return 1
+            runs[label] = out
+        ok &= _compare(name, runs["strategy"], runs["reference"], tolerance)
+    print("PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+def _plan(args, recipe_args: list[str]) -> dict:
+    """Parse (and validate) the recipe's arguments here, before any launch: errors come back in a second."""
+    from toolkit.config import ConfigError, parse_args
+
+    if not os.path.isfile(args.config_file):
+        raise ConfigError("config_file", f"file not found: {args.config_file}")
+    if not os.path.isfile(args.recipe):
+        raise ConfigError("recipe", f"file not found: {args.recipe}")
+    if args.steps < 1:
+        raise ConfigError("steps", "must be >= 1")
+    world = args.num_processes or _config_processes(args.config_file)
+    if world < 2:
+        raise ConfigError("num_processes", f"is {world}; verify compares a multi-process launch with one process: "
+                                           "pass --num_processes 2 or more")
+    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", os.devnull + "-unused"])
+    micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
+    return {"world": world, "micro": micro, "accum": accum, "global": world * micro * accum}
+
+
+def _config_processes(path: str) -> int:
+    import yaml
+
+    with open(path) as f:
+        return int((yaml.safe_load(f) or {}).get("num_processes", 1))
+
+
+def _fixed_overrides(steps: int) -> list[str]:
+    # Appended after the user's arguments: the command line's last value wins.
+    return ["--max_steps", str(steps), "--logging_steps", "1", "--shuffle", "true", "--lr_scheduler_type", "linear",
+            "--warmup_steps", "0", "--eval_on_start", "false", "--max_eval_samples", "32",
+            "--report_to", "none", "--overwrite_output_dir", "true", "--save_final_model", "true"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], log: str, single: bool) -> int:
+    env = dict(os.environ)
+    if single:
+        # A reference run is one plain process, even when verify itself was started inside a launched job.
+        for key in list(env):
+            if key.startswith(("ACCELERATE_", "FSDP_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(key)
+    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
+    with open(log, "w") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _load_final(out: str) -> dict:
+    from safetensors.torch import load_file
+
+    final = os.path.join(out, "final")
+    index = os.path.join(final, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) else [
+        "model.safetensors"]
+    weights = {}
+    for name in files:
+        weights.update({k: v.double() for k, v in load_file(os.path.join(final, name)).items()})
+    return weights
+
+
+def _metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool:
+    a, b = _load_final(strategy), _load_final(reference)
+    if set(a) != set(b):
+        print(f"  {name}: the exports hold different tensors: {sorted(set(a) ^ set(b))[:5]}")
+        return False
+    worst = max(a, key=lambda k: float((a[k] - b[k]).abs().max()))
+    dw = float((a[worst] - b[worst]).abs().max())
+    ra, rb = _metrics(strategy), _metrics(reference)
+    print(f"\n  {name}: step | loss (strategy)  loss (1 process) |  grad norm (strategy)  (1 process) | lr")
+    for x, y in zip(ra, rb):
+        gx, gy = x.get("grad_norm"), y.get("grad_norm")
+        print(f"  {name}: {x['step']:>4} | {x['loss']:.8f}  {y['loss']:.8f} | "
+              f"{gx if gx is None else f'{gx:.6f}':>12}  {gy if gy is None else f'{gy:.6f}':>12} | {x['lr']:.3e}")
+    same_steps = [r["step"] for r in ra] == [r["step"] for r in rb]
+    passed = dw <= tolerance and same_steps
+    print(f"  {name}: max |dw| = {dw:.3e} (at {worst}), tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}"
+          + ("" if same_steps else " (the runs logged different steps)") + "\n", flush=True)
+    return passed
+
+
+# --- the worker: the recipe, with dropout off and fp32 checked ---------------------------------------------------
+
+def _worker(argv: list[str]) -> int:
+    import importlib.util
+
+    import toolkit.model
+    from toolkit.config import cli
+
+    recipe, rest = argv[0], argv[1:]
+    load_config = toolkit.model.load_config
+
+    def load_config_without_dropout(args):
+        # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, ...).
+        config = load_config(args)
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        return config
+
+    toolkit.model.load_config = load_config_without_dropout  # before the recipe imports it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(recipe)))
+    spec = importlib.util.spec_from_file_location("verified_recipe", recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.argv = [recipe, *rest]
+    cli(lambda: module.main(callbacks=[_Deterministic()]))
+    return 0
+
+
+class _Deterministic:
+    def on_prepared(self, accelerator, model, optimizer):
+        import torch
+
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        wrong = {str(p.dtype) for p in model.parameters() if p.dtype != torch.float32}
+        if wrong:
+            raise RuntimeError(f"verify compares in fp32 but the model has {sorted(wrong)} parameters")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
