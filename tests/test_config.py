@@ -87,3 +87,12 @@ def test_recipe_exits_before_loading(base, tmp_path):
     assert not os.path.exists(base["output_dir"])
     proc = run(["python", RECIPE, "--config", path, "--block_size", "32", "--warmup_step", "3"], check=False)
     assert proc.returncode == 2 and "Did you mean 'warmup_steps'" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(os.path.dirname(RECIPE), "configs"))))
+def test_shipped_recipe_configs_parse_and_say_how_to_launch(name, tmp_path):
+    path = os.path.join(os.path.dirname(RECIPE), "configs", name)
+    header = open(path).read().split("\n\n")[0]
+    assert header.startswith("#") and "accelerate launch --config_file accelerate_configs/" in header
+    cfg = parse_args(["--config", path, "--output_dir", str(tmp_path / "out")])
+    assert cfg.train.output_dir == str(tmp_path / "out")

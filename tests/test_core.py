@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import SCRIPTS, Runs, launch, load_weights, max_abs_diff
+from conftest import SCRIPTS, Runs, args_from, launch, load_weights, max_abs_diff
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=6, save_steps=3, logging_steps=1, seed=7,
               report_to="none", per_device_eval_batch_size=3)
@@ -101,6 +101,20 @@ def test_resume_mid_run_equals_straight_run(runs):
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
     rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "loss" in r] == [4, 5, 6]
+
+
+@pytest.mark.slow
+def test_resume_with_another_global_batch_is_refused(runs, tmp_path, padded_data, tiny_model):
+    """Step s means rows [s*B, (s+1)*B) of the epoch's order, so a checkpoint only continues with the same B."""
+    straight = runs.get("adamw_2x2x2", "2x2x2", ADAMW)
+    out = tmp_path / "other_batch"
+    shutil.copytree(ckpt(straight, 3), ckpt(str(out), 3))
+    cfg = {**COMMON, **padded_data, **ADAMW, "model_name_or_path": tiny_model, "output_dir": str(out),
+           "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "resume_from_checkpoint": "latest"}
+    proc = launch(args_from(cfg), num_processes=1, check=False)
+    assert proc.returncode == 2
+    assert "global batch of 8 rows, this run has 4" in proc.stderr
+    assert not os.path.exists(final(str(out)))
 
 
 @pytest.mark.slow

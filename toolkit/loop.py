@@ -43,6 +43,7 @@ class LoopState:
     targets_seen: int = 0  # next-token targets, all ranks
     samples_seen: int = 0  # rows, all ranks
     world_size: int = 1  # the world that wrote the checkpoint (informational)
+    global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -169,13 +170,21 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     engine = _deepspeed_engine(accelerator, model)
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=optimizer)
 
-    state = LoopState(world_size=world)
+    state = LoopState(world_size=world, global_batch_size=global_batch)
     accelerator.register_for_checkpointing(state)
     resume_from = ckpt.resolve_resume(t.output_dir, t.resume_from_checkpoint)
     if resume_from is not None:
         accelerator.print(f"resuming from {resume_from}")
         ckpt.load_checkpoint(accelerator, resume_from, optimizer)
-        state.world_size = world
+        if state.global_batch_size not in (0, global_batch):
+            # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
+            raise ConfigError(
+                "per_device_train_batch_size",
+                f"the checkpoint {resume_from} was written with a global batch of {state.global_batch_size} rows, "
+                f"this run has {global_batch} ({world} ranks x {micro} x {k} accumulation); keep "
+                "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
+            )
+        state.world_size, state.global_batch_size = world, global_batch
     if accelerator.is_main_process:
         write_config(cfg, os.path.join(t.output_dir, "config.yaml"))
     accelerator.init_trackers("toolkit", config={k_: v for k_, v in cfg.as_dict().items()
