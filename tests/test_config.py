@@ -89,6 +89,16 @@ def test_recipe_exits_before_loading(base, tmp_path):
     assert proc.returncode == 2 and "Did you mean 'warmup_steps'" in proc.stderr
 
 
+def test_dataset_smaller_than_one_global_batch_stops_before_weights(base, tmp_path):
+    path = _yaml(tmp_path, **{**base, "per_device_train_batch_size": 40, "gradient_accumulation_steps": 2,
+                              "packing": False})
+    proc = run(["python", RECIPE, "--config", path], check=False)
+    assert proc.returncode == 2
+    assert "config error: per_device_train_batch_size: the training set has" in proc.stderr
+    assert "fewer than one global batch (1 ranks x 40 x 2 accumulation = 80)" in proc.stderr
+    assert "Loading weights" not in proc.stderr + proc.stdout
+
+
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(os.path.dirname(RECIPE), "configs"))))
 def test_shipped_recipe_configs_parse_and_say_how_to_launch(name, tmp_path):
     path = os.path.join(os.path.dirname(RECIPE), "configs", name)

@@ -20,6 +20,7 @@ from typing import Any
 from toolkit import data
 from toolkit.config import RunConfig
 from toolkit.model import load_config, load_model, load_tokenizer, max_positions
+from toolkit.order import require_one_global_batch
 
 
 @dataclass
@@ -59,6 +60,9 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
     else:
         lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
 
+    if accelerator is not None:  # checked here too so that it stops before the weights load
+        require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
+                                 accelerator.num_processes, cfg.train.gradient_accumulation_steps)
     model = load_model(cfg.model, model_config)
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=data.CausalLMCollator(tokenizer.pad_token_id), block_size=block_size)

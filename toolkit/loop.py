@@ -29,7 +29,7 @@ from toolkit.config import ConfigError, RunConfig, TrainingArguments, write_conf
 from toolkit.distributed import configure_deepspeed
 from toolkit.loss import count_targets, micro_step_loss, token_losses
 from toolkit.metrics import MetricsLogger, Throughput
-from toolkit.order import GlobalBatchSampler
+from toolkit.order import GlobalBatchSampler, require_one_global_batch
 
 
 @dataclass
@@ -143,14 +143,9 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     world, k, micro = accelerator.num_processes, t.gradient_accumulation_steps, t.per_device_train_batch_size
     started = time.time()
 
+    require_one_global_batch(len(train_dataset), micro, world, k)
     sampler = GlobalBatchSampler(len(train_dataset), micro, world, k, seed=t.seed, shuffle=t.shuffle)
     global_batch = sampler.global_batch_size
-    if sampler.steps_per_epoch == 0:
-        raise ConfigError(
-            "per_device_train_batch_size",
-            f"the training set has {len(train_dataset)} rows, fewer than one global batch "
-            f"({world} ranks x {micro} x {k} accumulation = {global_batch}); lower the batch or accumulation",
-        )
     total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * sampler.steps_per_epoch)
 
     train_dl = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator, num_workers=t.dataloader_num_workers)
