@@ -208,14 +208,25 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, validate
         _parser(classes).print_help()
         sys.exit(0)
 
+    return _parse(yaml_argv + rest, nulls, classes, validate_fn)
+
+
+def config_from_dict(values: dict, validate_fn=None) -> RunConfig:
+    """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
+    argv, nulls = _yaml_to_argv(values, "the given values", field_names())
+    return _parse(argv, nulls, ARGUMENT_CLASSES, validate_fn)
+
+
+def _parse(argv: list[str], nulls: dict, classes, validate_fn):
+    """argv tokens (YAML values first, command line after: the last value wins) -> validated dataclasses."""
+    known = field_names(classes)
     parser = _parser(classes)
     if nulls:
         parser.set_defaults(**nulls)
     try:
-        parsed = parser.parse_args_into_dataclasses(args=yaml_argv + rest, return_remaining_strings=True)
+        *groups, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except ConfigError as e:
         raise _name_field(e, known) from None
-    *groups, remaining = parsed
     if remaining:
         first = next((r for r in remaining if r.startswith("--")), remaining[0])
         name = first.lstrip("-").split("=")[0]
@@ -225,22 +236,6 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, validate
         (validate_fn or validate)(cfg)
         return cfg
     return groups
-
-
-def config_from_dict(values: dict, validate_fn=None) -> RunConfig:
-    """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
-    known = field_names()
-    argv, nulls = _yaml_to_argv(values, "the given values", known)
-    parser = _parser(ARGUMENT_CLASSES)
-    if nulls:
-        parser.set_defaults(**nulls)
-    try:
-        *groups, _ = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    except ConfigError as e:
-        raise _name_field(e, known) from None
-    cfg = RunConfig(*groups)
-    (validate_fn or validate)(cfg)
-    return cfg
 
 
 def _name_field(err: ConfigError, known: list[str]) -> ConfigError:

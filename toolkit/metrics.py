@@ -19,8 +19,18 @@ def read_metrics(output_dir_or_file: str) -> list[dict]:
     path = output_dir_or_file
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                # Typically the last line of a run killed mid-write.
+                raise ValueError(f"{path}: line {lineno} is not JSON ({e.msg}); the file is damaged: delete that "
+                                 "line and try again") from None
+    return rows
 
 
 class MetricsLogger:

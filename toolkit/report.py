@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from toolkit.metrics import METRICS_FILE
+from toolkit.metrics import METRICS_FILE, read_metrics
 from toolkit.plots import plot_runs
 
 SUMMARY_FILE = "summary.json"
@@ -36,17 +36,10 @@ def load_run(output_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ReportError(f"{output_dir}: no {METRICS_FILE}; is it the output_dir of a toolkit run (it holds "
                           f"config.yaml, runs/, final/)?")
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                # Typically the last line of a run killed mid-write.
-                raise ReportError(f"{path}: line {lineno} is not JSON ({e.msg}); the file is damaged: delete that "
-                                  "line and report again") from None
+    try:
+        rows = read_metrics(path)
+    except ValueError as e:
+        raise ReportError(str(e)) from None
     config, summary = {}, {}
     cfg_path = os.path.join(output_dir, "config.yaml")
     if os.path.isfile(cfg_path):
