@@ -4,7 +4,7 @@ import os
 
 import pytest
 import yaml
-from conftest import RECIPE, run
+from helpers import RECIPE, run
 
 from toolkit.config import ConfigError, parse_args
 

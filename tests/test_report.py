@@ -12,16 +12,10 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, _env
-from test_notebook import executed_quickstart
+from helpers import ROOT, subprocess_env
 
-from toolkit.report import format_run_summary, load_run, main, summarize, table
-
-
-@pytest.fixture(scope="session")
-def quickstart(tmp_path_factory) -> dict:
-    """The executed quickstart notebook's two runs (executed once per session, shared with test_notebook)."""
-    return executed_quickstart(tmp_path_factory)
+from toolkit.metrics import format_run_summary
+from toolkit.report import load_run, main, summarize, table
 
 
 def write_run(folder, rows, config=None, summary=None):
@@ -134,7 +128,7 @@ def test_report_on_real_runs(quickstart, tmp_path):
     kernel, launch = quickstart["kernel_run"], quickstart["launch_run"]
     out = tmp_path / "compare.png"
     proc = subprocess.run([sys.executable, "-m", "toolkit", "report", kernel, launch, "--out", str(out), "--format",
-                           "md"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                           "md"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "|  | kernel-1x4x2 | launcher-2x4x1 |"

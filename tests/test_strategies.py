@@ -3,7 +3,7 @@
 Each strategy runs the real recipe (through tests/scripts/probe_run.py) twice, 2 ranks x micro batch 2 x accumulation 2,
 on padded rows of very different lengths with shuffling on: once with plain SGD (no clipping: linear in the gradient,
 so any normalisation or accumulation error shows, <= 1e-6) and once with AdamW, clipping at 1.0 and a linear schedule
-(<= 1e-4). Both are compared with one process x micro batch 8 after 3 steps, through the exported final/ weights.
+(<= 1e-5, with eps 1e-6: see test_core.ADAMW). Both are compared with one process x micro batch 8 after 3 steps, through the exported final/ weights.
 Launches are shared between assertions (each costs ~10 s of process start).
 """
 
@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import CONFIGS, SCRIPTS, Runs, args_from, launch, load_weights, max_abs_diff
+from helpers import CONFIGS, SCRIPTS, Runs, args_from, launch, load_weights, max_abs_diff
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
 
@@ -22,8 +22,15 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
               per_device_eval_batch_size=3)
 SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0)
 # warmup 0: the linear schedule gives lr x 1, 2/3, 1/3, so every step moves the weights and the schedule matters.
+# eps 1e-6: with 1e-8 the comparison depends on the CPU's fp32 rounding (tests/test_core.py, ADAMW).
 ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
-             weight_decay=0.01, save_steps=2)
+             weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
+ADAMW_TOLERANCE = 1e-5
+# The logged grad norm is the global one, not a shard's (which would be ~1/sqrt(2) of it, 29% off). Measured here:
+# at step 1 (identical weights) the fp32 norms differ by <= 3.3e-6 relative (another summation order); later steps add
+# the AdamW runs' own drift (<= 1.4e-4 by step 3 under ZeRO, 7e-5 under FSDP, 1e-7 under DDP).
+GRAD_NORM_REL_FIRST_STEP = 1e-5
+GRAD_NORM_REL = 5e-4
 
 # strategy -> (config file, accelerate's distributed_type, the prepared model's type, ZeRO stage)
 STRATEGIES = {
@@ -114,7 +121,7 @@ def test_adamw_with_clipping_matches_one_process(runs, strategy, tiny_model):
     ref = runs.reference("adamw", ADAMW)
     diff = max_abs_diff(load_weights(final(out)), load_weights(final(ref)))
     print(f"{strategy} AdamW max|dw| = {diff:.2e}")
-    assert diff <= 1e-4
+    assert diff <= ADAMW_TOLERANCE
     assert_really_distributed(out, strategy, clipping=1.0)
     # decay on matrices, none on biases / norms, under every strategy (ZeRO-3 partitions parameters before the
     # optimizer is built; reading their shape naively put everything in one group). 3 steps of decay at lr 3e-3 move
@@ -125,10 +132,10 @@ def test_adamw_with_clipping_matches_one_process(runs, strategy, tiny_model):
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
         assert x["lr"] == pytest.approx(y["lr"])  # one scheduler step per optimizer step on every strategy
-        # The global norm over the full model, not a shard (a shard's would be ~1/sqrt(2) of it). Not tighter than
-        # 1e-3: on CPU the fp32 norm of the 1.6M-value embedding gradient is itself off by ~1e-5..1e-3 relative,
-        # differently per sharding (measured against fp64).
-        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
+        # The global norm over the full model, not a shard (a shard's would be ~1/sqrt(2) of it).
+        print(f"{strategy} step {x['step']} grad norm rel diff {abs(x['grad_norm'] / y['grad_norm'] - 1):.1e}")
+        rel = GRAD_NORM_REL_FIRST_STEP if x["step"] == 1 else GRAD_NORM_REL
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=rel)
     assert_final_is_full_and_reloads(out, tiny_model)
 
 

@@ -1,10 +1,20 @@
-"""``python -m toolkit verify``, run for real: a launch config against one process, PASS / FAIL and exit codes."""
+"""``python -m toolkit verify``, run for real: a launch config against one process, PASS / FAIL and exit codes.
+
+verify launches the recipe unchanged (``accelerate launch ... recipes/gpt2.py --disable_dropout true``), as a user
+would; its own options cannot be mistaken for recipe fields.
+"""
 
 import os
+import shutil
+import subprocess
 import sys
+import zipfile
 
 import pytest
-from conftest import CONFIGS, args_from, run
+from helpers import CONFIGS, ROOT, args_from, run, subprocess_env
+
+from toolkit.config import field_names
+from toolkit.verify import _parser, own_options
 
 DATA = dict(packing=False, block_size=48, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=7,
             per_device_eval_batch_size=3)
@@ -23,7 +33,8 @@ def test_verify_zero3_passes(tmp_path, tiny_model, padded_data):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "2 processes x micro batch 2 x accumulation 2 vs 1 process x micro batch 8" in out
-    for name, tol in (("sgd", "1e-06"), ("adamw", "1e-04")):
+    assert "recipes/gpt2.py" in out and "--disable_dropout true" in out  # the user's recipe, dropout off by field
+    for name, tol in (("sgd", "1e-06"), ("adamw", "1e-05")):
         assert f"{name}: max |dw| = " in out and f"tolerance {tol}: PASS" in out
         assert sum(line.startswith(f"  {name}:    ") for line in out.splitlines()) == 3  # the loss curve, 3 steps
     assert out.rstrip().endswith("PASS")
@@ -32,7 +43,7 @@ def test_verify_zero3_passes(tmp_path, tiny_model, padded_data):
 @pytest.mark.slow
 def test_verify_catches_per_micro_batch_averaging(tmp_path, tiny_model, padded_data):
     """The 2024 accumulation bug, injected through the recipe's own switch: verify must say FAIL, exit 1."""
-    proc = verify(tmp_path, tiny_model, padded_data, "--optim", "sgd", config="fsdp.yaml",
+    proc = verify(tmp_path, tiny_model, padded_data, "--checks", "sgd", config="fsdp.yaml",
                   loss_normalization="per_micro_batch")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "tolerance 1e-06: FAIL" in proc.stdout and proc.stdout.rstrip().endswith("FAIL")
@@ -43,3 +54,35 @@ def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
     assert proc.returncode == 2 and "config error: num_processes" in proc.stderr
     proc = verify(tmp_path, tiny_model, padded_data, learning_rat=0.1)
     assert proc.returncode == 2 and "config error: learning_rat" in proc.stderr and "learning_rate" in proc.stderr
+
+
+def test_verify_options_never_swallow_a_recipe_field():
+    """`--optim` used to be verify's own option, so a recipe's `--optim adamw_torch` ran the SGD check alone and
+    still said PASS. No verify option may share a name with a recipe field; recipe fields pass through."""
+    assert not own_options() & set(field_names())
+    args, recipe_args = _parser().parse_known_args(["--config_file", "x.yaml", "--optim", "sgd", "--checks", "adamw",
+                                                    "--learning_rate", "0.1"])
+    assert args.checks == ["adamw"]
+    assert recipe_args == ["--optim", "sgd", "--learning_rate", "0.1"]
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--config_file", "x.yaml", "--checks", "sgd,adam"])
+
+
+def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
+    """Installed from a wheel (no source checkout around it), `toolkit verify` still finds recipes/gpt2.py: the
+    recipes ship inside the package as toolkit/recipes."""
+    dist, site, src = tmp_path / "dist", tmp_path / "site", tmp_path / "src"
+    # A copy of the sources: setuptools builds in place (build/), which must neither land in the checkout nor feed
+    # the wheel files from an earlier build.
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "outputs", "__pycache__"))
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)])
+    wheel = next(dist.glob("toolkit-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "toolkit/recipes/gpt2.py" in names and "toolkit/recipes/configs/gpt2.yaml" in names
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
+    env = {**subprocess_env(), "PYTHONPATH": str(site)}
+    code = "import toolkit, toolkit.verify as v; print(toolkit.__file__); print(v.default_recipe())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0].startswith(str(site)), out  # the installed copy, not the checkout
+    assert out[1] == str(site / "toolkit" / "recipes" / "gpt2.py") and os.path.isfile(out[1])

@@ -1,14 +1,20 @@
 """toolkit: fine-tuning on Hugging Face Accelerate; the same recipe under DDP, DeepSpeed ZeRO-2/3 and FSDP.
 
-Modules, one job each:
-  config        dataclasses, YAML + CLI parsing, validation before any expensive work
+Modules, one job each (dependencies point down this list; ``tests/test_imports.py`` keeps it so):
+  errors        ConfigError, the one user-facing error (no imports)
+  layout        the names of a run folder's files, cheap reads of it (standard library only)
+  config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout)
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
   order         the global sample order (independent of world size and accumulation)
   loss          token-sum loss normalised over the accumulated global batch
+  model         tokenizer and model loading, disable_dropout
+  build         everything a run trains on, from a config (recipes and the notebook share it)
   distributed   the Accelerator, and the CPU shim for DeepSpeed/FSDP on gloo
-  loop          the training loop and evaluation
-  checkpoint    save_state checkpoints, resume, final export
-  metrics       metrics.jsonl, trackers, progress bar
+  checkpoint    save_state checkpoints, rotation, resume, final export
+  metrics       metrics.jsonl (write and read), summary.json, trackers, progress bar
+  plots, report loss.png; ``python -m toolkit report`` (readers of finished runs)
+  loop          train_step (one optimizer step) and train (the outer loop), evaluation
+  verify        ``python -m toolkit verify``: a launch config against one process
   offline       real GPT-2 tokenizer and SmolLM2 weights without the Hub
 Imports stay lazy here so ``python -m toolkit.<module>`` and the notebook start fast.
 """

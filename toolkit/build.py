@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit import data
 from toolkit.config import RunConfig
-from toolkit.model import load_config, load_model, load_tokenizer, max_positions
+from toolkit.model import disable_dropout, load_config, load_model, load_tokenizer, max_positions
 from toolkit.order import require_one_global_batch
 
 
@@ -51,7 +51,7 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
     set_seed(cfg.train.seed)
 
     tokenizer = load_tokenizer(cfg.model, log=log)
-    model_config = load_config(cfg.model)
+    model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
     raw = data.load_raw_datasets(cfg.data)  # checks files and the text column before the weights load
     block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
     if accelerator is not None:
@@ -64,5 +64,8 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
     model = load_model(cfg.model, model_config)
+    if cfg.train.disable_dropout:
+        disable_dropout(model)
+        log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=data.CausalLMCollator(tokenizer.pad_token_id), block_size=block_size)

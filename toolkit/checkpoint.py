@@ -9,59 +9,20 @@ position in the epoch, token counters) travels inside the checkpoint through ``r
 from __future__ import annotations
 
 import os
-import re
 import shutil
 
 from accelerate import Accelerator
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def checkpoint_root(output_dir: str) -> str:
-    return os.path.join(output_dir, CHECKPOINTS)
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoint_root(output_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isdir(os.path.join(root, name)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    root = checkpoint_root(output_dir)
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(root, f.read().strip())
-        if os.path.isdir(path):
-            return path
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
-
-
-def resolve_resume(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
-    if resume_from_checkpoint in (None, ""):
-        return None
-    if resume_from_checkpoint == "latest":
-        return latest_checkpoint(output_dir)
-    return resume_from_checkpoint
+from toolkit import layout
+from toolkit.distributed import has_accelerator
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
                     protect: str | None = None) -> str:
     """Collective: call on every rank. Returns the checkpoint folder."""
-    root = checkpoint_root(output_dir)
-    final = os.path.join(root, f"step-{step}")
-    tmp = final + ".tmp"
+    root = layout.checkpoints_dir(output_dir)
+    final = layout.step_dir(output_dir, step)
+    tmp = final + layout.TMP_SUFFIX
     if accelerator.is_main_process:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
@@ -72,21 +33,23 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer_tmp = os.path.join(root, LATEST + ".tmp")
+        pointer_tmp = os.path.join(root, layout.LATEST + layout.TMP_SUFFIX)
         with open(pointer_tmp, "w") as f:
             f.write(os.path.basename(final))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(pointer_tmp, os.path.join(root, LATEST))
-        _rotate(output_dir, save_total_limit, keep={final, protect})
+        os.replace(pointer_tmp, os.path.join(root, layout.LATEST))
+        rotate_checkpoints(output_dir, save_total_limit, keep={final, protect})
     accelerator.wait_for_everyone()
     return final
 
 
-def _rotate(output_dir: str, limit: int | None, keep: set) -> None:
+def rotate_checkpoints(output_dir: str, limit: int | None, keep: set) -> None:
+    """Delete the oldest complete checkpoints until ``limit`` remain, never one in ``keep`` (the one just written, and
+    the one this run resumed from: if the new ones turned out bad, the user can still go back to it)."""
     if not limit:
         return
-    found = list_checkpoints(output_dir)
+    found = layout.list_checkpoints(output_dir)
     excess = len(found) - limit
     for _, path in found:
         if excess <= 0:
@@ -143,8 +106,6 @@ def full_state_dict(accelerator: Accelerator, model):
     weights already live on the CPU (measured, torch 2.13); DCP's full state dict without the offload gathers the
     same weights (diff 0 to the unsharded model) on every rank.
     """
-    from toolkit.distributed import has_accelerator
-
     if _is_fsdp1(accelerator) and not has_accelerator():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

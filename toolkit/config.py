@@ -5,7 +5,13 @@ overridden on the command line (``--learning_rate 1e-4``); the command line wins
 ``transformers.TrainingArguments`` and ``run_clm.py`` wherever they exist, so users can carry their configs over.
 
 Everything here runs before a model, a dataset or a process group is touched: a typo, a wrong type or an impossible
-value stops with one message naming the field (``ConfigError``), not a stack trace ten minutes into a run.
+value stops with one message naming the field (``ConfigError``), not a stack trace ten minutes into a run. Each
+dataclass checks its own fields in ``__post_init__`` (so a value is checked wherever the dataclass is built); what
+needs two groups or the file system (is there a model and data, does ``output_dir`` hold a finished run, does
+``block_size`` fit the model) is ``RunConfig``'s.
+
+This module imports no toolkit module but the two dependency-free ones (``errors``, ``layout``), and neither torch
+nor accelerate: parsing a config stays cheap.
 """
 
 from __future__ import annotations
@@ -20,15 +26,63 @@ from typing import Any, Optional
 
 import yaml
 
+from toolkit import layout
+from toolkit.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad configuration, reported as ``config error: <field>: <what to do>``."""
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
+DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
+POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
-    def __init__(self, field_name: str | None, message: str):
-        self.field_name = field_name
-        super().__init__(f"{field_name}: {message}" if field_name else message)
+
+# ----------------------------------------------------------------------------------------------- small checks
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 
+def _positive(obj, *names, allow_none=False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if value is None or value <= 0:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def _at_least_zero(obj, *names, why: str = "") -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ConfigError(name, f"must be >= 0{why}, got {value}")
+
+
+def _one_of(obj, name: str, choices) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}.{_suggest(value, choices)}")
+
+
+def max_positions(model_config) -> int | None:
+    """The model's context length from its config object, or None if it names none (the one place this is read)."""
+    for attr in POSITION_ATTRIBUTES:
+        value = getattr(model_config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------------- dataclasses
 @dataclass
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
@@ -45,6 +99,39 @@ class ModelArguments:
     )
     gguf_file: Optional[str] = field(default=None, metadata={"help": "GGUF file name inside model_name_or_path."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the Hub. Off: safety."})
+
+    def __post_init__(self):
+        for name in ("model_name_or_path", "config_name", "tokenizer_name"):
+            value = getattr(self, name)
+            # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.
+            if value and value.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(value)):
+                raise ConfigError(name, f"folder not found: {value}")
+        for item in self.config_overrides.split(",") if self.config_overrides else []:
+            if "=" not in item:
+                raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
+
+    @property
+    def config_source(self) -> str | None:
+        """Where the model's config comes from: config_name (from scratch) or the pretrained model."""
+        return self.config_name or self.model_name_or_path
+
+    def read_model_config(self):
+        """The model's config (no weights) when it is a local folder, else None: Hub ids are not fetched here."""
+        name = self.config_source
+        if name is None or not os.path.isdir(name):
+            return None
+        try:
+            from transformers import AutoConfig
+
+            kw = {"gguf_file": self.gguf_file} if self.gguf_file else {}
+            config = AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code, **kw)
+            if self.config_overrides:
+                config.update_from_string(self.config_overrides)
+        except Exception as e:  # a malformed override or folder: name it now rather than mid-launch
+            which = "config_overrides" if self.config_overrides else (
+                "config_name" if self.config_name else "model_name_or_path")
+            raise ConfigError(which, f"cannot read the model config from {name}: {e}") from None
+        return config
 
 
 @dataclass
@@ -70,22 +157,32 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
 
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
-LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
+    def __post_init__(self):
+        if self.dataset_name is not None and self.train_file is not None:
+            raise ConfigError("train_file", "set either dataset_name or train_file, not both")
+        for name in ("train_file", "validation_file"):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            if not os.path.isfile(path):
+                raise ConfigError(name, f"file not found: {path}")
+            ext = os.path.splitext(path)[1].lower()
+            if ext not in DATA_EXTENSIONS:
+                raise ConfigError(name, f"unsupported extension {ext!r}; use one of {', '.join(DATA_EXTENSIONS)}")
+            if os.path.getsize(path) == 0:
+                raise ConfigError(name, f"file is empty: {path}")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise ConfigError("validation_split_percentage",
+                              f"must be in [0, 100), got {self.validation_split_percentage}")
+        _positive(self, "block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
+                  allow_none=True)
 
 
 @dataclass
-class TrainingArguments:
+class TrainArgs:
+    """Training fields, named as in ``transformers.TrainingArguments`` (a different class name, so that tracebacks
+    and imports never mix the two up)."""
+
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing a finished output_dir."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Rows per rank per micro-step."})
@@ -106,6 +203,10 @@ class TrainingArguments:
     shuffle: bool = field(
         default=True, metadata={"help": "Shuffle the sample order each epoch (same order on any world size)."}
     )
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "Set every dropout probability of the model to 0 (TRL's name): "
+                                         "deterministic runs, e.g. to compare strategies."}
+    )
     loss_normalization: str = field(
         default="global_tokens",
         metadata={
@@ -125,17 +226,71 @@ class TrainingArguments:
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
 
+    def __post_init__(self):
+        _positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                  "logging_steps")
+        _positive(self, "eval_steps", "save_steps", "save_total_limit", allow_none=True)
+        _at_least_zero(self, "learning_rate", "weight_decay", "warmup_steps", "dataloader_num_workers")
+        _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError("max_steps", "must be a positive number of steps, or -1 to use num_train_epochs; "
+                                           f"got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ConfigError("num_train_epochs", f"must be > 0 when max_steps is -1, got {self.num_train_epochs}")
+        _one_of(self, "optim", OPTIMIZERS)
+        _one_of(self, "lr_scheduler_type", SCHEDULERS)
+        _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
+        if self.resume_from_checkpoint not in (None, layout.LATEST) and not os.path.isdir(self.resume_from_checkpoint):
+            raise ConfigError("resume_from_checkpoint",
+                              f"folder not found: {self.resume_from_checkpoint} (or use '{layout.LATEST}')")
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArgs)
 
 
 @dataclass
 class RunConfig:
-    """The three argument groups of one run; ``as_dict`` is what lands in ``output_dir/config.yaml``."""
+    """The three argument groups of one run; ``as_dict`` is what lands in ``output_dir/config.yaml``.
+
+    Building one checks what needs more than one group or the file system: a model and data are named, the
+    output_dir can be written without losing an earlier run, block_size fits the model (read from its config only).
+    """
 
     model: ModelArguments
     data: DataArguments
-    train: TrainingArguments
+    train: TrainArgs
+
+    def __post_init__(self):
+        if self.model.model_name_or_path is None and self.model.config_name is None:
+            raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
+        if self.data.dataset_name is None and self.data.train_file is None:
+            raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
+        self._check_output_dir()
+        positions = max_positions(self.model.read_model_config())
+        if positions is not None and self.data.block_size is not None and self.data.block_size > positions:
+            raise ConfigError("block_size",
+                              f"{self.data.block_size} exceeds the model's {positions} positions; use <= {positions}")
+
+    def _check_output_dir(self) -> None:
+        """Never start over an earlier run's files by accident; never promise a resume that has nothing to load."""
+        args = self.train
+        if args.resume_from_checkpoint == layout.LATEST and layout.latest_checkpoint(args.output_dir) is None:
+            raise ConfigError("resume_from_checkpoint",
+                              f"'latest' but {layout.checkpoints_dir(args.output_dir)} holds no checkpoint")
+        if args.resume_from_checkpoint is not None or args.overwrite_output_dir:
+            return
+        if layout.has_final_model(args.output_dir):
+            raise ConfigError(
+                "output_dir",
+                f"{args.output_dir} already holds a finished run ({layout.FINAL}/); pick a new output_dir, "
+                "set overwrite_output_dir: true, or resume_from_checkpoint",
+            )
+        if layout.list_checkpoints(args.output_dir):
+            raise ConfigError(
+                "output_dir",
+                f"{layout.checkpoints_dir(args.output_dir)} already holds checkpoints of an earlier run; continue it "
+                "with resume_from_checkpoint: latest, or set overwrite_output_dir: true to start over",
+            )
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -144,16 +299,12 @@ class RunConfig:
         return out
 
 
-def field_names(classes=ARGUMENT_CLASSES) -> list[str]:
-    return [f.name for cls in classes for f in dataclasses.fields(cls)]
+def field_names() -> list[str]:
+    return [f.name for cls in ARGUMENT_CLASSES for f in dataclasses.fields(cls)]
 
 
-def _suggest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
-def _parser(classes):
+# ------------------------------------------------------------------------------------------------------ parsing
+def _parser():
     from transformers import HfArgumentParser
 
     class _Parser(HfArgumentParser):
@@ -161,7 +312,7 @@ def _parser(classes):
         def error(self, message):
             raise ConfigError(None, message)
 
-    return _Parser(classes, allow_abbrev=False)
+    return _Parser(ARGUMENT_CLASSES, allow_abbrev=False)
 
 
 def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict]:
@@ -183,13 +334,12 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
     return argv, nulls
 
 
-def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, validate_fn=None) -> RunConfig:
+def parse_args(argv: list[str] | None = None) -> RunConfig:
     """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``cli`` turns it into one line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     ns, rest = pre.parse_known_args(argv)
-    known = field_names(classes)
 
     yaml_argv, nulls = [], {}
     if ns.config is not None:
@@ -202,178 +352,47 @@ def parse_args(argv: list[str] | None = None, classes=ARGUMENT_CLASSES, validate
             raise ConfigError("config", f"{ns.config} is not valid YAML: {e}") from None
         if not isinstance(values, dict):
             raise ConfigError("config", f"{ns.config} must be a mapping of field: value")
-        yaml_argv, nulls = _yaml_to_argv(values, ns.config, known)
+        yaml_argv, nulls = _yaml_to_argv(values, ns.config, field_names())
 
     if "-h" in rest or "--help" in rest:
-        _parser(classes).print_help()
+        _parser().print_help()
         sys.exit(0)
 
-    return _parse(yaml_argv + rest, nulls, classes, validate_fn)
+    return _parse(yaml_argv + rest, nulls)
 
 
-def config_from_dict(values: dict, validate_fn=None) -> RunConfig:
+def config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
     argv, nulls = _yaml_to_argv(values, "the given values", field_names())
-    return _parse(argv, nulls, ARGUMENT_CLASSES, validate_fn)
+    return _parse(argv, nulls)
 
 
-def _parse(argv: list[str], nulls: dict, classes, validate_fn):
-    """argv tokens (YAML values first, command line after: the last value wins) -> validated dataclasses."""
-    known = field_names(classes)
-    parser = _parser(classes)
+def _parse(argv: list[str], nulls: dict) -> RunConfig:
+    """argv tokens (YAML values first, command line after: the last value wins) -> checked RunConfig."""
+    known = field_names()
+    parser = _parser()
     if nulls:
         parser.set_defaults(**nulls)
     try:
+        # Each dataclass checks its fields as it is built, RunConfig checks the whole.
         *groups, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if remaining:
+            first = next((r for r in remaining if r.startswith("--")), remaining[0])
+            name = first.lstrip("-").split("=")[0]
+            raise ConfigError(name, f"unknown argument '{first}'.{_suggest(name, known)}")
+        return RunConfig(*groups)
     except ConfigError as e:
-        raise _name_field(e, known) from None
-    if remaining:
-        first = next((r for r in remaining if r.startswith("--")), remaining[0])
-        name = first.lstrip("-").split("=")[0]
-        raise ConfigError(name, f"unknown argument '{first}'.{_suggest(name, known)}")
-    if classes is ARGUMENT_CLASSES:
-        cfg = RunConfig(*groups)
-        (validate_fn or validate)(cfg)
-        return cfg
-    return groups
+        raise _name_field(e) from None
 
 
-def _name_field(err: ConfigError, known: list[str]) -> ConfigError:
+def _name_field(err: ConfigError) -> ConfigError:
     # argparse says "argument --learning_rate: invalid float value: 'abc'"; lift the field name to the front.
     msg = str(err)
-    if msg.startswith("argument --"):
+    if err.field_name is None and msg.startswith("argument --"):
         name, _, rest = msg[len("argument --") :].partition(":")
         name = name.split("/")[0].strip()
         return ConfigError(name, rest.strip())
     return err
-
-
-# ----------------------------------------------------------------------------------------------------------- checks
-def _positive(cfg_part, name, allow_none=False):
-    value = getattr(cfg_part, name)
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
-
-
-def _model_positions(margs: ModelArguments) -> int | None:
-    """The model's maximum positions, read from its config (no weights), or None when it cannot be read cheaply."""
-    name = margs.config_name or margs.model_name_or_path
-    if name is None:
-        return None
-    if not os.path.isdir(name):
-        return None  # a Hub id: transformers will fetch/verify it; we do not fetch here
-    try:
-        from transformers import AutoConfig
-
-        kw = {"gguf_file": margs.gguf_file} if margs.gguf_file else {}
-        config = AutoConfig.from_pretrained(name, trust_remote_code=margs.trust_remote_code, **kw)
-        if margs.config_overrides:
-            config.update_from_string(margs.config_overrides)
-    except Exception as e:  # a malformed override or folder: name it now rather than mid-launch
-        field_name = "config_overrides" if margs.config_overrides else ("config_name" if margs.config_name else "model_name_or_path")
-        raise ConfigError(field_name, f"cannot read the model config from {name}: {e}") from None
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        if isinstance(getattr(config, attr, None), int):
-            return getattr(config, attr)
-    return None
-
-
-DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def validate(cfg: RunConfig) -> None:
-    """Every check that needs no model weights and no process group."""
-    m, d, t = cfg.model, cfg.data, cfg.train
-    if m.model_name_or_path is None and m.config_name is None:
-        raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
-    for name in ("model_name_or_path", "config_name", "tokenizer_name"):
-        value = getattr(m, name)
-        # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.
-        if value and value.startswith(("/", "./", "../", "~")):
-            if not os.path.isdir(os.path.expanduser(value)):
-                raise ConfigError(name, f"folder not found: {value}")
-    if m.config_overrides:
-        for item in m.config_overrides.split(","):
-            if "=" not in item:
-                raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
-
-    if d.dataset_name is None and d.train_file is None:
-        raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
-    if d.dataset_name is not None and d.train_file is not None:
-        raise ConfigError("train_file", "set either dataset_name or train_file, not both")
-    for name in ("train_file", "validation_file"):
-        path = getattr(d, name)
-        if path is None:
-            continue
-        if not os.path.isfile(path):
-            raise ConfigError(name, f"file not found: {path}")
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in DATA_EXTENSIONS:
-            raise ConfigError(name, f"unsupported extension {ext!r}; use one of {', '.join(DATA_EXTENSIONS)}")
-        if os.path.getsize(path) == 0:
-            raise ConfigError(name, f"file is empty: {path}")
-    if not 0 <= d.validation_split_percentage < 100:
-        raise ConfigError("validation_split_percentage", f"must be in [0, 100), got {d.validation_split_percentage}")
-    for name in ("block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
-        _positive(d, name, allow_none=True)
-
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        _positive(t, name)
-    for name in ("logging_steps",):
-        _positive(t, name)
-    for name in ("eval_steps", "save_steps", "save_total_limit"):
-        _positive(t, name, allow_none=True)
-    if t.learning_rate < 0:
-        raise ConfigError("learning_rate", f"must be >= 0, got {t.learning_rate}")
-    if t.max_grad_norm < 0:
-        raise ConfigError("max_grad_norm", f"must be >= 0 (0 turns clipping off), got {t.max_grad_norm}")
-    if t.weight_decay < 0:
-        raise ConfigError("weight_decay", f"must be >= 0, got {t.weight_decay}")
-    if t.warmup_steps < 0:
-        raise ConfigError("warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    if t.max_steps == 0 or t.max_steps < -1:
-        raise ConfigError("max_steps", f"must be a positive number of steps, or -1 to use num_train_epochs; got {t.max_steps}")
-    if t.max_steps == -1 and t.num_train_epochs <= 0:
-        raise ConfigError("num_train_epochs", f"must be > 0 when max_steps is -1, got {t.num_train_epochs}")
-    if t.dataloader_num_workers < 0:
-        raise ConfigError("dataloader_num_workers", f"must be >= 0, got {t.dataloader_num_workers}")
-    for name, choices in (("optim", OPTIMIZERS), ("lr_scheduler_type", SCHEDULERS), ("loss_normalization", LOSS_NORMALIZATIONS)):
-        value = getattr(t, name)
-        if value not in choices:
-            raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}.{_suggest(value, choices)}")
-    if t.resume_from_checkpoint not in (None, "latest") and not os.path.isdir(t.resume_from_checkpoint):
-        raise ConfigError("resume_from_checkpoint", f"folder not found: {t.resume_from_checkpoint} (or use 'latest')")
-    if t.resume_from_checkpoint == "latest":
-        from toolkit.checkpoint import latest_checkpoint
-
-        if latest_checkpoint(t.output_dir) is None:
-            raise ConfigError("resume_from_checkpoint", f"'latest' but {t.output_dir}/checkpoints holds no checkpoint")
-    if (
-        t.resume_from_checkpoint is None
-        and not t.overwrite_output_dir
-        and os.path.isfile(os.path.join(t.output_dir, "final", "config.json"))
-    ):
-        raise ConfigError(
-            "output_dir",
-            f"{t.output_dir} already holds a finished run (final/); pick a new output_dir, "
-            "set overwrite_output_dir: true, or resume_from_checkpoint",
-        )
-
-    if t.resume_from_checkpoint is None and not t.overwrite_output_dir:
-        from toolkit.checkpoint import list_checkpoints
-
-        if list_checkpoints(t.output_dir):
-            raise ConfigError(
-                "output_dir",
-                f"{t.output_dir}/checkpoints already holds checkpoints of an earlier run; continue it with "
-                "resume_from_checkpoint: latest, or set overwrite_output_dir: true to start over",
-            )
-
-    positions = _model_positions(m)
-    if positions is not None and d.block_size is not None and d.block_size > positions:
-        raise ConfigError("block_size", f"{d.block_size} exceeds the model's {positions} positions; use <= {positions}")
 
 
 def write_config(cfg: RunConfig, path: str) -> None:

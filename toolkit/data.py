@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from datasets import Dataset, DatasetDict, load_dataset
 
-from toolkit.config import DATA_EXTENSIONS, ConfigError, DataArguments
+from toolkit.config import DATA_EXTENSIONS, DataArguments
+from toolkit.errors import ConfigError
 
 PYDOC = "pydoc"
 

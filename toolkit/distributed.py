@@ -25,7 +25,9 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
-from toolkit.config import ConfigError, TrainingArguments
+from toolkit import layout
+from toolkit.config import TrainArgs
+from toolkit.errors import ConfigError
 
 
 def has_accelerator() -> bool:
@@ -90,7 +92,7 @@ def _skip_deepspeed_shm_build() -> None:
         pass
 
 
-def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
+def make_accelerator(args: TrainArgs, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     strategy = launched_strategy()
     _check_accumulation_env(args)
@@ -108,7 +110,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
         step_scheduler_with_optimizer=False,
         log_with=trackers or None,
         project_config=ProjectConfiguration(
-            project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")
+            project_dir=args.output_dir, logging_dir=layout.path(args.output_dir, layout.TRACKER_LOGS)
         ),
         **extra,
         **kwargs,
@@ -150,7 +152,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _check_accumulation_env(args: TrainingArguments) -> None:
+def _check_accumulation_env(args: TrainArgs) -> None:
     # `accelerate launch` copies a gradient_accumulation_steps found in the config's DeepSpeed section into this
     # variable, and the Accelerator then prefers it over the argument we pass, silently (accelerate #2210, #3369).
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
@@ -162,7 +164,7 @@ def _check_accumulation_env(args: TrainingArguments) -> None:
         )
 
 
-def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> None:
+def configure_deepspeed(accelerator: Accelerator, args: TrainArgs) -> None:
     """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return

@@ -1,13 +1,16 @@
-"""The training loop: one readable function, the same under DDP, DeepSpeed ZeRO-2/3 and FSDP.
+"""The training loop, the same under DDP, DeepSpeed ZeRO-2/3 and FSDP: ``train_step`` and the outer ``train``.
 
-One optimizer step, on each of the W ranks:
+One optimizer step (``train_step``), on each of the W data-parallel ranks:
 
-    1. take this rank's k micro-batches of the step (the rows come from ``toolkit.order``: independent of W and k);
+    1. this rank's k micro-batches of the step (the rows come from ``toolkit.order``: independent of W and k);
     2. count target tokens locally, all-reduce: T = target tokens of the whole global batch (one tiny all-reduce);
     3. for each micro-step, inside ``accelerator.accumulate(model)`` (which applies ``no_sync`` on all but the last
        micro-step where the strategy allows it, and tells DeepSpeed where its boundary is):
            backward( sum of token CE * W * k / T )          (see ``toolkit.loss`` for why this is exact)
     4. on the last micro-step: clip the global grad norm, optimizer step, scheduler step, zero grads.
+
+The outer loop (``train``) does, between steps, a flat sequence: fetch the step's micro-batches from the epoch's
+order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps``.
 
 Everything needed to continue exactly lives in ``LoopState`` (and the optimizer/scheduler/RNG states that
 ``save_state`` writes): step, epoch, the position inside the epoch, and the token counters.
@@ -19,17 +22,21 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from toolkit import checkpoint as ckpt
-from toolkit.config import ConfigError, RunConfig, TrainingArguments, write_config
+from toolkit import layout
+from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.distributed import configure_deepspeed
+from toolkit.errors import ConfigError
 from toolkit.loss import count_targets, micro_step_loss, token_losses
-from toolkit.metrics import MetricsLogger, Throughput
+from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
+from toolkit.plots import plot_run
 
 
 @dataclass
@@ -52,8 +59,35 @@ class LoopState:
         for key, value in state.items():
             setattr(self, key, value)
 
+    def finish_step(self, result: StepResult, steps_per_epoch: int) -> bool:
+        """Count a finished optimizer step; True when it was the epoch's last (the position moves to the next epoch,
+        so a checkpoint taken now resumes at the start of the next epoch)."""
+        self.step += 1
+        self.step_in_epoch += 1
+        self.tokens_seen += result.tokens
+        self.targets_seen += result.targets
+        self.samples_seen += self.global_batch_size
+        if self.step_in_epoch < steps_per_epoch:
+            return False
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return True
 
-def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    def epochs_done(self, steps_per_epoch: int) -> float:
+        return self.epoch + self.step_in_epoch / steps_per_epoch
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. ``loss_sum`` is this rank's share (reduced only when logged, to save a
+    collective per step); ``targets`` and ``tokens`` are global."""
+
+    loss_sum: torch.Tensor  # summed token cross-entropy of this rank's micro-batches, fp64, on the device
+    targets: int  # next-token targets of the whole global batch
+    tokens: int  # non-pad input tokens of the whole global batch
+    grad_norm: float | None  # global pre-clip gradient norm
+
+
+def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
     # The usual split: no weight decay on biases and norm weights (the 1-D parameters). Under ZeRO-3, transformers
     # builds the model already partitioned (deepspeed.zero.Init: every parameter's data is an empty 1-D tensor), so
     # the real shape is ``ds_shape``; reading ``ndim`` would silently put every weight in the no-decay group.
@@ -79,14 +113,6 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
     )
 
 
-def _unwrapped_positions(model) -> int | None:
-    config = getattr(model, "config", None)
-    for attr in ("n_positions", "max_position_embeddings"):
-        if isinstance(getattr(config, attr, None), int):
-            return getattr(config, attr)
-    return None
-
-
 @torch.no_grad()
 def evaluate(accelerator, model, eval_dataloader) -> dict:
     """Mean token loss and perplexity over the whole validation set.
@@ -108,19 +134,112 @@ def evaluate(accelerator, model, eval_dataloader) -> dict:
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(targets.item())}
 
 
-def _clip_and_norm(accelerator, model, max_grad_norm: float):
+# ------------------------------------------------------------------------------------------------ the step
+def _is_deepspeed(accelerator) -> bool:
+    return accelerator.distributed_type.value == "DEEPSPEED"
+
+
+def _global_counts(accelerator, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
+    """(target tokens, non-pad tokens) of the whole global batch: one all-reduce of two integers per step."""
+    local = torch.tensor(
+        [sum(int(count_targets(b["labels"])) for b in micro_batches),
+         sum(int(b["attention_mask"].sum()) for b in micro_batches)],
+        device=accelerator.device,
+    )
+    global_targets, global_tokens = accelerator.reduce(local, reduction="sum")
+    return global_targets, int(global_tokens)
+
+
+def _clip_and_norm(accelerator, model, max_grad_norm: float) -> float | None:
     """Clip to max_grad_norm (0 = off) and return the global pre-clip norm, as a float or None."""
-    if accelerator.distributed_type.value == "DEEPSPEED":
+    if _is_deepspeed(accelerator):
         return None  # DeepSpeed clips inside engine.step() (gradient_clipping set from the recipe); norm read after
     # With clipping off, a max norm of inf still returns the norm and scales by exactly 1.0 (min(inf/n, 1) == 1).
     norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     return float(norm) if norm is not None else None
 
 
-def _deepspeed_engine(accelerator, model):
-    if accelerator.distributed_type.value != "DEEPSPEED":
-        return None
-    return model
+def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
+               data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
+               after_backward: Callable[[int], None] | None = None) -> StepResult:
+    """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
+
+    ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
+    ``data_parallel_size``: ranks that each take a different shard of the global batch (the gradient average
+    divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
+    """
+    accumulation = len(micro_batches)
+    engine = model if _is_deepspeed(accelerator) else None
+    global_targets, global_tokens = _global_counts(accelerator, micro_batches)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    grad_norm = None
+    for index, batch in enumerate(micro_batches):
+        boundary = index == accumulation - 1
+        with accelerator.accumulate(model):
+            if accelerator.sync_gradients != boundary:
+                raise RuntimeError(
+                    f"step {step}, micro-step {index}: accelerate's accumulation boundary "
+                    f"(sync_gradients={accelerator.sync_gradients}) disagrees with ours (k={accumulation})"
+                )
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            row_loss, _ = token_losses(logits, batch["labels"])
+            micro_sum = row_loss.sum()
+            loss = micro_step_loss(micro_sum, count_targets(batch["labels"]), global_targets, data_parallel_size,
+                                   accumulation, loss_normalization)
+            accelerator.backward(loss)
+            if after_backward is not None:
+                after_backward(index)
+            loss_sum += micro_sum.detach().double()
+            if engine is not None and engine.is_gradient_accumulation_boundary() != boundary:
+                raise RuntimeError(f"step {step}: DeepSpeed's accumulation boundary drifted from ours")
+            if boundary:
+                grad_norm = _clip_and_norm(accelerator, model, max_grad_norm)
+                optimizer.step()
+                if not accelerator.optimizer_step_was_skipped:
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+    if engine is not None:
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else None
+        if engine.global_steps != step + 1:
+            raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
+    return StepResult(loss_sum=loss_sum, targets=int(global_targets), tokens=global_tokens, grad_norm=grad_norm)
+
+
+# ------------------------------------------------------------------------------------------- between steps
+def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: LoopState, accumulation: int):
+    """An iterator over this rank's micro-batches from the loop's position to the end of the current epoch."""
+    sampler.use_epoch(state.epoch)
+    # Mid-epoch resume: skip the micro-batches of the steps already done in this epoch (same order: same epoch).
+    skip = state.step_in_epoch * accumulation
+    return iter(accelerator.skip_first_batches(train_dl, skip) if skip else train_dl)
+
+
+class LogWindow:
+    """Training loss and tokens/s since the last logged step. The loss is reduced over ranks only when logged."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        self.targets = 0
+        self.throughput = Throughput()
+
+    def add(self, result: StepResult) -> None:
+        self.loss += result.loss_sum
+        self.targets += result.targets
+        self.throughput.add(result.tokens)
+
+    def exclude(self, seconds: float) -> None:
+        self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
+
+    def flush(self) -> dict:
+        """Collective: the mean token loss and tokens/s of the window; then start a new one."""
+        total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum"))
+        out = {"loss": total / max(self.targets, 1), "tokens_per_s": self.throughput.rate()}
+        self.loss.zero_()
+        self.targets = 0
+        self.throughput.reset()
+        return out
 
 
 def _call(callbacks, event: str, **kwargs) -> None:
@@ -130,6 +249,30 @@ def _call(callbacks, event: str, **kwargs) -> None:
             fn(**kwargs)
 
 
+def _resume(accelerator, args: TrainArgs, state: LoopState, optimizer, global_batch: int,
+            steps_per_epoch: int) -> str | None:
+    """Load the checkpoint ``resume_from_checkpoint`` names (collective); refuse one that cannot continue exactly."""
+    resume_from = layout.resolve_resume(args.output_dir, args.resume_from_checkpoint)
+    if resume_from is None:
+        return None
+    accelerator.print(f"resuming from {resume_from}")
+    ckpt.load_checkpoint(accelerator, resume_from, optimizer)
+    if state.global_batch_size not in (0, global_batch):
+        # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
+        raise ConfigError(
+            "per_device_train_batch_size",
+            f"the checkpoint {resume_from} was written with a global batch of {state.global_batch_size} rows, "
+            f"this run has {global_batch} ({accelerator.num_processes} ranks x {args.per_device_train_batch_size} "
+            f"x {args.gradient_accumulation_steps} accumulation); keep "
+            "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
+        )
+    state.world_size, state.global_batch_size = accelerator.num_processes, global_batch
+    if state.step_in_epoch >= steps_per_epoch:  # written at an epoch's last step by a version that did not roll over
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+    return resume_from
+
+
+# ---------------------------------------------------------------------------------------------- the loop
 def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
           callbacks=None) -> dict:
     """Train, evaluate, checkpoint and export. Returns a summary dict (also printed on the main process).
@@ -139,188 +282,122 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
     and to probe the trained model).
     """
-    t = cfg.train
-    world, k, micro = accelerator.num_processes, t.gradient_accumulation_steps, t.per_device_train_batch_size
+    args = cfg.train
+    world, accumulation, micro = accelerator.num_processes, args.gradient_accumulation_steps, \
+        args.per_device_train_batch_size
     started = time.time()
 
-    require_one_global_batch(len(train_dataset), micro, world, k)
-    sampler = GlobalBatchSampler(len(train_dataset), micro, world, k, seed=t.seed, shuffle=t.shuffle)
-    global_batch = sampler.global_batch_size
-    total_steps = t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * sampler.steps_per_epoch)
+    # --- the order, the loaders, the optimizer; prepared for the strategy
+    require_one_global_batch(len(train_dataset), micro, world, accumulation)
+    sampler = GlobalBatchSampler(len(train_dataset), micro, world, accumulation, seed=args.seed, shuffle=args.shuffle)
+    global_batch, steps_per_epoch = sampler.global_batch_size, sampler.steps_per_epoch
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
-    train_dl = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator, num_workers=t.dataloader_num_workers)
+    train_dl = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
+                          num_workers=args.dataloader_num_workers)
     eval_dl = None
     if eval_dataset is not None and len(eval_dataset) > 0:
-        eval_dl = DataLoader(eval_dataset, batch_size=t.per_device_eval_batch_size, shuffle=False, collate_fn=collator,
-                             num_workers=t.dataloader_num_workers)
-
-    optimizer = build_optimizer(model, t)
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.warmup_steps,
+        eval_dl = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
+                             collate_fn=collator, num_workers=args.dataloader_num_workers)
+    optimizer = build_optimizer(model, args)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
-    configure_deepspeed(accelerator, t)
+    configure_deepspeed(accelerator, args)
     if eval_dl is not None:
-        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
+                                                                             scheduler)
     else:
         model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    engine = _deepspeed_engine(accelerator, model)
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=optimizer)
 
+    # --- the position (from a checkpoint when resuming), the run's files
     state = LoopState(world_size=world, global_batch_size=global_batch)
     accelerator.register_for_checkpointing(state)
-    resume_from = ckpt.resolve_resume(t.output_dir, t.resume_from_checkpoint)
-    if resume_from is not None:
-        accelerator.print(f"resuming from {resume_from}")
-        ckpt.load_checkpoint(accelerator, resume_from, optimizer)
-        if state.global_batch_size not in (0, global_batch):
-            # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
-            raise ConfigError(
-                "per_device_train_batch_size",
-                f"the checkpoint {resume_from} was written with a global batch of {state.global_batch_size} rows, "
-                f"this run has {global_batch} ({world} ranks x {micro} x {k} accumulation); keep "
-                "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
-            )
-        state.world_size, state.global_batch_size = world, global_batch
+    resume_from = _resume(accelerator, args, state, optimizer, global_batch, steps_per_epoch)
     if accelerator.is_main_process:
-        write_config(cfg, os.path.join(t.output_dir, "config.yaml"))
-    accelerator.init_trackers("toolkit", config={k_: v for k_, v in cfg.as_dict().items()
-                                                 if isinstance(v, (int, float, str, bool))})
-    logger = MetricsLogger(accelerator, t.output_dir, total_steps, start_step=state.step, resume=resume_from is not None)
-
+        write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
+    accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
+                                                 if isinstance(value, (int, float, str, bool))})
+    logger = MetricsLogger(accelerator, args.output_dir, total_steps, start_step=state.step,
+                           resume=resume_from is not None)
+    tokens_at_start = state.tokens_seen  # a resumed run's tokens/s counts this attempt's tokens only
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
     accelerator.print(
-        f"world size {world} ({accelerator.distributed_type.value}) | micro batch {micro} | accumulation {k} | "
-        f"global batch {global_batch} sequences"
+        f"world size {world} ({accelerator.distributed_type.value}) | micro batch {micro} | accumulation "
+        f"{accumulation} | global batch {global_batch} sequences"
         + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else " (padded, variable length)")
-        + f" | {sampler.steps_per_epoch} steps/epoch ({len(train_dataset) - sampler.steps_per_epoch * global_batch} "
+        + f" | {steps_per_epoch} steps/epoch ({len(train_dataset) - steps_per_epoch * global_batch} "
         f"rows left out per epoch) | {total_steps} optimizer steps from step {state.step}"
     )
 
-    best_eval = None
+    best_perplexity = None
 
-    def run_eval(row: dict):
-        nonlocal best_eval
-        if eval_dl is None:
-            return
+    def evaluate_into(row: dict) -> None:
+        nonlocal best_perplexity
         result = evaluate(accelerator, model, eval_dl)
         row.update(result)
-        if best_eval is None or result["perplexity"] < best_eval:
-            best_eval = result["perplexity"]
+        if best_perplexity is None or result["perplexity"] < best_perplexity:
+            best_perplexity = result["perplexity"]
 
-    if t.eval_on_start and state.step == 0:
+    if eval_dl is not None and args.eval_on_start and state.step == 0:
         row = {"step": 0, "epoch": 0.0, "tokens_seen": 0}
-        run_eval(row)
+        evaluate_into(row)
         logger.log(row)
 
-    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_targets = 0
-    throughput = Throughput()
-    grad_norm = None
+    # --- the steps
+    def after_backward(micro_step: int) -> None:
+        _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
+
+    window = LogWindow(accelerator)
+    batches = None
     model.train()
     while state.step < total_steps:
-        sampler.use_epoch(state.epoch)
-        # Mid-epoch resume: skip the micro-batches of the steps already done in this epoch (same order: same epoch).
-        dl = accelerator.skip_first_batches(train_dl, state.step_in_epoch * k) if state.step_in_epoch else train_dl
-        batches = iter(dl)
-        while state.step_in_epoch < sampler.steps_per_epoch and state.step < total_steps:
-            micro_batches = [next(batches) for _ in range(k)]
-            local = torch.tensor(
-                [sum(int(count_targets(b["labels"])) for b in micro_batches),
-                 sum(int(b["attention_mask"].sum()) for b in micro_batches)],
-                device=accelerator.device,
-            )
-            global_targets, global_tokens = accelerator.reduce(local, reduction="sum")
-            step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-            for m, batch in enumerate(micro_batches):
-                with accelerator.accumulate(model):
-                    if accelerator.sync_gradients != (m == k - 1):
-                        raise RuntimeError(
-                            f"step {state.step}, micro-step {m}: accelerate's accumulation boundary "
-                            f"(sync_gradients={accelerator.sync_gradients}) disagrees with ours (k={k})"
-                        )
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    row_loss, _ = token_losses(logits, batch["labels"])
-                    loss_sum = row_loss.sum()
-                    loss = micro_step_loss(loss_sum, count_targets(batch["labels"]), global_targets, world, k,
-                                           t.loss_normalization)
-                    accelerator.backward(loss)
-                    _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=m)
-                    step_loss += loss_sum.detach().double()
-                    if engine is not None and engine.is_gradient_accumulation_boundary() != (m == k - 1):
-                        raise RuntimeError(f"step {state.step}: DeepSpeed's accumulation boundary drifted from ours")
-                    if accelerator.sync_gradients:
-                        grad_norm = _clip_and_norm(accelerator, model, t.max_grad_norm)
-                        optimizer.step()
-                        if not accelerator.optimizer_step_was_skipped:
-                            scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-            if engine is not None:
-                grad_norm = engine.get_global_grad_norm()
-                grad_norm = float(grad_norm) if grad_norm is not None else None
-                if engine.global_steps != state.step + 1:
-                    raise RuntimeError(
-                        f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {state.step + 1}"
-                    )
+        if batches is None:  # an epoch starts, or resumes part-way
+            batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
+        result = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accumulation)],
+                            step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
+                            loss_normalization=args.loss_normalization, after_backward=after_backward)
+        if state.finish_step(result, steps_per_epoch):
+            batches = None
+        window.add(result)
+        logger.advance()
 
-            state.step += 1
-            state.step_in_epoch += 1
-            state.tokens_seen += int(global_tokens)
-            state.targets_seen += int(global_targets)
-            state.samples_seen += global_batch
-            window_loss += step_loss  # this rank's share; reduced only when logged
-            window_targets += int(global_targets)
-            throughput.add(int(global_tokens))
-            logger.advance()
+        # Every rank takes the same decisions here, so the collectives inside (loss reduction, eval) are matched.
+        last = state.step == total_steps
+        row = {"step": state.step, "epoch": state.epochs_done(steps_per_epoch), "tokens_seen": state.tokens_seen}
+        logged = state.step % args.logging_steps == 0 or last
+        if logged:
+            window_stats = window.flush()
+            row.update(loss=window_stats["loss"], lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm,
+                       tokens_per_s=window_stats["tokens_per_s"])
+        evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
+        if evaluated:
+            eval_started = time.perf_counter()
+            evaluate_into(row)
+            window.exclude(time.perf_counter() - eval_started)
+        if logged or evaluated:
+            logger.log(row)
+        _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
+              row=row if (logged or evaluated) else None)
+        if args.save_steps and state.step % args.save_steps == 0:
+            ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, protect=resume_from)
 
-            last = state.step == total_steps
-            do_log = state.step % t.logging_steps == 0 or last
-            do_eval = eval_dl is not None and ((t.eval_steps and state.step % t.eval_steps == 0) or last)
-            if do_log or do_eval:
-                row = {
-                    "step": state.step,
-                    "epoch": state.epoch + state.step_in_epoch / sampler.steps_per_epoch,
-                    "tokens_seen": state.tokens_seen,
-                }
-                if do_log:
-                    # do_log is the same on every rank, so this collective is matched.
-                    window_total = float(accelerator.reduce(window_loss.clone(), reduction="sum"))
-                    row.update(
-                        loss=window_total / max(window_targets, 1),
-                        lr=scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm,
-                        tokens_per_s=throughput.rate(),
-                    )
-                    window_loss.zero_()
-                    window_targets = 0
-                    throughput.reset()
-                if do_eval:
-                    eval_started = time.perf_counter()
-                    run_eval(row)
-                    throughput.t0 += time.perf_counter() - eval_started  # tokens/s counts training time only
-                logger.log(row)
-            _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row if (do_log or do_eval) else None)
-            if t.save_steps and state.step % t.save_steps == 0:
-                ckpt.save_checkpoint(accelerator, t.output_dir, state.step, t.save_total_limit, protect=resume_from)
-        if state.step_in_epoch >= sampler.steps_per_epoch:
-            state.epoch += 1
-            state.step_in_epoch = 0
-
+    # --- the end: plot, export, summary
     logger.close()
     if accelerator.is_main_process:
-        from toolkit.plots import plot_run
-
-        plot_run(t.output_dir)
-    final_dir = os.path.join(t.output_dir, "final")
-    if t.save_final_model:
+        plot_run(args.output_dir)
+    final_dir = layout.final_dir(args.output_dir)
+    if args.save_final_model:
         ckpt.save_final(accelerator, model, tokenizer, final_dir)
     elapsed = time.time() - started
     summary = {
         "steps": state.step,
-        "epochs": state.epoch + state.step_in_epoch / sampler.steps_per_epoch,
+        "epochs": state.epochs_done(steps_per_epoch),
         "tokens_seen": state.tokens_seen,
         "seconds": elapsed,
-        "tokens_per_s": state.tokens_seen / elapsed if elapsed > 0 else 0.0,
-        "best_eval_perplexity": best_eval,
-        "final_model": os.path.abspath(final_dir) if t.save_final_model else None,
+        "tokens_per_s": (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0,
+        "best_eval_perplexity": best_perplexity,
+        "final_model": os.path.abspath(final_dir) if args.save_final_model else None,
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
     }
@@ -329,12 +406,6 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
     accelerator.end_training()
     if accelerator.is_main_process:
-        import json
-
-        from toolkit.report import SUMMARY_FILE, format_run_summary
-
-        # `toolkit report` reads it: world size, strategy and wall time are in no other file of the run.
-        with open(os.path.join(t.output_dir, SUMMARY_FILE), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_summary(args.output_dir, summary)
         print(format_run_summary(summary), flush=True)
     return summary

@@ -9,34 +9,70 @@ import json
 import math
 import os
 import time
+import warnings
 
 from tqdm.auto import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from toolkit import layout
 
 
 def read_metrics(output_dir_or_file: str) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (an output_dir or the file itself).
+
+    A run killed while writing leaves its last line cut short: that line is dropped with a warning (a resume then
+    rewrites the file). Any other line that is not JSON means the file was damaged otherwise, and stops the read.
+    """
     path = output_dir_or_file
     if os.path.isdir(path):
-        path = os.path.join(path, METRICS_FILE)
-    rows = []
+        path = layout.path(path, layout.METRICS)
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                # Typically the last line of a run killed mid-write.
-                raise ValueError(f"{path}: line {lineno} is not JSON ({e.msg}); the file is damaged: delete that "
-                                 "line and try again") from None
+        lines = f.read().split("\n")
+    # A complete file ends with a newline, so its last piece is "": a non-empty last piece was cut mid-write.
+    unterminated = lines.pop()
+    rows = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {lineno} is not JSON ({e.msg}); the file is damaged: delete that "
+                             "line and try again") from None
+    if unterminated.strip():
+        try:
+            rows.append(json.loads(unterminated))
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}: the last line was cut short (a run killed while writing it); ignoring it",
+                          stacklevel=2)
     return rows
+
+
+def write_summary(output_dir: str, summary: dict) -> str:
+    """``output_dir/summary.json``: world size, strategy and wall time are in no other file of the run."""
+    path = layout.path(output_dir, layout.SUMMARY)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+    return path
+
+
+def format_run_summary(summary: dict) -> str:
+    """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
+    ppl = summary.get("best_eval_perplexity")
+    lines = [
+        "run summary",
+        f"  {summary['steps']} optimizer steps, {summary['tokens_seen']:,} tokens in {summary['seconds']:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s, wall clock incl. evaluation and export)",
+        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
+        f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
+        f"  model: {summary['final_model']}" if summary.get("final_model") else "  model: not saved (save_final_model false)",
+    ]
+    return "\n".join(lines)
 
 
 class MetricsLogger:
     def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, resume: bool = False):
         self.accelerator = accelerator
-        self.path = os.path.join(output_dir, METRICS_FILE)
+        self.path = layout.path(output_dir, layout.METRICS)
         self.main = accelerator.is_main_process
         if self.main:
             os.makedirs(output_dir, exist_ok=True)

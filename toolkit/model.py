@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toolkit.config import ConfigError, ModelArguments
+from toolkit.config import ModelArguments, max_positions
+from toolkit.errors import ConfigError
+
+__all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions"]
 
 
 def _kw(args: ModelArguments) -> dict:
@@ -14,12 +18,24 @@ def _kw(args: ModelArguments) -> dict:
     return kw
 
 
-def load_config(args: ModelArguments):
-    name = args.config_name or args.model_name_or_path
-    config = AutoConfig.from_pretrained(name, **_kw(args))
+def load_config(args: ModelArguments, disable_dropout: bool = False):
+    config = AutoConfig.from_pretrained(args.config_source, **_kw(args))
     if args.config_overrides:
         config.update_from_string(args.config_overrides)
+    if disable_dropout:
+        # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, BERT's
+        # hidden_dropout_prob, ...): some models apply dropout functionally from these, with no nn.Dropout to reach.
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
     return config
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """p = 0 on every ``nn.Dropout`` (TRL's ``disable_dropout_in_model``); ``load_config`` covers the functional ones."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def load_tokenizer(args: ModelArguments, log=print):
@@ -42,11 +58,3 @@ def load_model(args: ModelArguments, config=None):
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, **_kw(args))
     return AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
-
-
-def max_positions(config) -> int | None:
-    for attr in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
-    return None

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Sampler
 
+from toolkit.errors import ConfigError
+
 
 def require_one_global_batch(num_samples: int, micro_batch_size: int, num_processes: int, accumulation: int) -> None:
     """Refuse a training set smaller than one global batch (every step must see exactly one full global batch)."""
     global_batch = micro_batch_size * num_processes * accumulation
     if num_samples < global_batch:
-        from toolkit.config import ConfigError
-
         raise ConfigError(
             "per_device_train_batch_size",
             f"the training set has {num_samples} rows, fewer than one global batch ({num_processes} ranks x "

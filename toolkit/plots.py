@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from toolkit import layout
 from toolkit.metrics import read_metrics
 
 
@@ -69,4 +70,4 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) 
 def plot_run(output_dir: str, path: str | None = None) -> str:
     """Draw ``output_dir/loss.png`` (or ``path``) from ``output_dir/metrics.jsonl``; returns the file written."""
     return plot_runs({os.path.basename(os.path.normpath(output_dir)): read_metrics(output_dir)},
-                     path or os.path.join(output_dir, "loss.png"))
+                     path or layout.path(output_dir, layout.LOSS_PLOT))

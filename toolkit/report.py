@@ -18,10 +18,9 @@ import math
 import os
 import sys
 
-from toolkit.metrics import METRICS_FILE, read_metrics
+from toolkit import layout
+from toolkit.metrics import read_metrics
 from toolkit.plots import plot_runs
-
-SUMMARY_FILE = "summary.json"
 
 
 class ReportError(ValueError):
@@ -30,24 +29,24 @@ class ReportError(ValueError):
 
 def load_run(output_dir: str) -> dict:
     """metrics rows, config (or {}) and the loop's summary (or {}) of one output_dir."""
-    path = os.path.join(output_dir, METRICS_FILE)
+    path = layout.path(output_dir, layout.METRICS)
     if not os.path.isdir(output_dir):
         raise ReportError(f"{output_dir}: no such folder; pass the output_dir of a run")
     if not os.path.isfile(path):
-        raise ReportError(f"{output_dir}: no {METRICS_FILE}; is it the output_dir of a toolkit run (it holds "
+        raise ReportError(f"{output_dir}: no {layout.METRICS}; is it the output_dir of a toolkit run (it holds "
                           f"config.yaml, runs/, final/)?")
     try:
         rows = read_metrics(path)
     except ValueError as e:
         raise ReportError(str(e)) from None
     config, summary = {}, {}
-    cfg_path = os.path.join(output_dir, "config.yaml")
+    cfg_path = layout.path(output_dir, layout.CONFIG)
     if os.path.isfile(cfg_path):
         import yaml
 
         with open(cfg_path) as f:
             config = yaml.safe_load(f) or {}
-    sum_path = os.path.join(output_dir, SUMMARY_FILE)
+    sum_path = layout.path(output_dir, layout.SUMMARY)
     if os.path.isfile(sum_path):
         with open(sum_path) as f:
             summary = json.load(f)
@@ -121,8 +120,7 @@ def summarize(run: dict) -> dict:
 
 
 def _final_model(run: dict) -> str | None:
-    path = os.path.join(run["output_dir"], "final")
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    return layout.final_dir(run["output_dir"]) if layout.has_final_model(run["output_dir"]) else None
 
 
 # --------------------------------------------------------------------------------------------------- formatting
@@ -187,20 +185,6 @@ def table(summaries: list[dict], markdown: bool = False) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body)
 
 
-def format_run_summary(summary: dict) -> str:
-    """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
-    ppl = summary.get("best_eval_perplexity")
-    lines = [
-        "run summary",
-        f"  {summary['steps']} optimizer steps, {summary['tokens_seen']:,} tokens in {summary['seconds']:.1f} s "
-        f"({summary['tokens_per_s']:,.0f} tokens/s, wall clock incl. evaluation and export)",
-        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
-        f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
-        f"  model: {summary['final_model']}" if summary.get("final_model") else "  model: not saved (save_final_model false)",
-    ]
-    return "\n".join(lines)
-
-
 def report(output_dirs: list[str], out: str | None = None, markdown_path: str | None = None,
            fmt: str = "text") -> tuple[str, str]:
     """Draw the plot and build the table; returns (image path, table text in the requested format)."""
@@ -208,7 +192,7 @@ def report(output_dirs: list[str], out: str | None = None, markdown_path: str | 
     summaries = [summarize(r) for r in runs]
     names = run_names(summaries)
     if out is None:
-        out = os.path.join(output_dirs[0], "loss.png") if len(runs) == 1 else "compare.png"
+        out = layout.path(output_dirs[0], layout.LOSS_PLOT) if len(runs) == 1 else "compare.png"
     title = names[0] if len(runs) == 1 else " vs ".join(names)
     plot_runs({n: r["rows"] for n, r in zip(names, runs)}, out, title=title)
     if markdown_path:

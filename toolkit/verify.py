@@ -1,23 +1,28 @@
 """``python -m toolkit verify``: does a launch config train exactly like one process? Check before paying for GPUs.
 
-    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--optim sgd|adamw|both]
+    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--checks sgd,adamw]
         [--steps 3] [--recipe recipes/gpt2.py] [--work_dir DIR]  RECIPE ARGS (--config ..., any field)
 
-For each optimizer asked for, it runs the recipe twice for a few steps, deterministically (fp32, dropout off, shuffle
-on, the recipe's seed and data, a linear schedule) and compares the exported ``final/`` weights:
+For each check asked for, it runs the recipe, unchanged, twice for a few steps, the way a user would, with
+``--disable_dropout true`` and fp32 (``--mixed_precision no``), shuffle on, the recipe's seed and data, a linear
+schedule, and compares the exported ``final/`` weights:
 
-  1. under the launch config: ``accelerate launch --config_file ... --num_processes N``, micro batch m, accumulation k;
-  2. as one plain process with the same global batch: micro batch N x m x k, no accumulation.
+  1. under the launch config: ``accelerate launch --config_file ... --num_processes N recipe ...``, micro batch m,
+     accumulation k;
+  2. as one plain process, ``python recipe ...``, with the same global batch: micro batch N x m x k, no accumulation.
 
 It prints max |dw| and the two loss curves side by side, then PASS or FAIL: SGD without clipping must agree to 1e-6
 (SGD is linear in the gradient, so any error in the loss normalisation, the accumulation boundary or the gradient
-reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-4 (Adam divides by sqrt(v), which amplifies
-fp32 rounding in different summation orders). DeepSpeed clips inside its engine at the recipe's max_grad_norm
-(``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
+reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-5. The AdamW check runs with eps 1e-6:
+Adam's update is about lr * g / (|g| + eps), so with the usual 1e-8 a parameter whose gradient is near 1e-8 turns
+fp32 rounding noise (another summation order on another CPU) into a visible change of its step, and the verdict would
+depend on the machine (measured: 1.2e-4 on one CPU, 1.4e-5 on another; 2.4e-6 with eps 1e-6). At 1e-5 it still
+catches a missing clip (5.3e-4) and a norm taken over one shard (off by sqrt(2): 4.8e-4). DeepSpeed clips inside its
+engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
 Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error.
 
-The recipe must expose ``main(callbacks=None)`` and parse its arguments with ``toolkit.config`` (as recipes/gpt2.py).
-Verify runs it through this module (``--_worker``) so that it can switch dropout off without touching the recipe.
+verify's own options are named so that no recipe field can be taken for one (a test keeps it so): every other
+argument goes to the recipe. The fields verify must fix for a fair comparison are listed when it starts.
 """
 
 from __future__ import annotations
@@ -31,10 +36,23 @@ import sys
 import tempfile
 import time
 
+from toolkit import layout
+from toolkit.config import ConfigError, field_names, parse_args
+
 SGD_TOLERANCE = 1e-6
-ADAMW_TOLERANCE = 1e-4
+ADAMW_TOLERANCE = 1e-5
+ADAMW_EPSILON = 1e-6
 TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE}
-DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "gpt2.py")
+
+
+def default_recipe() -> str:
+    """recipes/gpt2.py: beside the package in a source checkout, inside it (toolkit/recipes) in an installed wheel."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(os.path.dirname(package), "recipes", "gpt2.py"),
+                      os.path.join(package, "recipes", "gpt2.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return os.path.join(package, "recipes", "gpt2.py")  # reported as missing by _plan
 
 
 def _optimizer_overrides(name: str, args) -> list[str]:
@@ -44,7 +62,15 @@ def _optimizer_overrides(name: str, args) -> list[str]:
         # is itself off by 1e-5 to 1e-3 relative, differently for every sharding (measured: torch's vector_norm of
         # 1.6M fp32 values vs fp64), which clipping turns into ~1e-5 of dw. Clipping is checked by the AdamW run.
         return ["--optim", "sgd", "--learning_rate", str(args.sgd_lr), "--weight_decay", "0", "--max_grad_norm", "0"]
-    return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01"]
+    return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01",
+            "--adam_epsilon", str(ADAMW_EPSILON)]
+
+
+def _checks(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names or any(n not in TOLERANCES for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(TOLERANCES)}, got {value!r}")
+    return list(dict.fromkeys(names))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,22 +78,27 @@ def _parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("--config_file", required=True, help="the accelerate launch config to verify")
     p.add_argument("--num_processes", type=int, default=None, help="ranks to launch (default: the config's)")
-    p.add_argument("--optim", choices=("sgd", "adamw", "both"), default="both", help="optimizer(s) to check")
+    p.add_argument("--checks", type=_checks, default=["sgd", "adamw"], help="comma-separated: sgd, adamw (default both)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe script with main(callbacks=None)")
+    p.add_argument("--recipe", default=None, help="recipe script (default: recipes/gpt2.py)")
     p.add_argument("--work_dir", default=None, help="where the runs go (default: a new temporary folder)")
     p.add_argument("--sgd_lr", type=float, default=0.5, help="SGD learning rate (large, so that errors show)")
     p.add_argument("--adamw_lr", type=float, default=3e-3, help="AdamW learning rate")
     return p
 
 
+def own_options() -> set[str]:
+    """verify's option names; none may also be a recipe field, or a user's recipe value would be taken as verify's."""
+    return {a.dest for a in _parser()._actions if a.dest != "help"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--_worker"]:
-        return _worker(argv[1:])
+    clash = own_options() & set(field_names())
+    if clash:  # a programming error, kept out by a test; never let a recipe value be read as verify's own
+        raise RuntimeError(f"verify options {sorted(clash)} are also recipe fields; rename them")
     args, recipe_args = _parser().parse_known_args(argv)
-    from toolkit.config import ConfigError
-
+    args.recipe = args.recipe or default_recipe()
     try:
         plan = _plan(args, recipe_args)
     except ConfigError as e:
@@ -76,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="toolkit-verify-")
     print(f"verify {args.config_file}: {plan['world']} processes x micro batch {plan['micro']} x accumulation "
           f"{plan['accum']} vs 1 process x micro batch {plan['global']}; {args.steps} steps, fp32, dropout off, "
-          f"shuffle on; runs in {work}", flush=True)
+          f"shuffle on; recipe {args.recipe}; runs in {work}", flush=True)
+    print(f"  verify sets: {' '.join(_fixed_overrides(args.steps))} and, per check, optim, learning_rate, "
+          "weight_decay (sgd: max_grad_norm 0; adamw: adam_epsilon 1e-6)", flush=True)
     ok = True
-    for name in (["sgd", "adamw"] if args.optim == "both" else [args.optim]):
-        tolerance = TOLERANCES[name]
+    for name in args.checks:
         common = [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(name, args)]
         runs = {}
         for label in ("strategy", "reference"):
@@ -87,12 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             if label == "strategy":
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
                        "--num_processes", str(plan["world"]), "--mixed_precision", "no",
-                       "--main_process_port", str(_free_port()), "-m", "toolkit.verify", "--_worker", args.recipe,
-                       *common, "--output_dir", out]
+                       "--main_process_port", str(_free_port()), args.recipe, *common, "--output_dir", out]
             else:
-                cmd = [sys.executable, "-m", "toolkit.verify", "--_worker", args.recipe, *common,
-                       "--per_device_train_batch_size", str(plan["global"]), "--gradient_accumulation_steps", "1",
-                       "--output_dir", out]
+                cmd = [sys.executable, args.recipe, *common, "--per_device_train_batch_size", str(plan["global"]),
+                       "--gradient_accumulation_steps", "1", "--output_dir", out]
             started = time.time()
             log = out + ".log"
             rc = _run(cmd, log, single=label == "reference")
@@ -101,15 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(_tail(log), file=sys.stderr)
                 return 1
             runs[label] = out
-        ok &= _compare(name, runs["strategy"], runs["reference"], tolerance)
+        ok &= _compare(name, runs["strategy"], runs["reference"], TOLERANCES[name])
     print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
 
 def _plan(args, recipe_args: list[str]) -> dict:
     """Parse (and validate) the recipe's arguments here, before any launch: errors come back in a second."""
-    from toolkit.config import ConfigError, parse_args
-
     if not os.path.isfile(args.config_file):
         raise ConfigError("config_file", f"file not found: {args.config_file}")
     if not os.path.isfile(args.recipe):
@@ -135,7 +163,7 @@ def _config_processes(path: str) -> int:
 def _fixed_overrides(steps: int) -> list[str]:
     # Appended after the user's arguments: the command line's last value wins.
     return ["--max_steps", str(steps), "--logging_steps", "1", "--shuffle", "true", "--lr_scheduler_type", "linear",
-            "--warmup_steps", "0", "--eval_on_start", "false", "--max_eval_samples", "32",
+            "--warmup_steps", "0", "--eval_on_start", "false", "--max_eval_samples", "32", "--disable_dropout", "true",
             "--report_to", "none", "--overwrite_output_dir", "true", "--save_final_model", "true"]
 
 
@@ -163,26 +191,35 @@ def _tail(path: str, lines: int = 40) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def _load_final(out: str) -> dict:
+def _load_final(out: str) -> tuple[dict, set[str]]:
+    """The exported weights as fp64, and the dtypes they were stored in (the dtype the run trained in)."""
     from safetensors.torch import load_file
 
-    final = os.path.join(out, "final")
+    final = layout.final_dir(out)
     index = os.path.join(final, "model.safetensors.index.json")
     files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) else [
         "model.safetensors"]
-    weights = {}
+    weights, dtypes = {}, set()
     for name in files:
-        weights.update({k: v.double() for k, v in load_file(os.path.join(final, name)).items()})
-    return weights
+        for key, tensor in load_file(os.path.join(final, name)).items():
+            dtypes.add(str(tensor.dtype).replace("torch.", ""))
+            weights[key] = tensor.double()
+    return weights, dtypes
 
 
 def _metrics(out: str) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
+    from toolkit.metrics import read_metrics
+
+    return [r for r in read_metrics(out) if "loss" in r]
 
 
 def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool:
-    a, b = _load_final(strategy), _load_final(reference)
+    (a, dtypes_a), (b, dtypes_b) = _load_final(strategy), _load_final(reference)
+    if dtypes_a | dtypes_b != {"float32"}:
+        # Tolerances are for fp32 arithmetic; a model trained in bf16 would fail (or pass) for the wrong reason.
+        print(f"  {name}: the runs trained in {sorted(dtypes_a | dtypes_b)}, verify compares fp32 training; "
+              "load the model in float32: FAIL")
+        return False
     if set(a) != set(b):
         print(f"  {name}: the exports hold different tensors: {sorted(set(a) ^ set(b))[:5]}")
         return False
@@ -199,47 +236,6 @@ def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool
     print(f"  {name}: max |dw| = {dw:.3e} (at {worst}), tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}"
           + ("" if same_steps else " (the runs logged different steps)") + "\n", flush=True)
     return passed
-
-
-# --- the worker: the recipe, with dropout off and fp32 checked ---------------------------------------------------
-
-def _worker(argv: list[str]) -> int:
-    import importlib.util
-
-    import toolkit.model
-    from toolkit.config import cli
-
-    recipe, rest = argv[0], argv[1:]
-    load_config = toolkit.model.load_config
-
-    def load_config_without_dropout(args):
-        # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, ...).
-        config = load_config(args)
-        for key, value in list(vars(config).items()):
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-                setattr(config, key, 0.0)
-        return config
-
-    toolkit.model.load_config = load_config_without_dropout  # before the recipe imports it
-    sys.path.insert(0, os.path.dirname(os.path.abspath(recipe)))
-    spec = importlib.util.spec_from_file_location("verified_recipe", recipe)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.argv = [recipe, *rest]
-    cli(lambda: module.main(callbacks=[_Deterministic()]))
-    return 0
-
-
-class _Deterministic:
-    def on_prepared(self, accelerator, model, optimizer):
-        import torch
-
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-        wrong = {str(p.dtype) for p in model.parameters() if p.dtype != torch.float32}
-        if wrong:
-            raise RuntimeError(f"verify compares in fp32 but the model has {sorted(wrong)} parameters")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Helpers shared by the tests (imported as ``helpers``; fixtures live in conftest.py, which imports this too).
+
+Every multi-process test goes through ``accelerate launch`` with real gloo ranks; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "gpt2.py")
+CONFIGS = os.path.join(ROOT, "accelerate_configs")
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+sys.path.insert(0, SCRIPTS)  # the probes (probe_run.PROBE_IDS) are imported by tests
+
+
+def subprocess_env() -> dict:
+    """The environment of every subprocess a test starts: offline, one thread per rank, the repo importable."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        # 2 ranks on 2 cores: one thread each, or they fight over the cores.
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "recipes"), env.get("PYTHONPATH", "")]),
+    )
+    env.pop("ACCELERATE_USE_CPU", None)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """``accelerate launch`` for N > 1, plain ``python`` for one process (the user's two ways to run)."""
+    if num_processes == 1:
+        return run([sys.executable, script, *script_args], check=check)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+           "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script, *script_args]
+    return run(cmd, check=check)
+
+
+def args_from(d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
+
+
+class Runs:
+    """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py), keyed by name, so that
+    several tests share one launch (each costs ~10 s of process start)."""
+
+    def __init__(self, tmp, model: str, data: dict, common: dict):
+        self.tmp, self.model, self.data, self.common, self.done = tmp, model, data, common, {}
+
+    def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
+        if name not in self.done:
+            out = str(self.tmp / name)
+            if prepare:
+                prepare(out)
+            cfg = {**self.common, **self.data, "model_name_or_path": self.model, "output_dir": out,
+                   "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
+            cfg = {k: v for k, v in cfg.items() if v is not None}  # None: leave the field at its default
+            launch(args_from(cfg), num_processes=world, config=config or "ddp.yaml",
+                   script=os.path.join(SCRIPTS, "probe_run.py"))
+            self.done[name] = out
+        return self.done[name]
+
+
+def load_weights(folder: str) -> dict:
+    """Weights of a final/ export or a DDP checkpoint folder, as fp64 tensors by name."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, "model.safetensors")
+    return {k: v.double() for k, v in load_file(path).items()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """max |a - b| over every tensor; both sides must hold exactly the same tensors (a missing one is a failure)."""
+    assert a and set(a) == set(b), f"weight names differ: {sorted(set(a) ^ set(b))[:5]}"
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ------------------------------------------------------------------ the quickstart notebook, executed once
+RESULT_TAG = "QUICKSTART_RESULT "
+
+
+def _texts(nb) -> str:
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream":
+                out.append(o["text"])
+            elif "data" in o:
+                out.append(o["data"].get("text/plain", ""))
+    return "\n".join(out)
+
+
+def execute_quickstart(work) -> dict:
+    """Run the notebook top to bottom in a fresh kernel, writing everything under ``work``; what it printed and made."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = subprocess_env()
+    env["TOOLKIT_QUICKSTART_DIR"] = str(work)
+    env.pop("OMP_NUM_THREADS", None)  # the kernel run may use both cores; accelerate sets 1 per rank after the fork
+    before = sorted(os.listdir(os.path.dirname(NOTEBOOK)))
+    client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(work)}})
+    client.execute(env=env)
+    text = _texts(nb)
+    line = next((s for s in text.splitlines() if s.startswith(RESULT_TAG)), None)
+    assert line is not None, f"the notebook printed no {RESULT_TAG.strip()} line; its output:\n{text[-4000:]}"
+    return {"work": str(work), "nb": nb, "text": text, "before": before,
+            "result": json.loads(line[len(RESULT_TAG):]),
+            "kernel_run": str(work / "kernel-1x4x2"), "launch_run": str(work / "launcher-2x4x1")}

@@ -1,0 +1,149 @@
+"""Checkpoint folders on disk: which ones count, which one is latest, which ones rotation deletes.
+
+On real folders under tmp_path (``rotate_checkpoints`` and ``toolkit.layout`` touch only the file system, so no
+Accelerator is needed): only ``step-N`` folders are checkpoints, in numeric order; ``step-N.tmp`` (a save in progress)
+and any other name are never listed nor deleted; rotation keeps the N newest but never a protected one (the
+checkpoint this run resumed from); the ``latest`` pointer wins when it names a folder, else the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from toolkit import layout
+from toolkit.checkpoint import rotate_checkpoints
+
+
+def _make(out, steps=(), tmp=(), others=()) -> str:
+    """``out/checkpoints`` with step-N folders (each holding a file, as save_state leaves), step-N.tmp folders and
+    other folders; returns out as a str."""
+    out = str(out)
+    for step in steps:
+        os.makedirs(layout.step_dir(out, step))
+        open(os.path.join(layout.step_dir(out, step), "model.safetensors"), "w").close()
+    for step in tmp:
+        os.makedirs(layout.step_dir(out, step) + layout.TMP_SUFFIX)
+    for name in others:
+        os.makedirs(os.path.join(layout.checkpoints_dir(out), name))
+    return out
+
+
+def _steps(out) -> list[int]:
+    return [step for step, _ in layout.list_checkpoints(out)]
+
+
+def _entries(out) -> list[str]:
+    return sorted(os.listdir(layout.checkpoints_dir(out)))
+
+
+def _point(out, name: str) -> None:
+    with open(os.path.join(layout.checkpoints_dir(out), layout.LATEST), "w") as f:
+        f.write(name)
+
+
+# ------------------------------------------------------------------------------------------------ listing
+def test_list_is_numeric_and_ignores_tmp_and_other_names(tmp_path):
+    out = _make(tmp_path, steps=[10, 2, 9], tmp=[11], others=["step-x", "Step-4", "step-7-old", "final"])
+    open(os.path.join(layout.checkpoints_dir(out), "step-5"), "w").close()  # a file, not a folder
+    _point(out, "step-9")
+    # step-10 after step-9 (a lexicographic sort would put it first); paths are the ones step_dir names
+    assert layout.list_checkpoints(out) == [(s, layout.step_dir(out, s)) for s in (2, 9, 10)]
+
+
+def test_no_checkpoints_folder(tmp_path):
+    assert layout.list_checkpoints(str(tmp_path)) == []
+    assert layout.latest_checkpoint(str(tmp_path)) is None
+
+
+# ----------------------------------------------------------------------------------------------- rotation
+def test_rotation_keeps_the_newest(tmp_path):
+    out = _make(tmp_path, steps=range(1, 6))
+    rotate_checkpoints(out, 2, keep={layout.step_dir(out, 5), None})  # None: save_checkpoint's protect when not resumed
+    assert _steps(out) == [4, 5]
+
+
+def test_rotation_is_numeric(tmp_path):
+    """A lexicographic order ("step-10" < "step-8") would delete the two newest."""
+    out = _make(tmp_path, steps=[8, 9, 10, 11])
+    rotate_checkpoints(out, 2, keep={layout.step_dir(out, 11)})
+    assert _steps(out) == [10, 11]
+
+
+def test_protected_checkpoint_survives_even_when_oldest(tmp_path, monkeypatch):
+    out = _make(tmp_path / "out", steps=range(1, 6))
+    monkeypatch.chdir(tmp_path)
+    # The resumed-from folder as the user typed it (relative): rotation compares absolute paths.
+    protect = os.path.join("out", layout.CHECKPOINTS, "step-1")
+    rotate_checkpoints(out, 2, keep={layout.step_dir(out, 5), protect})
+    assert _steps(out) == [1, 5]  # the limit is still met: the next oldest ones went instead
+    assert os.path.isfile(os.path.join(layout.step_dir(out, 1), "model.safetensors"))
+
+
+def test_protection_can_keep_more_than_the_limit(tmp_path):
+    """With limit 1 and two protected folders, everything else goes and the two stay: as far down as it can."""
+    out = _make(tmp_path, steps=range(1, 6))
+    rotate_checkpoints(out, 1, keep={layout.step_dir(out, 5), layout.step_dir(out, 1)})
+    assert _steps(out) == [1, 5]
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_no_limit_deletes_nothing(tmp_path, limit):
+    out = _make(tmp_path, steps=range(1, 6))
+    rotate_checkpoints(out, limit, keep=set())
+    assert _steps(out) == [1, 2, 3, 4, 5]
+
+
+def test_rotation_never_touches_tmp_or_other_folders(tmp_path):
+    out = _make(tmp_path, steps=range(1, 5), tmp=[0, 5], others=["notes"])
+    _point(out, "step-4")
+    rotate_checkpoints(out, 1, keep={layout.step_dir(out, 4)})
+    # step-0.tmp is "older" than every checkpoint and step-5.tmp is "newer": neither is counted nor deleted
+    assert _entries(out) == ["latest", "notes", "step-0.tmp", "step-4", "step-5.tmp"]
+
+
+# ------------------------------------------------------------------------------------------ latest, resume
+def test_latest_pointer_wins_when_valid(tmp_path):
+    out = _make(tmp_path, steps=[3, 5])
+    _point(out, "step-3\n")  # a trailing newline (hand-edited file) is tolerated
+    assert layout.latest_checkpoint(out) == layout.step_dir(out, 3)
+
+
+def test_latest_falls_back_without_pointer(tmp_path):
+    out = _make(tmp_path, steps=[9, 10], tmp=[11])
+    assert layout.latest_checkpoint(out) == layout.step_dir(out, 10)  # numeric, and never the .tmp one
+
+
+def test_latest_falls_back_when_pointer_names_a_deleted_folder(tmp_path):
+    out = _make(tmp_path, steps=[2, 4], tmp=[6])
+    _point(out, "step-7")
+    assert layout.latest_checkpoint(out) == layout.step_dir(out, 4)
+
+
+def test_latest_is_none_with_only_a_save_in_progress(tmp_path):
+    out = _make(tmp_path, tmp=[1])
+    assert layout.latest_checkpoint(out) is None
+
+
+@pytest.mark.parametrize("pointer", ["", "..", "step-2.tmp", "other"])
+def test_a_pointer_that_names_no_complete_checkpoint_falls_back(tmp_path, pointer):
+    """An empty pointer once returned the checkpoints folder itself; '..' a folder outside it; a '.tmp' name an
+    unfinished save. Only a complete step-N counts."""
+    out = _make(tmp_path, steps=[1, 2])
+    os.makedirs(os.path.join(layout.checkpoints_dir(out), "step-2.tmp"), exist_ok=True)
+    os.makedirs(os.path.join(layout.checkpoints_dir(out), "other"), exist_ok=True)
+    _point(out, pointer)
+    assert layout.latest_checkpoint(out) == layout.step_dir(out, 2)
+
+
+def test_resolve_resume(tmp_path):
+    out = _make(tmp_path, steps=[1, 3])
+    assert layout.resolve_resume(out, None) is None
+    assert layout.resolve_resume(out, "") is None
+    assert layout.resolve_resume(out, "latest") == layout.step_dir(out, 3)
+    _point(out, "step-1")
+    assert layout.resolve_resume(out, "latest") == layout.step_dir(out, 1)
+    elsewhere = str(tmp_path / "some" / "folder")
+    assert layout.resolve_resume(out, elsewhere) == elsewhere  # a folder is taken as given (config checks it exists)
+    assert layout.resolve_resume(str(tmp_path / "empty"), "latest") is None

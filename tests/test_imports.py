@@ -1,0 +1,173 @@
+"""The import structure of ``toolkit/`` keeps its promises, read from the source with ``ast`` (nothing is imported):
+
+- the graph of imports between toolkit modules has no cycle;
+- ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
+  the standard library only, so a config is checked before torch, accelerate or a model is touched;
+- ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
+- parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess).
+
+Top-level and function-local imports both count (a function-local import still runs when the function does), and so
+do ``if TYPE_CHECKING:`` ones (stricter than needed). Imports by string (``importlib.import_module`` in
+``toolkit/__main__.py``) are not seen.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT, subprocess_env
+
+PACKAGE = "toolkit"
+SOURCE = os.path.join(ROOT, PACKAGE)
+
+
+def _module_name(filename: str) -> str:
+    stem = filename[: -len(".py")]
+    return PACKAGE if stem == "__init__" else f"{PACKAGE}.{stem}"
+
+
+def _modules() -> dict[str, ast.Module]:
+    names = sorted(f for f in os.listdir(SOURCE) if f.endswith(".py"))
+    return {_module_name(f): ast.parse(Path(SOURCE, f).read_text(), filename=f) for f in names}
+
+
+def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """Every import statement of the module, anywhere in it: (absolute module, names taken from it); ``import a.b``
+    gives ("a.b", [])."""
+    package = name if name == PACKAGE else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: ``from . import x`` / ``from .x import y`` inside the package
+                parts = package.split(".")
+                base = parts[: len(parts) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.append((target, [alias.name for alias in node.names]))
+    return out
+
+
+def _toolkit_edges(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The toolkit modules ``name`` imports. ``from toolkit import layout`` names the submodule toolkit.layout;
+    ``from toolkit.config import X`` names toolkit.config; ``import toolkit.model`` names toolkit.model."""
+    edges = set()
+    for module, names in _imports(name, tree):
+        if module.split(".")[0] != PACKAGE:
+            continue
+        parts = module.split(".")
+        holder = next(".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known)
+        for taken in names or [None]:
+            edges.add(f"{module}.{taken}" if f"{module}.{taken}" in known else holder)
+    edges.discard(name)
+    return edges
+
+
+def _graph() -> dict[str, set[str]]:
+    trees = _modules()
+    return {name: _toolkit_edges(name, tree, set(trees)) for name, tree in trees.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (iterative DFS with white/grey/black colours)."""
+    colour = dict.fromkeys(graph, 0)
+    for root in sorted(graph):
+        if colour[root]:
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        colour[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                colour[path.pop()] = 2
+                stack.pop()
+            elif colour.get(nxt, 0) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif colour.get(nxt, 0) == 0:
+                colour[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module reachable from ``start``, with one import path to it."""
+    paths, todo = {start: [start]}, [start]
+    while todo:
+        node = todo.pop()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in paths:
+                paths[nxt] = paths[node] + [nxt]
+                todo.append(nxt)
+    return paths
+
+
+def test_graph_sees_the_known_imports():
+    """Guards the parser: if it silently found nothing, the tests below would pass vacuously."""
+    graph = _graph()
+    assert {"toolkit.loop", "toolkit.config", "toolkit.layout", "toolkit.errors", "toolkit.report"} <= set(graph)
+    assert "toolkit.checkpoint" in graph["toolkit.loop"]  # ``from toolkit import checkpoint as ckpt``
+    assert "toolkit.config" in graph["toolkit.loop"]  # ``from toolkit.config import RunConfig, ...``
+    assert "toolkit.layout" in graph["toolkit.config"]  # ``from toolkit import layout``
+    assert "toolkit.metrics" in graph["toolkit.verify"]  # a function-local import
+    # ... and the cycle finder finds cycles.
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_relative_imports_resolve():
+    tree = ast.parse("from . import layout\nfrom .errors import ConfigError\nimport toolkit.model\n")
+    known = {"toolkit", "toolkit.layout", "toolkit.errors", "toolkit.model", "toolkit.x"}
+    assert _toolkit_edges("toolkit.x", tree, known) == {"toolkit.layout", "toolkit.errors", "toolkit.model"}
+
+
+def test_no_import_cycle():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, f"import cycle between toolkit modules: {' -> '.join(cycle)}"
+
+
+def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
+    graph, trees = _graph(), _modules()
+    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout"}
+    for name in ("toolkit.errors", "toolkit.layout"):
+        assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
+        outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
+        assert not outside, f"{name} imports non-stdlib {sorted(outside)}"
+
+
+def test_loop_does_not_reach_report():
+    """report reads finished runs; the loop writes them. The loop reaching report (even through another module)
+    would make every training process load the reader's dependencies and invite the two to share state."""
+    paths = _reachable(_graph(), "toolkit.loop")
+    assert "toolkit.checkpoint" in paths  # the walk does walk
+    via = " -> ".join(paths.get("toolkit.report", []))
+    assert "toolkit.report" not in paths, f"toolkit.loop imports toolkit.report via {via}"
+
+
+def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
+    """The real import, in a fresh interpreter. Measured (transformers 5.24): importing toolkit.config loads no
+    transformers at all; config_from_dict loads transformers' HfArgumentParser, which does not pull in torch or
+    accelerate. A Hub-like model id is not a folder, so no model config is read."""
+    code = (
+        "import json, sys\n"
+        "import toolkit.config\n"
+        "after_import = sorted(m for m in ('torch', 'accelerate', 'transformers') if m in sys.modules)\n"
+        "cfg = toolkit.config.config_from_dict(dict(model_name_or_path='gpt2', dataset_name='pydoc',\n"
+        f"                                          output_dir={str(tmp_path / 'run')!r}))\n"
+        "print(json.dumps({'after_import': after_import, 'model': cfg.model.model_name_or_path,\n"
+        "                  'loaded': sorted(m for m in ('torch', 'accelerate') if m in sys.modules)}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["model"] == "gpt2"  # the config was really parsed
+    assert result["after_import"] == []
+    assert result["loaded"] == [], f"parsing a config imported {result['loaded']}"

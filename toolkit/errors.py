@@ -1,0 +1,14 @@
+"""The toolkit's user-facing error. No imports: every module may raise it, and ``config`` depends on nothing else.
+
+A ``ConfigError`` is a mistake the user can fix in their config or launch command. It names the field and what to do;
+``toolkit.config.cli`` prints it as one line, ``config error: <field>: <what to do>``, and exits with code 2
+(argparse's code for a usage error), before any expensive work and without a traceback.
+"""
+
+
+class ConfigError(ValueError):
+    """A bad configuration, reported as ``config error: <field>: <what to do>``."""
+
+    def __init__(self, field_name: str | None, message: str):
+        self.field_name = field_name
+        super().__init__(f"{field_name}: {message}" if field_name else message)
