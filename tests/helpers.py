@@ -51,12 +51,14 @@ def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.Co
 
 
 def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """``accelerate launch`` for N > 1, plain ``python`` for one process (the user's two ways to run)."""
+           check: bool = True, launcher_args: tuple = ()) -> subprocess.CompletedProcess:
+    """``accelerate launch`` for N > 1, plain ``python`` for one process (the user's two ways to run).
+    ``launcher_args``: more options for ``accelerate launch`` (e.g. ``--mixed_precision bf16``)."""
     if num_processes == 1:
         return run([sys.executable, script, *script_args], check=check)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-           "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script, *script_args]
+           "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
+           *script_args]
     return run(cmd, check=check)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit import data
 from toolkit.config import RunConfig
-from toolkit.model import disable_dropout, load_config, load_model, load_tokenizer, max_positions
+from toolkit.model import disable_dropout, load_config, load_model, load_tokenizer, max_positions, parameter_dtypes
 from toolkit.order import require_one_global_batch
 
 
@@ -64,6 +64,8 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
     model = load_model(cfg.model, model_config)
+    log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
+        f"{accelerator.mixed_precision if accelerator is not None else 'no'})")
     if cfg.train.disable_dropout:
         disable_dropout(model)
         log("disable_dropout: every dropout probability of the model is 0")

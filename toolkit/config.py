@@ -40,6 +40,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
+TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
@@ -99,8 +100,15 @@ class ModelArguments:
     )
     gguf_file: Optional[str] = field(default=None, metadata={"help": "GGUF file name inside model_name_or_path."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the Hub. Off: safety."})
+    torch_dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype the weights load and train in: float32 (fp32 master weights, the default), auto (the "
+                          "dtype the checkpoint was stored in: bf16 for most Hub models), bfloat16 or float16 (pure "
+                          "low-precision training, on purpose). Mixed precision is accelerate's --mixed_precision."},
+    )
 
     def __post_init__(self):
+        _one_of(self, "torch_dtype", TORCH_DTYPES)
         for name in ("model_name_or_path", "config_name", "tokenizer_name"):
             value = getattr(self, name)
             # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.

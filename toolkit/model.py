@@ -53,8 +53,23 @@ def load_tokenizer(args: ModelArguments, log=print):
 
 
 def load_model(args: ModelArguments, config=None):
-    """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config."""
+    """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config.
+
+    In ``torch_dtype`` (float32 unless asked otherwise): transformers 5 loads a checkpoint in the dtype it was stored
+    in, and most Hub releases are stored in bf16, so without this AdamW would update bf16 weights and small updates
+    would round away (and ZeRO, which keeps fp32 shards, would disagree with DDP on the same model).
+    """
     config = config if config is not None else load_config(args)
+    dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, **_kw(args))
-    return AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
+                                                    **_kw(args))
+    # From a config there is no stored dtype: "auto" means the config's own (float32 unless it says otherwise).
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+
+
+def parameter_dtypes(model: torch.nn.Module) -> str:
+    """'float32', or e.g. 'bfloat16+float32' when a model holds several (for the log)."""
+    return "+".join(sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}))

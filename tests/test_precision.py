@@ -1,0 +1,73 @@
+"""Precision: fp32 master weights unless asked otherwise, and no precision the machine cannot do.
+
+transformers 5 loads a checkpoint in the dtype it was stored in, and most Hub releases are stored in bf16: without
+``torch_dtype: float32`` (our default) the recipe trained them in pure bf16, AdamW rounding small updates away, and
+``final/`` came out bf16. Here the same weights stored in bf16 and in fp32 must give the same run and an fp32 export.
+"""
+
+import os
+
+import pytest
+import torch
+from helpers import Runs, args_from, launch, load_weights, max_abs_diff
+
+COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
+              per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+              lr_scheduler_type="constant", weight_decay=0)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, tiny_model):
+    """The tiny model stored in bf16, and the very same values stored in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("dtypes")
+    bf16, fp32 = str(root / "bf16"), str(root / "fp32")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    AutoModelForCausalLM.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
+    AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(fp32)
+    for folder in (bf16, fp32):
+        tokenizer.save_pretrained(folder)
+    return {"bf16": bf16, "fp32": fp32}
+
+
+def _dtypes(folder: str) -> set:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_trains_in_fp32_like_its_fp32_copy(tmp_path_factory, stored, padded_data):
+    assert _dtypes(stored["bf16"]) == {"BF16"} and _dtypes(stored["fp32"]) == {"F32"}
+    runs = Runs(tmp_path_factory.mktemp("precision"), None, padded_data, COMMON)
+    outs = {}
+    for name, folder in stored.items():
+        runs.model = folder
+        outs[name] = runs.get(f"from_{name}", "ddp.yaml", 2, 2, 2, {})
+    a, b = (load_weights(os.path.join(outs[n], "final")) for n in ("bf16", "fp32"))
+    assert max_abs_diff(a, b) <= 1e-6
+    assert max_abs_diff(a, load_weights(stored["fp32"])) > 1e-2, "the runs must actually train"
+    assert _dtypes(os.path.join(outs["bf16"], "final")) == {"F32"}
+
+
+@pytest.mark.slow
+def test_torch_dtype_auto_keeps_the_stored_dtype(tmp_path, stored, padded_data):
+    """Pure bf16 training stays possible, on purpose: torch_dtype auto (the stored dtype), and the log says so."""
+    out = tmp_path / "auto"
+    cfg = {**COMMON, **padded_data, "model_name_or_path": stored["bf16"], "output_dir": str(out),
+           "per_device_train_batch_size": 8, "torch_dtype": "auto", "max_steps": 1}
+    proc = launch(args_from(cfg), num_processes=1)
+    assert "weights train in bfloat16 (torch_dtype: auto" in proc.stdout + proc.stderr
+    assert _dtypes(str(out / "final")) == {"BF16"}
+
+
+def test_fp16_on_a_cpu_is_refused(tmp_path, tiny_model, padded_data):
+    """accelerate would run fp16 on a CPU as plain fp32, exit 0: refused before the weights load."""
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
+           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    proc = launch(args_from(cfg), check=False, launcher_args=("--mixed_precision", "fp16"))
+    assert proc.returncode != 0, proc.stderr[-2000:]  # each rank exits 2; the launcher reports 1
+    assert "config error: mixed_precision: fp16 needs a GPU" in proc.stderr
+    assert "Loading weights" not in proc.stdout + proc.stderr and not os.path.exists(tmp_path / "out" / "final")
