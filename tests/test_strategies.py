@@ -169,6 +169,18 @@ def test_resume_equals_straight_run(runs, strategy):
     assert [r["step"] for r in metrics(resumed)] == [3]
 
 
+@pytest.mark.slow
+def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
+    """A ZeRO-3 launch config without zero3_save_16bit_model once crashed at the final export, after all the compute;
+    the toolkit turns it on (save_final_model asks for the full weights) and the export equals one process."""
+    config = yaml.safe_load(open(os.path.join(CONFIGS, "zero3.yaml")))
+    config["deepspeed_config"]["zero3_save_16bit_model"] = False
+    path = tmp_path / "zero3_no_16bit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = runs.get("sgd_zero3_no_16bit", str(path), 2, 2, 2, SGD)
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.reference("sgd", SGD)))) <= 1e-6
+
+
 def test_mismatched_accumulation_in_deepspeed_section_fails(tmp_path, tiny_model, padded_data):
     config = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
     config["deepspeed_config"]["gradient_accumulation_steps"] = 4

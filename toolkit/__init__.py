@@ -10,6 +10,7 @@ Modules, one job each (dependencies point down this list; ``tests/test_imports.p
   model         tokenizer and model loading, disable_dropout
   build         everything a run trains on, from a config (recipes and the notebook share it)
   distributed   the Accelerator, and the CPU shim for DeepSpeed/FSDP on gloo
+  resume        what a checkpoint records about the sample order; refuses a resume that would change it
   checkpoint    save_state checkpoints, rotation, resume, final export
   metrics       metrics.jsonl (write and read), summary.json, trackers, progress bar
   plots, report loss.png; ``python -m toolkit report`` (readers of finished runs)

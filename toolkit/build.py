@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data
+from toolkit import data, layout
 from toolkit.config import RunConfig
 from toolkit.model import disable_dropout, load_config, load_model, load_tokenizer, max_positions, parameter_dtypes
 from toolkit.order import require_one_global_batch
+from toolkit.resume import check_resume
 
 
 @dataclass
@@ -63,6 +64,9 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
     if accelerator is not None:  # checked here too so that it stops before the weights load
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
+        resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
+        if resume_from is not None:
+            check_resume(resume_from, cfg, lm["train"], accelerator.num_processes)
     model = load_model(cfg.model, model_config)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")

@@ -3,11 +3,14 @@
 A checkpoint is written into ``step-N.tmp`` by every rank and renamed to ``step-N`` by the main process only after
 all ranks finished, then the ``latest`` pointer is rewritten (write + rename). A run killed mid-save therefore never
 leaves a half-written ``step-N``, and ``latest`` always names a complete one. The loop's own state (step, epoch,
-position in the epoch, token counters) travels inside the checkpoint through ``register_for_checkpointing``.
+position in the epoch, token counters) and what the sample order depends on are written beside accelerate's files as
+``toolkit_state.json``: JSON, because accelerate unpickles the objects given to ``register_for_checkpointing``
+(``weights_only=False``), so a checkpoint folder from elsewhere could run code.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -18,8 +21,8 @@ from toolkit.distributed import has_accelerator
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
-                    protect: str | None = None) -> str:
-    """Collective: call on every rank. Returns the checkpoint folder."""
+                    record: dict, protect: str | None = None) -> str:
+    """Collective: call on every rank. ``record``: the JSON-able ``toolkit_state.json``. Returns the folder."""
     root = layout.checkpoints_dir(output_dir)
     final = layout.step_dir(output_dir, step)
     tmp = final + layout.TMP_SUFFIX
@@ -30,6 +33,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
+            json.dump(record, f, indent=2)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -248,9 +249,16 @@ class TrainArgs:
         _one_of(self, "optim", OPTIMIZERS)
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
-        if self.resume_from_checkpoint not in (None, layout.LATEST) and not os.path.isdir(self.resume_from_checkpoint):
-            raise ConfigError("resume_from_checkpoint",
-                              f"folder not found: {self.resume_from_checkpoint} (or use '{layout.LATEST}')")
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ConfigError("output_dir", f"{self.output_dir} is a file; output_dir must be a folder (new or a run's)")
+        resume = self.resume_from_checkpoint
+        if resume not in (None, layout.LATEST):
+            if not os.path.isdir(resume):
+                raise ConfigError("resume_from_checkpoint", f"folder not found: {resume} (or use '{layout.LATEST}')")
+            if layout.read_checkpoint_state(resume) is None:
+                raise ConfigError("resume_from_checkpoint",
+                                  f"{resume} is not a checkpoint of this toolkit (no {layout.CHECKPOINT_STATE}); pass "
+                                  f"a {layout.CHECKPOINTS}/step-N folder of a run, or '{layout.LATEST}'")
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArgs)
@@ -323,13 +331,26 @@ def _parser():
     return _Parser(ARGUMENT_CLASSES, allow_abbrev=False)
 
 
+def _optional_fields() -> set[str]:
+    """Fields whose value may be None (unset): the Optional[...] ones."""
+    # From the class annotations: HfArgumentParser rewrites each field's .type in place (Optional[str] -> str).
+    return {name for cls in ARGUMENT_CLASSES for name, hint in typing.get_type_hints(cls).items()
+            if type(None) in typing.get_args(hint)}
+
+
 def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict]:
     """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values."""
     argv, nulls = [], {}
+    optional = _optional_fields()
     for key, value in values.items():
         if key not in known:
             raise ConfigError(key, f"unknown field in {source}.{_suggest(key, known)}")
         if value is None:
+            # `seed:` or `packing: null` in YAML: unset is not a value for these (once: a crash in set_seed after
+            # the process group was up, or packing and shuffling silently off).
+            if key not in optional:
+                raise ConfigError(key, f"is empty (null) in {source}; give it a value or delete the line to use the "
+                                       "default")
             nulls[key] = None
         elif isinstance(value, bool):
             argv += [f"--{key}", "true" if value else "false"]

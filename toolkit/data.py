@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import torch
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
@@ -75,6 +75,15 @@ def load_raw_datasets(args: DataArguments) -> DatasetDict:
                 "text_column_name",
                 f"column {column!r} not in the {split_name} split; it has {split.column_names}",
             )
+        feature = split.features[column]
+        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+            raise ConfigError("text_column_name", f"column {column!r} of the {split_name} split holds {feature}, not "
+                                                  "text; name the column that holds the text")
+        # Null texts would be tokenized as "" and dropped without a word: say how many, and where.
+        nulls = split.data.column(column).null_count
+        if nulls:
+            raise ConfigError("text_column_name", f"{nulls} of {len(split)} rows of the {split_name} split have no "
+                                                  f"text (null) in column {column!r}; remove or fill them")
     if args.max_train_samples:
         raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
     if args.max_eval_samples and "validation" in raw:
@@ -132,6 +141,14 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
             **map_kwargs,
         ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
 
+    if "validation" in grouped and len(grouped["validation"]) == 0:
+        # Otherwise evaluation would silently never happen.
+        what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
+        raise ConfigError(
+            "block_size" if args.packing else ("validation_file" if args.validation_file else "dataset_name"),
+            f"the validation split has no rows after tokenization: {what}; use more validation data or a smaller "
+            "block_size, or validation_split_percentage: 0 (without validation_file) to train without evaluation",
+        )
     if len(grouped["train"]) == 0:
         what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
         raise ConfigError(

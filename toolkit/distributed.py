@@ -202,7 +202,13 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainArgs) -> None:
     ds["train_batch_size"] = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     )
-    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    zero = ds.setdefault("zero_optimization", {})
+    if args.save_final_model and zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+        # Without it the final export of a ZeRO-3 model fails after all the compute (accelerate injects false when the
+        # launch config says nothing); gathering the full weights once at the end is what save_final_model asks for.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+        accelerator.print("ZeRO-3: zero3_save_16bit_model turned on, so that final/ can hold the full weights")
+    offload = zero.get("offload_optimizer", {}).get("device", "none")
     if offload not in (None, "none") and not args.optim.startswith("adamw"):
         # With the optimizer offloaded, accelerate swaps *any* torch optimizer for DeepSpeedCPUAdam
         # (map_pytorch_optim_to_deepspeed): SGD silently becomes Adam (measured: 1.5 off after 3 steps). Only AdamW

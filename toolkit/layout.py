@@ -8,6 +8,7 @@
       runs/                tracker logs (TensorBoard)                    (accelerate's trackers)
       checkpoints/
         step-N/            accelerator.save_state, complete              (checkpoint)
+          toolkit_state.json   the loop's position and what the sample order depends on (JSON: never unpickled)
         step-N.tmp/        a save in progress (renamed when every rank is done)
         latest             the name of the newest complete checkpoint
       final/               save_pretrained model + tokenizer             (checkpoint.save_final)
@@ -18,6 +19,7 @@ any model, process group or torch import.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -29,6 +31,7 @@ TRACKER_LOGS = "runs"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FINAL = "final"
+CHECKPOINT_STATE = "toolkit_state.json"
 TMP_SUFFIX = ".tmp"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -90,3 +93,12 @@ def resolve_resume(output_dir: str, resume_from_checkpoint: str | None) -> str |
     if resume_from_checkpoint == LATEST:
         return latest_checkpoint(output_dir)
     return resume_from_checkpoint
+
+
+def read_checkpoint_state(checkpoint: str) -> dict | None:
+    """The toolkit's own record inside a checkpoint folder (``toolkit_state.json``), or None if it has none."""
+    path = os.path.join(checkpoint, CHECKPOINT_STATE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

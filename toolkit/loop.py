@@ -12,8 +12,8 @@ One optimizer step (``train_step``), on each of the W data-parallel ranks:
 The outer loop (``train``) does, between steps, a flat sequence: fetch the step's micro-batches from the epoch's
 order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps``.
 
-Everything needed to continue exactly lives in ``LoopState`` (and the optimizer/scheduler/RNG states that
-``save_state`` writes): step, epoch, the position inside the epoch, and the token counters.
+Everything needed to continue exactly lives in ``LoopState`` (written as JSON into every checkpoint, with what the
+sample order depends on; ``toolkit.resume``) and the optimizer/scheduler/RNG states that ``save_state`` writes.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from toolkit import checkpoint as ckpt
 from toolkit import layout
 from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.distributed import configure_deepspeed
-from toolkit.errors import ConfigError
 from toolkit.loss import count_targets, micro_step_loss, token_losses
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.plots import plot_run
+from toolkit.resume import check_resume, order_record
 
 
 @dataclass
 class LoopState:
-    """The loop's position. Saved in every checkpoint (``register_for_checkpointing``)."""
+    """The loop's position. Saved in every checkpoint's ``toolkit_state.json``."""
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0  # current epoch
@@ -249,27 +249,34 @@ def _call(callbacks, event: str, **kwargs) -> None:
             fn(**kwargs)
 
 
-def _resume(accelerator, args: TrainArgs, state: LoopState, optimizer, global_batch: int,
-            steps_per_epoch: int) -> str | None:
-    """Load the checkpoint ``resume_from_checkpoint`` names (collective); refuse one that cannot continue exactly."""
+def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, train_dataset) -> str | None:
+    """Load the checkpoint ``resume_from_checkpoint`` names (collective), after refusing one that cannot continue
+    the same sample order (``toolkit.resume``; ``build`` has checked it already, before the weights loaded)."""
+    args = cfg.train
     resume_from = layout.resolve_resume(args.output_dir, args.resume_from_checkpoint)
     if resume_from is None:
         return None
-    accelerator.print(f"resuming from {resume_from}")
+    saved = check_resume(resume_from, cfg, train_dataset, accelerator.num_processes)
+    accelerator.print(f"resuming from {resume_from} (written by {saved['world_size']} ranks, "
+                      f"{saved['distributed_type']}, at step {saved['loop']['step']})")
     ckpt.load_checkpoint(accelerator, resume_from, optimizer)
-    if state.global_batch_size not in (0, global_batch):
-        # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
-        raise ConfigError(
-            "per_device_train_batch_size",
-            f"the checkpoint {resume_from} was written with a global batch of {state.global_batch_size} rows, "
-            f"this run has {global_batch} ({accelerator.num_processes} ranks x {args.per_device_train_batch_size} "
-            f"x {args.gradient_accumulation_steps} accumulation); keep "
-            "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
-        )
-    state.world_size, state.global_batch_size = accelerator.num_processes, global_batch
-    if state.step_in_epoch >= steps_per_epoch:  # written at an epoch's last step by a version that did not roll over
-        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+    state.load_state_dict(saved["loop"])
+    state.world_size = accelerator.num_processes
+    # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another split of
+    # the same global batch (8 x 1 resumed as 4 x 2) its boundaries would fall mid-step. Ours is the truth.
+    accelerator.step = state.step * args.gradient_accumulation_steps
     return resume_from
+
+
+def checkpoint_record(accelerator, cfg: RunConfig, state: LoopState, train_dataset) -> dict:
+    """The JSON written into a checkpoint: the loop's position, what the order depends on, who wrote it."""
+    return {
+        "loop": state.state_dict(),
+        "order": order_record(cfg, train_dataset),
+        "global_batch_size": state.global_batch_size,
+        "world_size": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -312,8 +319,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
 
     # --- the position (from a checkpoint when resuming), the run's files
     state = LoopState(world_size=world, global_batch_size=global_batch)
-    accelerator.register_for_checkpointing(state)
-    resume_from = _resume(accelerator, args, state, optimizer, global_batch, steps_per_epoch)
+    resume_from = _resume(accelerator, cfg, state, optimizer, train_dataset)
     if accelerator.is_main_process:
         write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
     accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
@@ -380,7 +386,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
               row=row if (logged or evaluated) else None)
         if args.save_steps and state.step % args.save_steps == 0:
-            ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, protect=resume_from)
+            ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit,
+                                 record=checkpoint_record(accelerator, cfg, state, train_dataset), protect=resume_from)
 
     # --- the end: plot, export, summary
     logger.close()

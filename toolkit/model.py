@@ -18,8 +18,19 @@ def _kw(args: ModelArguments) -> dict:
     return kw
 
 
+def _unreachable(field_name: str, name: str, err: OSError) -> ConfigError:
+    # transformers raises OSError for a name that is neither a local folder nor reachable on the Hub (offline, a
+    # typo, a private repo); four chained tracebacks otherwise.
+    reason = str(err).strip().splitlines()[0][:200]
+    return ConfigError(field_name, f"cannot load {name!r}: not a local folder, and the Hub could not provide it "
+                                   f"({reason}); check the name, or download it and pass the local folder")
+
+
 def load_config(args: ModelArguments, disable_dropout: bool = False):
-    config = AutoConfig.from_pretrained(args.config_source, **_kw(args))
+    try:
+        config = AutoConfig.from_pretrained(args.config_source, **_kw(args))
+    except OSError as e:
+        raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e) from None
     if args.config_overrides:
         config.update_from_string(args.config_overrides)
     if disable_dropout:
@@ -41,7 +52,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
 def load_tokenizer(args: ModelArguments, log=print):
     name = args.tokenizer_name or args.model_name_or_path or args.config_name
     kw = _kw(args) if name == args.model_name_or_path else {"trust_remote_code": args.trust_remote_code}
-    tokenizer = AutoTokenizer.from_pretrained(name, **kw)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **kw)
+    except OSError as e:
+        field_name = "tokenizer_name" if args.tokenizer_name else (
+            "model_name_or_path" if args.model_name_or_path else "config_name")
+        raise _unreachable(field_name, name, e) from None
     if tokenizer.pad_token_id is None:
         # GPT-2 has no pad token. Pads are masked out of attention and labelled -100, so which id fills them
         # does not matter; EOS is the usual choice and keeps the vocabulary unchanged.

@@ -1,0 +1,47 @@
+"""Runs the real recipe (recipes/gpt2.py, through its own ``cli``) once per bad-input case, in one process.
+
+Usage: battery.py CASES_JSON OUT_JSON. Each case is {"name", "argv", "env"}; for each, the process environment gets
+``env``, ``sys.argv`` is the recipe's command line, and what the recipe does is recorded: its exit code, stderr, and
+whether the weights loaded (``toolkit.build`` logs "weights train in" right after they do). One process for every
+case because each would otherwise pay ~5 s of imports; accelerate's process-wide state is reset between cases.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+import gpt2  # noqa: E402  the recipe itself, unchanged
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from toolkit.config import cli  # noqa: E402
+
+cases_path, out_path = sys.argv[1], sys.argv[2]  # sys.argv becomes each case's command line below
+cases = json.load(open(cases_path))
+results = {}
+for case in cases:
+    saved_env = dict(os.environ)
+    os.environ.update(case.get("env", {}))
+    sys.argv = ["recipes/gpt2.py", *case["argv"]]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli(gpt2.main)
+        except SystemExit as e:
+            code = e.code
+        except Exception as e:  # a traceback is a failure of the case; record it
+            import traceback
+
+            code = f"exception {type(e).__name__}"
+            err.write(traceback.format_exc())
+    os.environ.clear()
+    os.environ.update(saved_env)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    results[case["name"]] = {"code": code, "stderr": err.getvalue(),
+                             "weights_loaded": "weights train in" in out.getvalue() + err.getvalue()}
+with open(out_path, "w") as f:
+    json.dump(results, f, indent=1)

@@ -1,0 +1,195 @@
+"""A battery of bad inputs through the real recipe: each stops with exit code 2 and one message naming the field and
+the fix, before the weights load, and leaves an existing run's output_dir exactly as it was.
+
+Every case points at the same finished run (``existing``: metrics, config, checkpoints, final/) and is hashed before
+and after, so a check that let a case through to training would show as changed files. ``overwrite_output_dir``
+is on unless the case is about it, so that only the case's own mistake can stop the run. The cases run in one
+process (tests/scripts/battery.py: the recipe's own ``main`` under its own ``cli``), one after another.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+import yaml
+from helpers import RECIPE, SCRIPTS, args_from, launch, run
+
+BASE = dict(packing=False, block_size=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+            save_steps=1, logging_steps=1, seed=7, report_to="none", optim="sgd", learning_rate=0.1)
+
+
+def tree_hash(folder: str) -> str:
+    h = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(folder)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def existing(tmp_path_factory, tiny_model, padded_data):
+    """A finished 2-step run (1 process) whose folder every case points at."""
+    out = str(tmp_path_factory.mktemp("battery") / "existing")
+    launch(args_from({**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": out}), num_processes=1)
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step-2", "toolkit_state.json"))
+    return out
+
+
+def _files(tmp_path_factory, padded_data) -> dict:
+    d = tmp_path_factory.mktemp("battery_files")
+    rows = [json.loads(line) for line in open(padded_data["train_file"])]
+    paths = {}
+
+    def write(name, text):
+        paths[name] = str(d / name)
+        with open(paths[name], "w") as f:
+            f.write(text)
+
+    write("null_text.jsonl", "".join(json.dumps({"text": None if i % 2 else r["text"]}) + "\n"
+                                     for i, r in enumerate(rows)))
+    write("int_text.jsonl", "".join(json.dumps({"text": i}) + "\n" for i in range(48)))
+    write("empty.jsonl", "")
+    write("data.xml", "<rows/>")
+    write("tiny_valid.jsonl", json.dumps({"text": "a few words"}) + "\n")
+    write("other_train.jsonl", "".join(json.dumps({"text": r["text"] + " more"}) + "\n" for r in rows))
+    write("a_file", "not a folder")
+    write("config.yaml", "learning_rate: 1e-3\n")
+    write("bad.yaml", "learning_rate: [1e-3\n")
+    return paths
+
+
+def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
+    """(name, changes to the good base config, extra argv, env, field named, words in the message)."""
+    ckpt = os.path.join(existing, "checkpoints", "step-1")
+    resume = {"resume_from_checkpoint": ckpt}
+    return [
+        # --- fields: unknown, wrong type, impossible value
+        ("typo", {"learning_rat": 1e-3}, [], {}, "learning_rat", "Did you mean 'learning_rate'"),
+        ("cli typo", {}, ["--per_device_train_batch_sise", "4"], {}, "per_device_train_batch_sise", "Did you mean"),
+        ("not a float", {"learning_rate": "fast"}, [], {}, "learning_rate", "invalid float"),
+        ("not an int", {"gradient_accumulation_steps": 2.5}, [], {}, "gradient_accumulation_steps", "invalid int"),
+        ("zero batch", {"per_device_train_batch_size": 0}, [], {}, "per_device_train_batch_size", "positive"),
+        ("zero eval batch", {"per_device_eval_batch_size": 0}, [], {}, "per_device_eval_batch_size", "positive"),
+        ("negative lr", {"learning_rate": -1}, [], {}, "learning_rate", ">= 0"),
+        ("negative clip", {"max_grad_norm": -1}, [], {}, "max_grad_norm", "0 turns clipping off"),
+        ("negative decay", {"weight_decay": -0.1}, [], {}, "weight_decay", ">= 0"),
+        ("negative warmup", {"warmup_steps": -1}, [], {}, "warmup_steps", ">= 0"),
+        ("zero steps", {"max_steps": 0}, [], {}, "max_steps", "positive"),
+        ("zero epochs", {"max_steps": -1, "num_train_epochs": 0}, [], {}, "num_train_epochs", "> 0"),
+        ("zero logging", {"logging_steps": 0}, [], {}, "logging_steps", "positive"),
+        ("zero eval steps", {"eval_steps": 0}, [], {}, "eval_steps", "positive"),
+        ("zero save limit", {"save_total_limit": 0}, [], {}, "save_total_limit", "positive"),
+        ("negative workers", {"dataloader_num_workers": -1}, [], {}, "dataloader_num_workers", ">= 0"),
+        ("unknown optim", {"optim": "adamw"}, [], {}, "optim", "choose one of"),
+        ("unknown scheduler", {"lr_scheduler_type": "cosin"}, [], {}, "lr_scheduler_type", "Did you mean 'cosine'"),
+        ("unknown normalisation", {"loss_normalization": "mean"}, [], {}, "loss_normalization", "choose one of"),
+        ("unknown dtype", {"torch_dtype": "fp8"}, [], {}, "torch_dtype", "choose one of"),
+        ("split 100%", {"validation_split_percentage": 100}, [], {}, "validation_split_percentage", "[0, 100)"),
+        ("zero block", {"block_size": 0}, [], {}, "block_size", "positive"),
+        ("block over positions", {"block_size": 4096}, [], {}, "block_size", "exceeds the model's 64 positions"),
+        # --- YAML nulls: an unset value is not a value for these
+        ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
+        ("null packing", {"packing": None}, [], {}, "packing", "is empty (null)"),
+        ("null shuffle", {"shuffle": None}, [], {}, "shuffle", "is empty (null)"),
+        ("null learning rate", {"learning_rate": None}, [], {}, "learning_rate", "is empty (null)"),
+        ("null max steps", {"max_steps": None}, [], {}, "max_steps", "is empty (null)"),
+        # --- the config file itself
+        ("missing config file", None, ["--config", "/nonexistent/c.yaml"], {}, "config", "file not found"),
+        ("config not YAML", None, ["--config", files["bad.yaml"]], {}, "config", "not valid YAML"),
+        # --- model
+        ("no model", {"model_name_or_path": None}, [], {}, "model_name_or_path", "set model_name_or_path"),
+        ("model folder missing", {"model_name_or_path": "./no/such/model"}, [], {}, "model_name_or_path",
+         "folder not found"),
+        ("unreachable Hub model", {"model_name_or_path": "some-org/not-a-model"}, [], {}, "model_name_or_path",
+         "not a local folder, and the Hub could not provide it"),
+        ("override without =", {"config_overrides": "n_layer"}, [], {}, "config_overrides", "key=value"),
+        ("override unknown key value", {"config_overrides": "n_layer=abc"}, [], {}, "config_overrides",
+         "cannot read the model config"),
+        # --- data
+        ("no data", {"train_file": None, "validation_file": None}, [], {}, "dataset_name", "set dataset_name"),
+        ("data twice", {"dataset_name": "pydoc"}, [], {}, "train_file", "not both"),
+        ("train file missing", {"train_file": "/nonexistent/train.jsonl"}, [], {}, "train_file", "not found"),
+        ("validation file missing", {"validation_file": "/nonexistent/v.jsonl"}, [], {}, "validation_file",
+         "not found"),
+        ("unsupported format", {"train_file": files["data.xml"], "validation_file": None}, [], {}, "train_file",
+         "unsupported extension"),
+        ("empty file", {"train_file": files["empty.jsonl"]}, [], {}, "train_file", "file is empty"),
+        ("missing text column", {"text_column_name": "body"}, [], {}, "text_column_name", "'body' not in"),
+        ("null texts", {"train_file": files["null_text.jsonl"]}, [], {}, "text_column_name",
+         "24 of 48 rows of the train split have no text (null)"),
+        ("integer texts", {"train_file": files["int_text.jsonl"], "validation_file": None}, [], {}, "text_column_name", "not text"),
+        ("validation packs to nothing", {"validation_file": files["tiny_valid.jsonl"], "packing": True,
+                                         "eval_steps": 1}, [], {}, "block_size",
+         "the validation split has no rows after tokenization"),
+        ("batch bigger than data", {"per_device_train_batch_size": 40}, [], {}, "per_device_train_batch_size",
+         "fewer than one global batch"),
+        # --- output_dir
+        ("finished run", {"overwrite_output_dir": False}, [], {}, "output_dir", "already holds a finished run"),
+        ("output_dir is a file", {"output_dir": files["a_file"]}, [], {}, "output_dir", "is a file"),
+        # --- precision
+        ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
+        # --- resume
+        ("resume from missing folder", {"resume_from_checkpoint": "/nonexistent/ckpt"}, [], {},
+         "resume_from_checkpoint", "folder not found"),
+        ("resume from the model folder", {"resume_from_checkpoint": tiny_model}, [], {}, "resume_from_checkpoint",
+         "is not a checkpoint of this toolkit"),
+        ("resume latest with none", {"resume_from_checkpoint": "latest", "output_dir": os.path.dirname(ckpt)}, [],
+         {}, "resume_from_checkpoint", "holds no checkpoint"),
+        ("resume with another seed", {**resume, "seed": 8}, [], {}, "seed", "seed was 7, now 8"),
+        ("resume with shuffle off", {**resume, "shuffle": False}, [], {}, "shuffle", "shuffle was True, now False"),
+        ("resume with packing", {**resume, "packing": True}, [], {}, "packing", "packing was False, now True"),
+        ("resume with another block size", {**resume, "block_size": 24}, [], {}, "block_size", "block_size was 32"),
+        ("resume with other data", {**resume, "train_file": files["other_train.jsonl"]}, [], {}, "train_file",
+         "the training data changed"),
+        ("resume with another global batch", {**resume, "per_device_train_batch_size": 4}, [], {},
+         "per_device_train_batch_size", "global batch of 4 rows, this run has 8"),
+    ]
+
+
+def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_path_factory, existing, tiny_model,
+                                                                  padded_data):
+    files = _files(tmp_path_factory, padded_data)
+    good = {**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": existing,
+            "overwrite_output_dir": True}
+    cases, expected = [], {}
+    for name, changes, extra, env, field, words in _cases(existing, tiny_model, padded_data, files):
+        if changes is None:  # a case about the config file itself: only argv
+            argv = extra
+        else:
+            # Through a YAML file, as users write them (a None is a YAML null: "unset" for an optional field).
+            config = tmp_path / f"case{len(cases)}.yaml"
+            config.write_text(yaml.safe_dump({**good, **changes}))
+            argv = ["--config", str(config), *extra]
+        cases.append({"name": name, "argv": argv, "env": env})
+        expected[name] = (field, words)
+    assert len(cases) >= 40
+    before = tree_hash(existing)
+    cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
+    cases_file.write_text(json.dumps(cases))
+    run(["python", os.path.join(SCRIPTS, "battery.py"), str(cases_file), str(out_file)], timeout=900)
+    results = json.load(open(out_file))
+    failures = []
+    for name, (field, words) in expected.items():
+        r = results[name]
+        lines = [line for line in r["stderr"].splitlines() if line.startswith("config error:")]
+        ok = (r["code"] == 2 and len(lines) == 1 and lines[0].startswith(f"config error: {field}:")
+              and words in lines[0] and "Traceback" not in r["stderr"] and not r["weights_loaded"])
+        if not ok:
+            failures.append(f"{name}: exit {r['code']}, weights loaded: {r['weights_loaded']}, "
+                            f"expected '{field}: ...{words}...', stderr: {r['stderr'][-600:]}")
+    assert not failures, "\n\n".join(failures)
+    assert tree_hash(existing) == before, "a case changed the existing run's files"
+
+
+def test_recipe_exit_code_and_message_from_a_shell(existing, tiny_model, padded_data):
+    """The same path from a real command line: one line on stderr, exit 2 (the battery runs the recipe's cli)."""
+    cfg = {**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": existing,
+           "resume_from_checkpoint": os.path.join(existing, "checkpoints", "step-1"), "seed": 8}
+    proc = run(["python", RECIPE, *args_from(cfg)], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: seed: cannot resume from")

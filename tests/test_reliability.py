@@ -1,0 +1,87 @@
+"""Real failures: a SIGTERM (what SLURM and cloud schedulers send) and bad numbers, with real signals and real runs.
+
+- SIGTERM to the launcher mid-run: every rank finishes its optimizer step, a checkpoint is saved, the job exits 0;
+  the relaunch with ``resume_from_checkpoint: latest`` ends with the weights of the uninterrupted run.
+- A non-finite gradient norm stops the run naming the step, before the optimizer applies it, keeping the last good
+  checkpoint; with ``skip_nonfinite_steps`` the step is skipped instead and counted in the metrics.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import CONFIGS, ROOT, args_from, free_port, launch, load_weights, max_abs_diff, subprocess_env
+
+COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
+              per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+              lr_scheduler_type="constant", weight_decay=0, per_device_train_batch_size=2,
+              gradient_accumulation_steps=2)
+
+
+def _steps_logged(out: str) -> list[int]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, tiny_model, padded_data):
+    # 60 steps of a 6-step epoch: long enough that the signal lands mid-run, across epoch boundaries.
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 60}
+    straight = str(tmp_path / "straight")
+    launch(args_from({**cfg, "output_dir": straight}))
+
+    out = str(tmp_path / "preempted")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes", "gpt2.py"),
+           *args_from({**cfg, "output_dir": out})]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 120
+    while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler does; it forwards it to the ranks
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-4000:]
+    stopped = max(_steps_logged(out))
+    assert 3 <= stopped < 60
+    assert f"SIGTERM: saved checkpoint step-{stopped}" in output
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
+    assert not os.path.exists(os.path.join(out, "final")), "a preempted run is not finished"
+
+    launch(args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}))
+    assert max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final"))) <= 1e-6
+    assert _steps_logged(out) == list(range(1, 61))
+
+
+@pytest.mark.slow
+def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model,
+                                                                                    padded_data):
+    # SGD at lr 1e20 blows the weights up: a few steps later the gradient norm is inf or nan.
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 12, "save_steps": 1,
+           "learning_rate": 1e20}
+    out = str(tmp_path / "blowup")
+    proc = launch(args_from({**cfg, "output_dir": out}), check=False)
+    assert proc.returncode != 0
+    message = next(line for line in proc.stderr.splitlines() if "non-finite gradient norm" in line)
+    bad_step = int(message.split("at step ")[1].split()[0])
+    assert 1 <= bad_step <= 12
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{bad_step - 1}" or bad_step == 1
+    assert not os.path.exists(os.path.join(out, "checkpoints", f"step-{bad_step}"))
+    assert not os.path.exists(os.path.join(out, "final"))
+
+    skipped = str(tmp_path / "skipped")
+    launch(args_from({**cfg, "output_dir": skipped, "skip_nonfinite_steps": True, "save_steps": 12}))
+    rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["skipped_steps"] >= 12 - bad_step + 1 > 0
+    final = load_weights(os.path.join(skipped, "final"))
+    assert all(bool(t.isfinite().all()) for t in final.values()), "skipped steps must never reach the weights"
+

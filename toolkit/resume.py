@@ -1,0 +1,80 @@
+"""What a checkpoint needs in order to continue exactly, and the checks that refuse a resume that would not.
+
+A checkpoint continues the same run only if the sample order is the same: step s of epoch e covers rows
+[s*B, (s+1)*B) of a permutation that depends on the seed, the shuffle switch and the training rows (their number and
+content, which depend on the data, block_size and packing). All of that is recorded in the checkpoint's
+``toolkit_state.json`` (``toolkit.layout``) and compared before the weights load; each difference is refused with the
+field that caused it. The world size, micro batch and accumulation may change, as long as their product, the global
+batch B, does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from toolkit import layout
+from toolkit.errors import ConfigError
+
+# order key -> the config field a user changes to change it
+ORDER_FIELDS = {
+    "seed": "seed",
+    "shuffle": "shuffle",
+    "packing": "packing",
+    "block_size": "block_size",
+    "train_rows": "train_file",
+    "train_data_sha": "train_file",
+}
+
+
+def data_fingerprint(dataset, samples: int = 64) -> str:
+    """A cheap, deterministic hash of the tokenized training set: its size and ``samples`` rows spread across it.
+
+    (``datasets``' own ``_fingerprint`` is random for in-memory datasets, so it cannot be compared across runs.)
+    """
+    h = hashlib.sha256(str(len(dataset)).encode())
+    n = len(dataset)
+    for i in sorted({(j * (n - 1)) // max(samples - 1, 1) for j in range(samples)} if n else ()):
+        h.update(str(dataset[i]["input_ids"]).encode())
+    return h.hexdigest()[:16]
+
+
+def order_record(cfg, train_dataset) -> dict:
+    """What the sample order depends on, as stored in a checkpoint (block_size as configured; a resolved default
+    that changed would change the rows, which the data hash sees)."""
+    return {
+        "seed": cfg.train.seed,
+        "shuffle": cfg.train.shuffle,
+        "packing": cfg.data.packing,
+        "block_size": cfg.data.block_size,
+        "train_rows": len(train_dataset),
+        "train_data_sha": data_fingerprint(train_dataset),
+    }
+
+
+def check_resume(checkpoint: str, cfg, train_dataset, num_processes: int) -> dict:
+    """Refuse, before the weights load, a resume that would not continue the same sample order; returns the state."""
+    saved = layout.read_checkpoint_state(checkpoint)
+    if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
+        raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
+                                                    "checkpoint of this toolkit (or one older than 0.2)")
+    ours = order_record(cfg, train_dataset)
+    for key, field_name in ORDER_FIELDS.items():
+        if saved["order"].get(key) != ours[key]:
+            what = ("the training data changed" if key in ("train_rows", "train_data_sha")
+                    else f"{key} was {saved['order'].get(key)!r}, now {ours[key]!r}")
+            raise ConfigError(
+                field_name,
+                f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
+                f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
+            )
+    micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
+    global_batch = num_processes * micro * accumulation
+    if saved["global_batch_size"] != global_batch:
+        # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
+        raise ConfigError(
+            "per_device_train_batch_size",
+            f"the checkpoint {checkpoint} was written with a global batch of {saved['global_batch_size']} rows, "
+            f"this run has {global_batch} ({num_processes} ranks x {micro} x {accumulation} accumulation); keep "
+            "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
+        )
+    return saved
