@@ -147,3 +147,34 @@ def test_resolve_resume(tmp_path):
     elsewhere = str(tmp_path / "some" / "folder")
     assert layout.resolve_resume(out, elsewhere) == elsewhere  # a folder is taken as given (config checks it exists)
     assert layout.resolve_resume(str(tmp_path / "empty"), "latest") is None
+
+
+def test_move_run_aside_keeps_everything_and_only_run_files(tmp_path):
+    out = _make(tmp_path, steps=[1, 2])
+    _point(out, "step-2")
+    for name in (layout.METRICS, layout.CONFIG):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(name)
+    with open(os.path.join(out, "notes.txt"), "w") as f:  # not a run file: stays where the user put it
+        f.write("mine")
+    aside = layout.move_run_aside(out)
+    assert os.path.basename(aside).startswith(layout.REPLACED_PREFIX)
+    assert sorted(os.listdir(out)) == sorted(["notes.txt", os.path.basename(aside)])
+    assert open(os.path.join(aside, layout.METRICS)).read() == layout.METRICS
+    assert layout.latest_checkpoint(aside) == layout.step_dir(aside, 2)
+    assert layout.move_run_aside(out) is None  # nothing left to move
+    # a second replaced run in the same second gets its own folder
+    with open(os.path.join(out, layout.METRICS), "w") as f:
+        f.write("again")
+    assert layout.move_run_aside(out) != aside
+
+
+def test_remove_stale_temporaries_only_touches_tmp(tmp_path):
+    out = _make(tmp_path, steps=[1], tmp=[2])
+    os.makedirs(os.path.join(out, layout.FINAL + layout.TMP_SUFFIX))
+    with open(os.path.join(layout.checkpoints_dir(out), layout.LATEST + layout.TMP_SUFFIX), "w") as f:
+        f.write("step-2")
+    removed = layout.remove_stale_temporaries(out)
+    assert len(removed) == 3
+    assert sorted(os.listdir(layout.checkpoints_dir(out))) == ["step-1"]
+    assert not os.path.exists(os.path.join(out, layout.FINAL + layout.TMP_SUFFIX))

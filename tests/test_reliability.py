@@ -8,6 +8,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,35 @@ def _steps_logged(out: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
 
 
+def _signal_after_3_steps(cmd: list[str], out: str) -> tuple[str, int]:
+    """Start ``cmd``, send it SIGTERM once 3 steps are logged, return its output and exit code (bounded in time)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 120
+    while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+    proc.send_signal(signal.SIGTERM)  # as a scheduler does
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return output, proc.returncode
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_plain_process_saves_and_exits_zero(tmp_path, tiny_model, padded_data):
+    out = str(tmp_path / "single")
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 200,
+           "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "output_dir": out}
+    output, returncode = _signal_after_3_steps([sys.executable, os.path.join(ROOT, "recipes", "gpt2.py"),
+                                                *args_from(cfg)], out)
+    assert returncode == 0, output[-4000:]
+    stopped = max(_steps_logged(out))
+    assert f"SIGTERM: saved checkpoint step-{stopped}" in output and stopped < 200
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, tiny_model, padded_data):
     # 60 steps of a 6-step epoch: long enough that the signal lands mid-run, across epoch boundaries.
@@ -41,15 +71,10 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, tiny_model
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
            "--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes", "gpt2.py"),
            *args_from({**cfg, "output_dir": out})]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    deadline = time.time() + 120
-    while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be signalled"
-    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler does; it forwards it to the ranks
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-4000:]
+    output, returncode = _signal_after_3_steps(cmd, out)
+    # torch elastic forwards SIGTERM to the ranks (which save and exit 0) and then exits 128 + SIGTERM itself: the
+    # convention schedulers requeue on.
+    assert returncode == 128 + signal.SIGTERM, output[-4000:]
     stopped = max(_steps_logged(out))
     assert 3 <= stopped < 60
     assert f"SIGTERM: saved checkpoint step-{stopped}" in output
@@ -71,7 +96,8 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     proc = launch(args_from({**cfg, "output_dir": out}), check=False)
     assert proc.returncode != 0
     message = next(line for line in proc.stderr.splitlines() if "non-finite gradient norm" in line)
-    bad_step = int(message.split("at step ")[1].split()[0])
+    assert message.startswith("training stopped: non-finite gradient norm")
+    bad_step = int(re.search(r"at step (\d+)", message).group(1))
     assert 1 <= bad_step <= 12
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{bad_step - 1}" or bad_step == 1
     assert not os.path.exists(os.path.join(out, "checkpoints", f"step-{bad_step}"))
@@ -85,3 +111,36 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     final = load_weights(os.path.join(skipped, "final"))
     assert all(bool(t.isfinite().all()) for t in final.values()), "skipped steps must never reach the weights"
 
+
+
+def _tree(folder: str) -> dict:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+@pytest.mark.slow
+def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_path, tiny_model, padded_data):
+    """overwrite_output_dir once left the earlier run's checkpoints/ and latest in place (a new run that died before
+    its first save then "resumed" the old one): they are moved to replaced-<time>/, byte for byte. A killed save's
+    leftovers (step-N.tmp, final.tmp) are removed, and final/ appears only complete (written as final.tmp, renamed)."""
+    out = tmp_path / "run"
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 2, "save_steps": 1,
+           "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "output_dir": str(out)}
+    launch(args_from(cfg), num_processes=1)
+    earlier = _tree(str(out))
+    assert "checkpoints/step-2/toolkit_state.json" in earlier and "final/model.safetensors" in earlier
+    (out / "checkpoints" / "step-3.tmp").mkdir()  # what a save killed mid-way leaves
+    (out / "final.tmp").mkdir()
+
+    proc = launch(args_from({**cfg, "max_steps": 1, "overwrite_output_dir": True}), num_processes=1)
+    aside = [p for p in os.listdir(out) if p.startswith("replaced-")]
+    assert len(aside) == 1 and f"moved to {out / aside[0]}" in proc.stdout
+    moved = _tree(str(out / aside[0]))
+    assert moved == {k: v for k, v in earlier.items()}, "the earlier run must be moved intact"
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-1"]  # only the new run's own
+    assert not (out / "final.tmp").exists() and (out / "final" / "model.safetensors").is_file()
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if '"loss"' in line] == [1]

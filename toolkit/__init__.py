@@ -11,6 +11,7 @@ Modules, one job each (dependencies point down this list; ``tests/test_imports.p
   build         everything a run trains on, from a config (recipes and the notebook share it)
   distributed   the Accelerator, and the CPU shim for DeepSpeed/FSDP on gloo
   resume        what a checkpoint records about the sample order; refuses a resume that would change it
+  preemption    SIGTERM -> every rank finishes the step, saves a checkpoint and stops
   checkpoint    save_state checkpoints, rotation, resume, final export
   metrics       metrics.jsonl (write and read), summary.json, trackers, progress bar
   plots, report loss.png; ``python -m toolkit report`` (readers of finished runs)

@@ -1,8 +1,10 @@
 """Checkpoints (``accelerator.save_state`` into ``output_dir/checkpoints/step-N``) and the final export.
 
-A checkpoint is written into ``step-N.tmp`` by every rank and renamed to ``step-N`` by the main process only after
-all ranks finished, then the ``latest`` pointer is rewritten (write + rename). A run killed mid-save therefore never
-leaves a half-written ``step-N``, and ``latest`` always names a complete one. The loop's own state (step, epoch,
+A checkpoint is written into ``step-N.tmp`` by every rank, flushed to disk (fsync) and renamed to ``step-N`` by the
+main process only after all ranks finished, then the ``latest`` pointer is rewritten (write + fsync + rename). A run
+killed mid-save therefore never leaves a half-written ``step-N``, and ``latest`` always names a complete one; the
+``.tmp`` leftovers are removed when the next run starts. ``final/`` is written the same way (``final.tmp`` + rename),
+so a killed export never leaves a ``final/`` that reads as a finished run. The loop's own state (step, epoch,
 position in the epoch, token counters) and what the sample order depends on are written beside accelerate's files as
 ``toolkit_state.json``: JSON, because accelerate unpickles the objects given to ``register_for_checkpointing``
 (``weights_only=False``), so a checkpoint folder from elsewhere could run code.
@@ -35,15 +37,18 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     if accelerator.is_main_process:
         with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
             json.dump(record, f, indent=2)
+        layout.fsync_tree(tmp)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        layout.fsync_dir(root)
         pointer_tmp = os.path.join(root, layout.LATEST + layout.TMP_SUFFIX)
         with open(pointer_tmp, "w") as f:
             f.write(os.path.basename(final))
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer_tmp, os.path.join(root, layout.LATEST))
+        layout.fsync_dir(root)
         rotate_checkpoints(output_dir, save_total_limit, keep={final, protect})
     accelerator.wait_for_everyone()
     return final
@@ -148,8 +153,14 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str) -> None:
     if accelerator.is_main_process:
         if not state_dict:
             raise RuntimeError("the final export gathered no weights on the main process; nothing written")
-        os.makedirs(path, exist_ok=True)
-        unwrapped.save_pretrained(path, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
+        tmp = path + layout.TMP_SUFFIX
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+            tokenizer.save_pretrained(tmp)
+        layout.fsync_tree(tmp)
+        if os.path.isdir(path):  # a resumed run that had finished before: its newer export replaces the old one
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        layout.fsync_dir(os.path.dirname(os.path.abspath(path)))
     accelerator.wait_for_everyone()

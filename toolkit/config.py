@@ -28,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from toolkit import layout
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, TrainingStopped
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = (
@@ -216,6 +216,10 @@ class TrainArgs:
         default=False, metadata={"help": "Set every dropout probability of the model to 0 (TRL's name): "
                                          "deterministic runs, e.g. to compare strategies."}
     )
+    skip_nonfinite_steps: bool = field(
+        default=False, metadata={"help": "On a non-finite gradient norm, skip that optimizer step (counted in the "
+                                         "metrics as skipped_steps) instead of stopping the run."}
+    )
     loss_normalization: str = field(
         default="global_tokens",
         metadata={
@@ -305,7 +309,14 @@ class RunConfig:
             raise ConfigError(
                 "output_dir",
                 f"{layout.checkpoints_dir(args.output_dir)} already holds checkpoints of an earlier run; continue it "
-                "with resume_from_checkpoint: latest, or set overwrite_output_dir: true to start over",
+                "with resume_from_checkpoint: latest, or set overwrite_output_dir: true to start over (the earlier "
+                "files are moved aside, not deleted)",
+            )
+        if os.path.isfile(layout.path(args.output_dir, layout.METRICS)):
+            raise ConfigError(
+                "output_dir",
+                f"{args.output_dir} holds the {layout.METRICS} of an earlier run (it stopped before any checkpoint); "
+                "pick a new output_dir, or set overwrite_output_dir: true (the earlier files are moved aside)",
             )
 
     def as_dict(self) -> dict[str, Any]:
@@ -431,9 +442,13 @@ def write_config(cfg: RunConfig, path: str) -> None:
 
 
 def cli(main_fn):
-    """Run ``main_fn`` and turn a ConfigError into one line on stderr and exit code 2 (argparse's code for usage)."""
+    """Run ``main_fn``; a ConfigError becomes one line on stderr and exit code 2 (argparse's code for usage), a
+    TrainingStopped one line and exit code 1."""
     try:
         return main_fn()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        sys.exit(1)

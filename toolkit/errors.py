@@ -6,6 +6,11 @@ A ``ConfigError`` is a mistake the user can fix in their config or launch comman
 """
 
 
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose mid-way (e.g. a non-finite gradient); the message says why and what is kept.
+    ``toolkit.config.cli`` prints it as ``training stopped: <message>`` and exits with code 1."""
+
+
 class ConfigError(ValueError):
     """A bad configuration, reported as ``config error: <field>: <what to do>``."""
 

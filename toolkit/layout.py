@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import time
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -32,6 +34,8 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FINAL = "final"
 CHECKPOINT_STATE = "toolkit_state.json"
+REPLACED_PREFIX = "replaced-"  # output_dir/replaced-<UTC time>/: an earlier run moved aside by overwrite_output_dir
+RUN_FILES = (CONFIG, METRICS, SUMMARY, LOSS_PLOT, TRACKER_LOGS, CHECKPOINTS, FINAL)
 TMP_SUFFIX = ".tmp"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -102,3 +106,57 @@ def read_checkpoint_state(checkpoint: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def move_run_aside(output_dir: str) -> str | None:
+    """Move an earlier run's files out of the way (``overwrite_output_dir``) into ``replaced-<UTC time>/`` inside
+    output_dir, never deleting them: a new run that died before its first checkpoint would otherwise "resume" the
+    old run's checkpoints, and a user's finished run is never destroyed by a flag meant to allow reuse. Returns the
+    folder the files went to, or None if there were none."""
+    present = [name for name in RUN_FILES if os.path.lexists(os.path.join(output_dir, name))]
+    if not present:
+        return None
+    aside = os.path.join(output_dir, REPLACED_PREFIX + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    suffix = 0
+    while os.path.exists(aside + (f"-{suffix}" if suffix else "")):
+        suffix += 1
+    aside += f"-{suffix}" if suffix else ""
+    os.makedirs(aside)
+    for name in present:
+        shutil.move(os.path.join(output_dir, name), os.path.join(aside, name))
+    return aside
+
+
+def remove_stale_temporaries(output_dir: str) -> list[str]:
+    """Delete what a killed save left behind (``checkpoints/step-N.tmp``, ``latest.tmp``, ``final.tmp``): never a
+    complete checkpoint, which is only ever renamed into place once whole."""
+    root = checkpoints_dir(output_dir)
+    stale = [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else []) if n.endswith(TMP_SUFFIX)]
+    stale += [p for p in [os.path.join(output_dir, FINAL + TMP_SUFFIX)] if os.path.lexists(p)]
+    for path in stale:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    return stale
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file and folder below ``path`` to disk, so that a rename after it publishes complete data even
+    across a power loss (rename is atomic, but only orders what was already durable)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -32,10 +32,12 @@ from toolkit import checkpoint as ckpt
 from toolkit import layout
 from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.distributed import configure_deepspeed
+from toolkit.errors import TrainingStopped
 from toolkit.loss import count_targets, micro_step_loss, token_losses
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.plots import plot_run
+from toolkit.preemption import Preemption
 from toolkit.resume import check_resume, order_record
 
 
@@ -49,6 +51,7 @@ class LoopState:
     tokens_seen: int = 0  # non-pad input tokens, all ranks
     targets_seen: int = 0  # next-token targets, all ranks
     samples_seen: int = 0  # rows, all ranks
+    skipped_steps: int = 0  # steps whose gradient norm was not finite (skip_nonfinite_steps)
     world_size: int = 1  # the world that wrote the checkpoint (informational)
     global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
 
@@ -67,6 +70,7 @@ class LoopState:
         self.tokens_seen += result.tokens
         self.targets_seen += result.targets
         self.samples_seen += self.global_batch_size
+        self.skipped_steps += result.skipped
         if self.step_in_epoch < steps_per_epoch:
             return False
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
@@ -85,6 +89,7 @@ class StepResult:
     targets: int  # next-token targets of the whole global batch
     tokens: int  # non-pad input tokens of the whole global batch
     grad_norm: float | None  # global pre-clip gradient norm
+    skipped: bool = False  # the norm was not finite and the optimizer step was not applied
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
@@ -159,20 +164,30 @@ def _clip_and_norm(accelerator, model, max_grad_norm: float) -> float | None:
     return float(norm) if norm is not None else None
 
 
+def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
+    if norm is None or math.isfinite(norm):
+        return None
+    return TrainingStopped(f"non-finite gradient norm ({norm}) at step {step}; the weights are those of the last "
+                           "good step (the latest checkpoint is kept). Lower the learning rate or check the data; "
+                           "skip_nonfinite_steps: true skips such steps instead")
+
+
 def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
-               after_backward: Callable[[int], None] | None = None) -> StepResult:
+               skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
     ``data_parallel_size``: ranks that each take a different shard of the global batch (the gradient average
     divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
+    A non-finite gradient norm is never applied: the step is skipped (``skip_nonfinite``) or the run stops (except
+    under DeepSpeed, whose engine steps before the norm is known: there the run stops after the step).
     """
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
     global_targets, global_tokens = _global_counts(accelerator, micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    grad_norm = None
+    grad_norm, skipped = None, False
     for index, batch in enumerate(micro_batches):
         boundary = index == accumulation - 1
         with accelerator.accumulate(model):
@@ -193,17 +208,26 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             if engine is not None and engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"step {step}: DeepSpeed's accumulation boundary drifted from ours")
             if boundary:
-                grad_norm = _clip_and_norm(accelerator, model, max_grad_norm)
-                optimizer.step()
-                if not accelerator.optimizer_step_was_skipped:
-                    scheduler.step()
+                grad_norm = _clip_and_norm(accelerator, model, max_grad_norm)  # the same on every rank
+                stop = _nonfinite(grad_norm, step + 1)
+                if stop is not None and not skip_nonfinite:
+                    raise stop
+                skipped = stop is not None
+                if not skipped:
+                    optimizer.step()
+                    if not accelerator.optimizer_step_was_skipped:
+                        scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
     if engine is not None:
         norm = engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else None
+        stop = _nonfinite(grad_norm, step + 1)
+        if stop is not None:
+            raise stop
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
-    return StepResult(loss_sum=loss_sum, targets=int(global_targets), tokens=global_tokens, grad_norm=grad_norm)
+    return StepResult(loss_sum=loss_sum, targets=int(global_targets), tokens=global_tokens, grad_norm=grad_norm,
+                      skipped=skipped)
 
 
 # ------------------------------------------------------------------------------------------- between steps
@@ -268,6 +292,16 @@ def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, train_data
     return resume_from
 
 
+def _prepare_output_dir(accelerator, args: TrainArgs, resume_from: str | None) -> None:
+    """Main process, before the run writes anything: clear a killed save's leftovers; move an earlier run aside."""
+    for path in layout.remove_stale_temporaries(args.output_dir):
+        accelerator.print(f"removed {path}, left by a save that was interrupted")
+    if resume_from is None and args.overwrite_output_dir:
+        aside = layout.move_run_aside(args.output_dir)
+        if aside:
+            accelerator.print(f"overwrite_output_dir: the earlier run's files were moved to {aside}")
+
+
 def checkpoint_record(accelerator, cfg: RunConfig, state: LoopState, train_dataset) -> dict:
     """The JSON written into a checkpoint: the loop's position, what the order depends on, who wrote it."""
     return {
@@ -321,6 +355,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     state = LoopState(world_size=world, global_batch_size=global_batch)
     resume_from = _resume(accelerator, cfg, state, optimizer, train_dataset)
     if accelerator.is_main_process:
+        _prepare_output_dir(accelerator, args, resume_from)
         write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
     accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
                                                  if isinstance(value, (int, float, str, bool))})
@@ -355,6 +390,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
     window = LogWindow(accelerator)
+    preemption = Preemption(accelerator)
+    preempted = False
     batches = None
     model.train()
     while state.step < total_steps:
@@ -362,7 +399,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
         result = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accumulation)],
                             step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
-                            loss_normalization=args.loss_normalization, after_backward=after_backward)
+                            loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
+                            after_backward=after_backward)
         if state.finish_step(result, steps_per_epoch):
             batches = None
         window.add(result)
@@ -376,6 +414,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             window_stats = window.flush()
             row.update(loss=window_stats["loss"], lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm,
                        tokens_per_s=window_stats["tokens_per_s"])
+            if state.skipped_steps:
+                row["skipped_steps"] = state.skipped_steps
         evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
         if evaluated:
             eval_started = time.perf_counter()
@@ -385,16 +425,22 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             logger.log(row)
         _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
               row=row if (logged or evaluated) else None)
-        if args.save_steps and state.step % args.save_steps == 0:
+        preempted = state.step < total_steps and preemption.stop_requested()
+        if (args.save_steps and state.step % args.save_steps == 0) or preempted:
             ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit,
                                  record=checkpoint_record(accelerator, cfg, state, train_dataset), protect=resume_from)
+        if preempted:
+            accelerator.print(f"SIGTERM: saved checkpoint step-{state.step}; relaunch with resume_from_checkpoint: "
+                              "latest to continue", flush=True)
+            break
+    preemption.restore()
 
-    # --- the end: plot, export, summary
+    # --- the end: plot, export, summary (a preempted run is not finished: no export)
     logger.close()
     if accelerator.is_main_process:
         plot_run(args.output_dir)
     final_dir = layout.final_dir(args.output_dir)
-    if args.save_final_model:
+    if args.save_final_model and not preempted:
         ckpt.save_final(accelerator, model, tokenizer, final_dir)
     elapsed = time.time() - started
     summary = {
@@ -404,7 +450,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         "seconds": elapsed,
         "tokens_per_s": (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0,
         "best_eval_perplexity": best_perplexity,
-        "final_model": os.path.abspath(final_dir) if args.save_final_model else None,
+        "final_model": os.path.abspath(final_dir) if args.save_final_model and not preempted else None,
+        "preempted": preempted,
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
     }

@@ -64,7 +64,9 @@ def format_run_summary(summary: dict) -> str:
         f"({summary['tokens_per_s']:,.0f} tokens/s, wall clock incl. evaluation and export)",
         f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
         f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
-        f"  model: {summary['final_model']}" if summary.get("final_model") else "  model: not saved (save_final_model false)",
+        f"  model: {summary['final_model']}" if summary.get("final_model") else (
+            "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
+            if summary.get("preempted") else "  model: not saved (save_final_model false)"),
     ]
     return "\n".join(lines)
 
