@@ -181,6 +181,25 @@ def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
     assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.reference("sgd", SGD)))) <= 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, config", [("fsdp", "fsdp.yaml"), ("zero3", "zero3.yaml")])
+def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, tmp_path, strategy, config,
+                                                                          tiny_model, padded_data):
+    """A sharded checkpoint resumed by a launch that cannot read its format (once: a FileNotFoundError traceback
+    after the weights loaded) stops first, naming how it was written and the command that resumes it."""
+    straight = runs.strategy(strategy, "adamw", ADAMW)
+    out = tmp_path / "resumed"
+    shutil.copytree(os.path.join(straight, "checkpoints", "step-2"), out / "checkpoints" / "step-2")
+    cfg = {**COMMON, **padded_data, **ADAMW, "model_name_or_path": tiny_model, "output_dir": str(out),
+           "per_device_train_batch_size": 8, "resume_from_checkpoint": "latest"}
+    proc = launch(args_from(cfg), num_processes=1, check=False)  # plain `python recipes/gpt2.py`
+    written = {"fsdp": "fsdp2", "zero3": "deepspeed-zero3"}[strategy]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"was written by 2 rank(s) under {written}; this launch is single with 1 rank(s)" in proc.stderr
+    assert f"accelerate launch --config_file accelerate_configs/{config}" in proc.stderr
+    assert "weights train in" not in proc.stdout and not (out / "final").exists()
+
+
 def test_mismatched_accumulation_in_deepspeed_section_fails(tmp_path, tiny_model, padded_data):
     config = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
     config["deepspeed_config"]["gradient_accumulation_steps"] = 4

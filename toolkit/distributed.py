@@ -216,6 +216,16 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainArgs) -> None:
         ds["zero_force_ds_cpu_optimizer"] = False
 
 
+def strategy_name(accelerator: Accelerator) -> str:
+    """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2' or 'deepspeed-zero<stage>'."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if kind == DistributedType.FSDP:
+        return "fsdp2" if accelerator.is_fsdp2 else "fsdp1"
+    return "single" if kind == DistributedType.NO else "ddp"
+
+
 def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
     """Refuse a silent fallback: the world the launcher started must be the one accelerate sees."""
     strategy = strategy or launched_strategy()

@@ -31,7 +31,7 @@ from transformers import get_scheduler
 from toolkit import checkpoint as ckpt
 from toolkit import layout
 from toolkit.config import RunConfig, TrainArgs, write_config
-from toolkit.distributed import configure_deepspeed
+from toolkit.distributed import configure_deepspeed, strategy_name
 from toolkit.errors import TrainingStopped
 from toolkit.loss import count_targets, micro_step_loss, token_losses
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
@@ -280,9 +280,9 @@ def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, train_data
     resume_from = layout.resolve_resume(args.output_dir, args.resume_from_checkpoint)
     if resume_from is None:
         return None
-    saved = check_resume(resume_from, cfg, train_dataset, accelerator.num_processes)
+    saved = check_resume(resume_from, cfg, train_dataset, accelerator)
     accelerator.print(f"resuming from {resume_from} (written by {saved['world_size']} ranks, "
-                      f"{saved['distributed_type']}, at step {saved['loop']['step']})")
+                      f"{saved['strategy']}, at step {saved['loop']['step']})")
     ckpt.load_checkpoint(accelerator, resume_from, optimizer)
     state.load_state_dict(saved["loop"])
     state.world_size = accelerator.num_processes
@@ -310,6 +310,7 @@ def checkpoint_record(accelerator, cfg: RunConfig, state: LoopState, train_datas
         "global_batch_size": state.global_batch_size,
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
+        "strategy": strategy_name(accelerator),
     }
 
 

@@ -5,7 +5,7 @@ A checkpoint continues the same run only if the sample order is the same: step s
 content, which depend on the data, block_size and packing). All of that is recorded in the checkpoint's
 ``toolkit_state.json`` (``toolkit.layout``) and compared before the weights load; each difference is refused with the
 field that caused it. The world size, micro batch and accumulation may change, as long as their product, the global
-batch B, does not.
+batch B, does not; and the checkpoint's format must be one this launch can load (``check_format``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 
 from toolkit import layout
+from toolkit.distributed import strategy_name
 from toolkit.errors import ConfigError
 
 # order key -> the config field a user changes to change it
@@ -51,7 +52,31 @@ def order_record(cfg, train_dataset) -> dict:
     }
 
 
-def check_resume(checkpoint: str, cfg, train_dataset, num_processes: int) -> dict:
+# How each strategy's checkpoint is relaunched, and which loads are known to work (measured, see
+# ../shared/notes/next-capabilities.md): plain weights + optimizer files load under single/ddp on any world size;
+# FSDP2's DCP checkpoint reshards onto any world size under FSDP2; FSDP1 and DeepSpeed load on the same world only.
+LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml", "fsdp2": "fsdp.yaml",
+                 "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml"}
+PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
+
+
+def check_format(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> None:
+    """Refuse, before the weights load, a checkpoint this launch cannot load (once: a FileNotFoundError traceback
+    after the weights loaded), naming how it was written and how to relaunch it."""
+    wrote, world = saved["strategy"], saved["world_size"]
+    if strategy in PORTABLE.get(wrote, set()) or (strategy == wrote and num_processes == world):
+        return
+    config = LAUNCH_CONFIG.get(wrote, "<its launch config>")
+    same_world = "" if wrote in PORTABLE else f" --num_processes {world}"
+    raise ConfigError(
+        "resume_from_checkpoint",
+        f"{checkpoint} was written by {world} rank(s) under {wrote}; this launch is {strategy} with "
+        f"{num_processes} rank(s), which cannot load that format. Resume it as it was written: accelerate launch "
+        f"--config_file accelerate_configs/{config}{same_world} <recipe> ... --resume_from_checkpoint {checkpoint}",
+    )
+
+
+def check_resume(checkpoint: str, cfg, train_dataset, accelerator) -> dict:
     """Refuse, before the weights load, a resume that would not continue the same sample order; returns the state."""
     saved = layout.read_checkpoint_state(checkpoint)
     if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
@@ -67,6 +92,8 @@ def check_resume(checkpoint: str, cfg, train_dataset, num_processes: int) -> dic
                 f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
                 f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
             )
+    num_processes = accelerator.num_processes
+    check_format(checkpoint, saved, strategy_name(accelerator), num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     global_batch = num_processes * micro * accumulation
     if saved["global_batch_size"] != global_batch:
