@@ -144,3 +144,36 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-1"]  # only the new run's own
     assert not (out / "final.tmp").exists() and (out / "final" / "model.safetensors").is_file()
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if '"loss"' in line] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml", "fsdp.yaml"])
+def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
+    """SIGKILL to the whole job (launcher and ranks) once a few steps are logged, a checkpoint every step, so the kill
+    may land mid-save; the relaunch from `latest` crosses an epoch boundary (6 steps per epoch) and ends with exactly
+    the weights of the uninterrupted run."""
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 9, "save_steps": 1,
+           "save_total_limit": 2}
+    straight = str(tmp_path / "straight")
+    launch(args_from({**cfg, "output_dir": straight}), config=config)
+
+    out = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+           "--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes", "gpt2.py"),
+           *args_from({**cfg, "output_dir": out})]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = max(_steps_logged(out))
+    assert killed_at < 9 and not os.path.exists(os.path.join(out, "final"))
+
+    launch(args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}), config=config)
+    diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
+    print(f"{config}: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
+    assert diff == 0.0
+    assert _steps_logged(out) == list(range(1, 10))
