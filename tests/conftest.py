@@ -40,5 +40,6 @@ def padded_data(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def quickstart(tmp_path_factory) -> dict:
-    """notebooks/quickstart.ipynb executed once per session (~45 s): its two runs serve the notebook and report tests."""
+    """notebooks/quickstart.ipynb executed once per session (~45 s); its two runs serve the notebook and report
+    tests."""
     return execute_quickstart(tmp_path_factory.mktemp("quickstart"))

@@ -215,7 +215,8 @@ def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
 
     with torch.no_grad():
         logits = model(input_ids=PROBE_IDS).logits
-    assert torch.allclose(logits, torch.load(os.path.join(out, "probe", "logits.pt")), atol=1e-5, rtol=0)
+    expected = torch.load(os.path.join(out, "probe", "logits.pt"), weights_only=True)
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
     # the run's other outputs
     import yaml
 

@@ -96,7 +96,8 @@ def assert_final_is_full_and_reloads(out, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(final(out)).eval()
     with torch.no_grad():
         logits = model(input_ids=PROBE_IDS).logits
-    assert torch.allclose(logits, torch.load(os.path.join(out, "probe", "logits.pt")), atol=1e-5, rtol=0)
+    expected = torch.load(os.path.join(out, "probe", "logits.pt"), weights_only=True)
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

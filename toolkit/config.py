@@ -72,7 +72,8 @@ def _at_least_zero(obj, *names, why: str = "") -> None:
 def _one_of(obj, name: str, choices) -> None:
     value = getattr(obj, name)
     if value not in choices:
-        raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}.{_suggest(value, choices)}")
+        raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}."
+                                f"{_suggest(value, choices)}")
 
 
 def max_positions(model_config) -> int | None:
@@ -254,7 +255,8 @@ class TrainArgs:
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
-            raise ConfigError("output_dir", f"{self.output_dir} is a file; output_dir must be a folder (new or a run's)")
+            raise ConfigError("output_dir",
+                              f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
         resume = self.resume_from_checkpoint
         if resume not in (None, layout.LATEST):
             if not os.path.isdir(resume):

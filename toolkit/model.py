@@ -43,7 +43,8 @@ def load_config(args: ModelArguments, disable_dropout: bool = False):
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """p = 0 on every ``nn.Dropout`` (TRL's ``disable_dropout_in_model``); ``load_config`` covers the functional ones."""
+    """p = 0 on every ``nn.Dropout`` (TRL's ``disable_dropout_in_model``); ``load_config`` covers the functional
+    ones."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
