@@ -152,6 +152,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     ]
 
 
+@pytest.mark.slow  # ~25 s (one real run to point at, then the cases): the full suite runs it, the quick layer not
 def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_path_factory, existing, tiny_model,
                                                                   padded_data):
     files = _files(tmp_path_factory, padded_data)
@@ -187,6 +188,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
     assert tree_hash(existing) == before, "a case changed the existing run's files"
 
 
+@pytest.mark.slow
 def test_recipe_exit_code_and_message_from_a_shell(existing, tiny_model, padded_data):
     """The same path from a real command line: one line on stderr, exit 2 (the battery runs the recipe's cli)."""
     cfg = {**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": existing,
