@@ -10,6 +10,7 @@ process (tests/scripts/battery.py: the recipe's own ``main`` under its own ``cli
 import hashlib
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -173,7 +174,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))
-    run(["python", os.path.join(SCRIPTS, "battery.py"), str(cases_file), str(out_file)], timeout=900)
+    run([sys.executable, os.path.join(SCRIPTS, "battery.py"), str(cases_file), str(out_file)], timeout=900)
     results = json.load(open(out_file))
     failures = []
     for name, (field, words) in expected.items():
@@ -193,6 +194,6 @@ def test_recipe_exit_code_and_message_from_a_shell(existing, tiny_model, padded_
     """The same path from a real command line: one line on stderr, exit 2 (the battery runs the recipe's cli)."""
     cfg = {**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": existing,
            "resume_from_checkpoint": os.path.join(existing, "checkpoints", "step-1"), "seed": 8}
-    proc = run(["python", RECIPE, *args_from(cfg)], check=False)
+    proc = run([sys.executable, RECIPE, *args_from(cfg)], check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("config error: seed: cannot resume from")
