@@ -87,6 +87,8 @@ def check_resume(checkpoint: str, cfg, train_dataset, accelerator) -> dict:
         if saved["order"].get(key) != ours[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")
                     else f"{key} was {saved['order'].get(key)!r}, now {ours[key]!r}")
+            if field_name == "train_file" and not cfg.data.train_file:
+                field_name = "dataset_name"  # the data came from there
             raise ConfigError(
                 field_name,
                 f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
