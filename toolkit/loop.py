@@ -395,46 +395,50 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     preempted = False
     batches = None
     model.train()
-    while state.step < total_steps:
-        if batches is None:  # an epoch starts, or resumes part-way
-            batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
-        result = train_step(accelerator, model, optimizer, scheduler, [next(batches) for _ in range(accumulation)],
-                            step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
-                            loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                            after_backward=after_backward)
-        if state.finish_step(result, steps_per_epoch):
-            batches = None
-        window.add(result)
-        logger.advance()
+    try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
+        while state.step < total_steps:
+            if batches is None:  # an epoch starts, or resumes part-way
+                batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
+            micro_batches = [next(batches) for _ in range(accumulation)]
+            result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
+                                step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
+                                loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
+                                after_backward=after_backward)
+            if state.finish_step(result, steps_per_epoch):
+                batches = None
+            window.add(result)
+            logger.advance()
 
-        # Every rank takes the same decisions here, so the collectives inside (loss reduction, eval) are matched.
-        last = state.step == total_steps
-        row = {"step": state.step, "epoch": state.epochs_done(steps_per_epoch), "tokens_seen": state.tokens_seen}
-        logged = state.step % args.logging_steps == 0 or last
-        if logged:
-            window_stats = window.flush()
-            row.update(loss=window_stats["loss"], lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm,
-                       tokens_per_s=window_stats["tokens_per_s"])
-            if state.skipped_steps:
-                row["skipped_steps"] = state.skipped_steps
-        evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
-        if evaluated:
-            eval_started = time.perf_counter()
-            evaluate_into(row)
-            window.exclude(time.perf_counter() - eval_started)
-        if logged or evaluated:
-            logger.log(row)
-        _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
-              row=row if (logged or evaluated) else None)
-        preempted = state.step < total_steps and preemption.stop_requested()
-        if (args.save_steps and state.step % args.save_steps == 0) or preempted:
-            ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit,
-                                 record=checkpoint_record(accelerator, cfg, state, train_dataset), protect=resume_from)
-        if preempted:
-            accelerator.print(f"SIGTERM: saved checkpoint step-{state.step}; relaunch with resume_from_checkpoint: "
-                              "latest to continue", flush=True)
-            break
-    preemption.restore()
+            # Every rank takes the same decisions here, so the collectives inside (loss reduction, eval) are matched.
+            last = state.step == total_steps
+            row = {"step": state.step, "epoch": state.epochs_done(steps_per_epoch), "tokens_seen": state.tokens_seen}
+            logged = state.step % args.logging_steps == 0 or last
+            if logged:
+                window_stats = window.flush()
+                row.update(loss=window_stats["loss"], lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm,
+                           tokens_per_s=window_stats["tokens_per_s"])
+                if state.skipped_steps:
+                    row["skipped_steps"] = state.skipped_steps
+            evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
+            if evaluated:
+                eval_started = time.perf_counter()
+                evaluate_into(row)
+                window.exclude(time.perf_counter() - eval_started)
+            if logged or evaluated:
+                logger.log(row)
+            _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
+                  row=row if (logged or evaluated) else None)
+            preempted = state.step < total_steps and preemption.stop_requested()
+            if (args.save_steps and state.step % args.save_steps == 0) or preempted:
+                record = checkpoint_record(accelerator, cfg, state, train_dataset)
+                ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, record=record,
+                                     protect=resume_from)
+            if preempted:
+                accelerator.print(f"SIGTERM: saved checkpoint step-{state.step}; relaunch with resume_from_checkpoint: "
+                                  "latest to continue", flush=True)
+                break
+    finally:
+        preemption.restore()
 
     # --- the end: plot, export, summary (a preempted run is not finished: no export)
     logger.close()
