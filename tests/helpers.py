@@ -90,6 +90,18 @@ class Runs:
         return self.done[name]
 
 
+def copy_checkpoint(run_dir: str, step: int):
+    """A ``prepare`` for ``Runs.get``: seed a new output_dir with ``run_dir``'s checkpoint of ``step`` (a resumed run
+    then finds it as ``latest``)."""
+    import shutil
+
+    def prepare(out: str) -> None:
+        name = os.path.join("checkpoints", f"step-{step}")
+        shutil.copytree(os.path.join(run_dir, name), os.path.join(out, name))
+
+    return prepare
+
+
 def load_weights(folder: str) -> dict:
     """Weights of a final/ export or a DDP checkpoint folder, as fp64 tensors by name."""
     from safetensors.torch import load_file

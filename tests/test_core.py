@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import SCRIPTS, Runs, args_from, launch, load_weights, max_abs_diff
+from helpers import SCRIPTS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=6, save_steps=3, logging_steps=1, seed=7,
               report_to="none", per_device_eval_batch_size=3)
@@ -118,11 +118,9 @@ def test_resume_mid_run_equals_straight_run(runs):
     """6 steps straight == 3 steps, stop, resume from the checkpoint, 3 more (AdamW + linear schedule + clipping)."""
     straight = runs.get("adamw_2x2x2", "2x2x2", ADAMW)
 
-    def copy_checkpoint(out):
-        shutil.copytree(ckpt(straight, 3), ckpt(out, 3))
 
     resumed = runs.get("adamw_2x2x2_resumed", "2x2x2", {**ADAMW, "resume_from_checkpoint": "latest"},
-                       prepare=copy_checkpoint)
+                       prepare=copy_checkpoint(straight, 3))
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
     rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "loss" in r] == [4, 5, 6]
@@ -135,11 +133,9 @@ def test_resume_with_another_split_of_the_same_global_batch(runs, writer, reader
     own micro-step counter, which once put the boundary mid-step), and 2 ranks resumed as 1 process."""
     straight = runs.get(f"adamw_{writer}", writer, ADAMW)
 
-    def copy_checkpoint(out):
-        shutil.copytree(ckpt(straight, 3), ckpt(out, 3))
 
     resumed = runs.get(f"adamw_{writer}_resumed_as_{reader}", reader, {**ADAMW, "resume_from_checkpoint": "latest"},
-                       prepare=copy_checkpoint)
+                       prepare=copy_checkpoint(straight, 3))
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= ADAMW_TOLERANCE
     rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "loss" in r] == [4, 5, 6]
@@ -183,11 +179,9 @@ def test_resume_at_an_epochs_last_step(runs):
     (Replaying epoch 0's order, or skipping into epoch 1, would move SGD's weights by far more.)"""
     straight = runs.get("sgd9_2x2x2", "2x2x2", SGD_ACROSS_EPOCHS)
 
-    def copy_checkpoint(out):
-        shutil.copytree(ckpt(straight, 6), ckpt(out, 6))
 
     resumed = runs.get("sgd9_2x2x2_resumed_at_6", "2x2x2", {**SGD_ACROSS_EPOCHS, "resume_from_checkpoint": "latest"},
-                       prepare=copy_checkpoint)
+                       prepare=copy_checkpoint(straight, 6))
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
     assert max_abs_diff(load_weights(final(resumed)), load_weights(ckpt(straight, 6))) > 1e-2, "it must train on"
     rows = [r for r in map(json.loads, open(os.path.join(resumed, "metrics.jsonl"))) if "loss" in r]

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, SCRIPTS, Runs, args_from, launch, load_weights, max_abs_diff
+from helpers import CONFIGS, SCRIPTS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
 
@@ -161,11 +161,8 @@ def test_resume_equals_straight_run(runs, strategy):
     step2 = os.path.join(straight, "checkpoints", "step-2")
     assert os.path.isdir(os.path.join(step2, "pytorch_model" if strategy == "zero3" else "pytorch_model_fsdp_0"))
 
-    def copy_checkpoint(out):
-        shutil.copytree(step2, os.path.join(out, "checkpoints", "step-2"))
-
     resumed = runs.strategy(strategy, "adamw_resumed", {**ADAMW, "resume_from_checkpoint": "latest"},
-                            prepare=copy_checkpoint)
+                            prepare=copy_checkpoint(straight, 2))
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
     assert [r["step"] for r in metrics(resumed)] == [3]
 

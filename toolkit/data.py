@@ -141,16 +141,15 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
             **map_kwargs,
         ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
 
+    what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
     if "validation" in grouped and len(grouped["validation"]) == 0:
         # Otherwise evaluation would silently never happen.
-        what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
         raise ConfigError(
             "block_size" if args.packing else ("validation_file" if args.validation_file else "dataset_name"),
             f"the validation split has no rows after tokenization: {what}; use more validation data or a smaller "
             "block_size, or validation_split_percentage: 0 (without validation_file) to train without evaluation",
         )
     if len(grouped["train"]) == 0:
-        what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
         raise ConfigError(
             "train_file" if args.train_file else "dataset_name",
             f"no training rows after tokenization: {what}; use more data or a smaller block_size",

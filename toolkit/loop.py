@@ -52,7 +52,7 @@ class LoopState:
     targets_seen: int = 0  # next-token targets, all ranks
     samples_seen: int = 0  # rows, all ranks
     skipped_steps: int = 0  # steps whose gradient norm was not finite (skip_nonfinite_steps)
-    world_size: int = 1  # the world that wrote the checkpoint (informational)
+    world_size: int = 1  # the world of this run (in a checkpoint: the world that wrote it)
     global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
 
     def state_dict(self) -> dict:
@@ -273,15 +273,15 @@ def _call(callbacks, event: str, **kwargs) -> None:
             fn(**kwargs)
 
 
-def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, train_dataset) -> str | None:
+def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, order: dict) -> str | None:
     """Load the checkpoint ``resume_from_checkpoint`` names (collective), after refusing one that cannot continue
     the same sample order (``toolkit.resume``; ``build`` has checked it already, before the weights loaded)."""
     args = cfg.train
     resume_from = layout.resolve_resume(args.output_dir, args.resume_from_checkpoint)
     if resume_from is None:
         return None
-    saved = check_resume(resume_from, cfg, train_dataset, accelerator)
-    accelerator.print(f"resuming from {resume_from} (written by {saved['world_size']} ranks, "
+    saved = check_resume(resume_from, cfg, order, accelerator)
+    accelerator.print(f"resuming from {resume_from} (written by {saved['loop']['world_size']} ranks, "
                       f"{saved['strategy']}, at step {saved['loop']['step']})")
     ckpt.load_checkpoint(accelerator, resume_from, optimizer)
     state.load_state_dict(saved["loop"])
@@ -302,16 +302,10 @@ def _prepare_output_dir(accelerator, args: TrainArgs, resume_from: str | None) -
             accelerator.print(f"overwrite_output_dir: the earlier run's files were moved to {aside}")
 
 
-def checkpoint_record(accelerator, cfg: RunConfig, state: LoopState, train_dataset) -> dict:
-    """The JSON written into a checkpoint: the loop's position, what the order depends on, who wrote it."""
-    return {
-        "loop": state.state_dict(),
-        "order": order_record(cfg, train_dataset),
-        "global_batch_size": state.global_batch_size,
-        "world_size": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
-        "strategy": strategy_name(accelerator),
-    }
+def checkpoint_record(accelerator, state: LoopState, order: dict) -> dict:
+    """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),
+    what the order depends on, and the strategy whose format the checkpoint is in."""
+    return {"loop": state.state_dict(), "order": order, "strategy": strategy_name(accelerator)}
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -354,7 +348,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
 
     # --- the position (from a checkpoint when resuming), the run's files
     state = LoopState(world_size=world, global_batch_size=global_batch)
-    resume_from = _resume(accelerator, cfg, state, optimizer, train_dataset)
+    order = order_record(cfg, train_dataset)  # fixed for the run: hashed once, written into every checkpoint
+    resume_from = _resume(accelerator, cfg, state, optimizer, order)
     if accelerator.is_main_process:
         _prepare_output_dir(accelerator, args, resume_from)
         write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
@@ -430,7 +425,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                   row=row if (logged or evaluated) else None)
             preempted = state.step < total_steps and preemption.stop_requested()
             if (args.save_steps and state.step % args.save_steps == 0) or preempted:
-                record = checkpoint_record(accelerator, cfg, state, train_dataset)
+                record = checkpoint_record(accelerator, state, order)
                 ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, record=record,
                                      protect=resume_from)
             if preempted:

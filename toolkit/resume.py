@@ -63,7 +63,7 @@ PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fs
 def check_format(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> None:
     """Refuse, before the weights load, a checkpoint this launch cannot load (once: a FileNotFoundError traceback
     after the weights loaded), naming how it was written and how to relaunch it."""
-    wrote, world = saved["strategy"], saved["world_size"]
+    wrote, world = saved["strategy"], saved["loop"]["world_size"]
     if strategy in PORTABLE.get(wrote, set()) or (strategy == wrote and num_processes == world):
         return
     config = LAUNCH_CONFIG.get(wrote, "<its launch config>")
@@ -76,17 +76,17 @@ def check_format(checkpoint: str, saved: dict, strategy: str, num_processes: int
     )
 
 
-def check_resume(checkpoint: str, cfg, train_dataset, accelerator) -> dict:
-    """Refuse, before the weights load, a resume that would not continue the same sample order; returns the state."""
+def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> dict:
+    """Refuse, before the weights load, a resume that would not continue the same sample order (``order``: this
+    run's ``order_record``); returns the checkpoint's state."""
     saved = layout.read_checkpoint_state(checkpoint)
     if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
         raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
                                                     "checkpoint of this toolkit (or one older than 0.2)")
-    ours = order_record(cfg, train_dataset)
     for key, field_name in ORDER_FIELDS.items():
-        if saved["order"].get(key) != ours[key]:
+        if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")
-                    else f"{key} was {saved['order'].get(key)!r}, now {ours[key]!r}")
+                    else f"{key} was {saved['order'].get(key)!r}, now {order[key]!r}")
             if field_name == "train_file" and not cfg.data.train_file:
                 field_name = "dataset_name"  # the data came from there
             raise ConfigError(
@@ -98,11 +98,12 @@ def check_resume(checkpoint: str, cfg, train_dataset, accelerator) -> dict:
     check_format(checkpoint, saved, strategy_name(accelerator), num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     global_batch = num_processes * micro * accumulation
-    if saved["global_batch_size"] != global_batch:
+    saved_batch = saved["loop"]["global_batch_size"]
+    if saved_batch != global_batch:
         # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
         raise ConfigError(
             "per_device_train_batch_size",
-            f"the checkpoint {checkpoint} was written with a global batch of {saved['global_batch_size']} rows, "
+            f"the checkpoint {checkpoint} was written with a global batch of {saved_batch} rows, "
             f"this run has {global_batch} ({num_processes} ranks x {micro} x {accumulation} accumulation); keep "
             "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
         )
