@@ -52,9 +52,10 @@ def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.Co
 
 def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
            check: bool = True, launcher_args: tuple = ()) -> subprocess.CompletedProcess:
-    """``accelerate launch`` for N > 1, plain ``python`` for one process (the user's two ways to run).
+    """``accelerate launch``, or plain ``python`` for one process with the DDP config (the user's two ways to run; one
+    process under DeepSpeed or FSDP goes through ``accelerate launch --num_processes 1``, as it must).
     ``launcher_args``: more options for ``accelerate launch`` (e.g. ``--mixed_precision bf16``)."""
-    if num_processes == 1:
+    if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
         return run([sys.executable, script, *script_args], check=check)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
@@ -100,6 +101,21 @@ def copy_checkpoint(run_dir: str, step: int):
         shutil.copytree(os.path.join(run_dir, name), os.path.join(out, name))
 
     return prepare
+
+
+def tree_hash(folder: str) -> str:
+    """One sha256 over every file's relative path and bytes below ``folder``: equal means nothing was changed."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(folder)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
 
 
 def load_weights(folder: str) -> dict:

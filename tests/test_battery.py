@@ -7,29 +7,16 @@ is on unless the case is about it, so that only the case's own mistake can stop 
 process (tests/scripts/battery.py: the recipe's own ``main`` under its own ``cli``), one after another.
 """
 
-import hashlib
 import json
 import os
 import sys
 
 import pytest
 import yaml
-from helpers import RECIPE, SCRIPTS, args_from, launch, run
+from helpers import RECIPE, SCRIPTS, args_from, launch, run, tree_hash
 
 BASE = dict(packing=False, block_size=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
             save_steps=1, logging_steps=1, seed=7, report_to="none", optim="sgd", learning_rate=0.1)
-
-
-def tree_hash(folder: str) -> str:
-    h = hashlib.sha256()
-    for root, dirs, files in sorted(os.walk(folder)):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            h.update(os.path.relpath(path, folder).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Checkpoint folders on disk: which ones count, which one is latest, which ones rotation deletes.
+"""Checkpoint folders on disk: which ones count, which one is latest, which ones rotation deletes, what loads where.
 
 On real folders under tmp_path (``rotate_checkpoints`` and ``toolkit.layout`` touch only the file system, so no
 Accelerator is needed): only ``step-N`` folders are checkpoints, in numeric order; ``step-N.tmp`` (a save in progress)
@@ -178,3 +178,52 @@ def test_remove_stale_temporaries_only_touches_tmp(tmp_path):
     assert len(removed) == 3
     assert sorted(os.listdir(layout.checkpoints_dir(out))) == ["step-1"]
     assert not os.path.exists(os.path.join(out, layout.FINAL + layout.TMP_SUFFIX))
+
+
+# ------------------------------------------------------------------------------------------ converted copies
+def test_a_converted_copy_is_no_checkpoint_and_goes_with_its_original(tmp_path):
+    """``step-N.universal`` (a ZeRO checkpoint converted for another world size) is never listed nor pointed at; when
+    rotation deletes step-N it deletes the copy too, and never another step's (step-10 is not step-1's copy)."""
+    out = _make(tmp_path, steps=[1, 2, 10], others=["step-1.universal", "step-10.universal", "step-1.universal.tmp"])
+    assert layout.converted_dir(layout.step_dir(out, 1) + "/", "universal") == layout.step_dir(out, 1) + ".universal"
+    assert layout.converted_copies(layout.step_dir(out, 1)) == [layout.step_dir(out, 1) + ".universal"]
+    assert _steps(out) == [1, 2, 10]
+    _point(out, "step-1.universal")
+    assert layout.latest_checkpoint(out) == layout.step_dir(out, 10)
+    rotate_checkpoints(out, 2, keep={layout.step_dir(out, 10)})
+    assert _entries(out) == ["latest", "step-1.universal.tmp", "step-10", "step-10.universal", "step-2"]
+
+
+# ------------------------------------------------------------------------------------------ what loads where
+@pytest.mark.parametrize("wrote, world, strategy, ranks, plan", [
+    ("ddp", 2, "single", 1, None),  # plain files load anywhere
+    ("single", 1, "ddp", 4, None),
+    ("fsdp2", 2, "fsdp2", 1, None),  # DCP reshards
+    ("fsdp2", 1, "fsdp2", 2, None),
+    ("fsdp2", 2, "single", 1, "plain"),  # DCP read without a process group
+    ("fsdp2", 1, "ddp", 2, "plain"),
+    ("deepspeed-zero3", 2, "deepspeed-zero3", 2, None),
+    ("deepspeed-zero3", 2, "deepspeed-zero3", 1, "universal"),
+    ("deepspeed-zero2", 1, "deepspeed-zero2", 4, "universal"),
+    ("fsdp1", 2, "fsdp1", 2, None),
+])
+def test_load_plan_loads_or_converts(wrote, world, strategy, ranks, plan):
+    from toolkit.resume import load_plan
+
+    assert load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks) == plan
+
+
+@pytest.mark.parametrize("wrote, world, strategy, ranks, command", [
+    ("fsdp1", 2, "fsdp1", 1, "--config_file accelerate_configs/fsdp1.yaml --num_processes 2 "),
+    ("deepspeed-zero3", 2, "single", 1, "--config_file accelerate_configs/zero3.yaml <recipe>"),
+    ("deepspeed-zero3", 2, "deepspeed-zero2", 2, "--config_file accelerate_configs/zero3.yaml <recipe>"),
+    ("ddp", 2, "deepspeed-zero3", 2, "--config_file accelerate_configs/ddp.yaml <recipe>"),
+])
+def test_load_plan_refuses_what_no_conversion_loads(wrote, world, strategy, ranks, command):
+    from toolkit.errors import ConfigError
+    from toolkit.resume import load_plan
+
+    with pytest.raises(ConfigError) as e:
+        load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
+    assert e.value.field_name == "resume_from_checkpoint"
+    assert f"written by {world} rank(s) under {wrote}" in str(e.value) and command in str(e.value)

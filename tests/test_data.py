@@ -77,6 +77,27 @@ def test_packing_keeps_every_full_block(tok):
     assert all(len(r) == 64 for r in packed["train"][:50]["input_ids"])
 
 
+@pytest.mark.parametrize("batch_rows, block_size", [(1, 5), (3, 7), (4, 1), (7, 50), (10_000, 7)])
+@pytest.mark.parametrize("num_proc", [None, 2])
+def test_bounded_packing_equals_one_stream(monkeypatch, batch_rows, block_size, num_proc):
+    """Packing in bounded map batches gives exactly the blocks of one concatenated stream cut every block_size
+    tokens: blocks that straddle batches (even several short documents, or documents longer than a block), empty
+    documents, a selected view, and map workers included."""
+    import random
+
+    from datasets import Dataset
+
+    from toolkit import data
+
+    rng = random.Random(0)
+    docs = [[rng.randrange(1000) for _ in range(rng.choice([0, 1, 2, 3, 9, 23]))] for _ in range(60)]
+    ds = Dataset.from_dict({"input_ids": docs}).select(range(5, 60))  # a view with an indices mapping
+    stream = [t for d in docs[5:] for t in d]
+    expected = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    monkeypatch.setattr(data, "PACK_BATCH_ROWS", batch_rows)
+    assert list(data.pack(ds, block_size, {"num_proc": num_proc})["input_ids"]) == expected
+
+
 def test_unpacked_rows_are_truncated_and_short_rows_dropped(tok, tmp_path):
     """Without packing each text is one row: cut to block_size, and dropped when it has < 2 tokens (no target).
     Only a text with no tokens at all is that short: any non-empty text gets an EOS, so it has at least 2."""

@@ -17,6 +17,8 @@ import time
 import pytest
 from helpers import CONFIGS, ROOT, args_from, free_port, launch, load_weights, max_abs_diff, subprocess_env
 
+from toolkit import layout
+
 COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
               lr_scheduler_type="constant", weight_decay=0, per_device_train_batch_size=2,
@@ -149,9 +151,10 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml", "fsdp.yaml"])
 def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
-    """SIGKILL to the whole job (launcher and ranks) once a few steps are logged, a checkpoint every step, so the kill
-    may land mid-save; the relaunch from `latest` crosses an epoch boundary (6 steps per epoch) and ends with exactly
-    the weights of the uninterrupted run."""
+    """SIGKILL to the whole job (launcher and ranks) once a few steps are logged and a checkpoint save is under way
+    (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
+    loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
+    with exactly the weights of the uninterrupted run."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 9, "save_steps": 1,
            "save_total_limit": 2}
     straight = str(tmp_path / "straight")
@@ -163,16 +166,25 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, pad
            *args_from({**cfg, "output_dir": out})]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    root = os.path.join(out, "checkpoints")
+
+    def saving() -> list[str]:
+        return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
+
     deadline = time.time() + 120
-    while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    while not (len(_steps_logged(out)) >= 3 and saving()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.002)  # a save of this model lasts ~0.1 s; its .tmp folder appears when it starts
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     killed_at = max(_steps_logged(out))
     assert killed_at < 9 and not os.path.exists(os.path.join(out, "final"))
+    assert saving(), "the kill was meant to land inside a save"
+    latest = layout.latest_checkpoint(out)
+    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(saving()[0][5:-4])
 
     launch(args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}), config=config)
+    assert not saving(), "the relaunch removes what the killed save left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
     print(f"{config}: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, SCRIPTS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
+from helpers import CONFIGS, SCRIPTS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff, tree_hash
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
 
@@ -167,6 +167,33 @@ def test_resume_equals_straight_run(runs, strategy):
     assert [r["step"] for r in metrics(resumed)] == [3]
 
 
+# The world size a checkpoint was written with does not bind its resume (the global batch does): 2 ranks x 2 x 2
+# resumed by 1 process x 4 x 2, and 1 x 4 x 2 resumed by 2 ranks, both continue the writer's run. DDP's files load
+# anywhere; FSDP2's DCP checkpoint reshards; ZeRO-3's is converted to DeepSpeed's universal format beside it.
+# Measured here: ZeRO-3 8e-9 both ways (before the fixes in toolkit.checkpoint.load_checkpoint: 9.3e-5), ZeRO-2
+# 1.1e-8, FSDP2 1.2e-7, DDP 3e-8.
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, writer, reader", [(s, w, r) for s in ("ddp", "fsdp", "zero3") for w, r in
+                                                      ((2, 1), (1, 2))] + [("zero2", 2, 1)])
+def test_resume_on_another_world_size(runs, strategy, writer, reader):
+    config = STRATEGIES[strategy][0]
+    split = {1: (4, 2), 2: (2, 2)}  # ranks -> (micro batch, accumulation): a global batch of 8 either way
+    if writer == 2:
+        straight = runs.strategy(strategy, "adamw", ADAMW)
+    else:
+        straight = runs.get(f"adamw_{strategy}_1x4x2", config, 1, *split[1], ADAMW)
+    original = tree_hash(os.path.join(straight, "checkpoints", "step-2"))
+    resumed = runs.get(f"adamw_{strategy}_{writer}to{reader}", config, reader, *split[reader],
+                       {**ADAMW, "resume_from_checkpoint": "latest"}, prepare=copy_checkpoint(straight, 2))
+    assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
+    assert [r["step"] for r in metrics(resumed)] == [3]
+    assert tree_hash(os.path.join(resumed, "checkpoints", "step-2")) == original, "the checkpoint was modified"
+    converted = os.path.join(resumed, "checkpoints", "step-2.universal")
+    assert os.path.isdir(converted) == strategy.startswith("zero"), "only ZeRO needs a converted copy, beside it"
+    if strategy.startswith("zero"):
+        assert os.path.isdir(os.path.join(converted, "pytorch_model", "zero"))
+
+
 @pytest.mark.slow
 def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
     """A ZeRO-3 launch config without zero3_save_16bit_model once crashed at the final export, after all the compute;
@@ -180,20 +207,42 @@ def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, config", [("fsdp", "fsdp.yaml"), ("zero3", "zero3.yaml")])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fsdp2_checkpoint_resumes_in_a_plain_process_and_under_ddp(runs, ranks):
+    """Another strategy: FSDP2's DCP checkpoint, converted to plain files beside it (``step-2.plain``), continues the
+    FSDP2 run under plain ``python`` and under DDP (measured 1.2e-7; once a FileNotFoundError after the weights)."""
+    straight = runs.strategy("fsdp", "adamw", ADAMW)
+    micro, accum = {1: (4, 2), 2: (2, 2)}[ranks]
+    resumed = runs.get(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, micro, accum,
+                       {**ADAMW, "resume_from_checkpoint": "latest"}, prepare=copy_checkpoint(straight, 2))
+    assert max_abs_diff(load_weights(final(resumed)), load_weights(final(straight))) <= 1e-6
+    assert [r["step"] for r in metrics(resumed)] == [3]
+    assert os.path.isfile(os.path.join(resumed, "checkpoints", "step-2.plain", "model.safetensors"))
+    assert os.path.isdir(os.path.join(resumed, "checkpoints", "step-2", "pytorch_model_fsdp_0"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, config, launch_config, ranks, now", [
+    ("zero3", "zero3.yaml", "ddp.yaml", 1, "single with 1 rank(s)"),  # plain `python recipes/gpt2.py`
+    ("ddp", "ddp.yaml", "fsdp.yaml", 2, "fsdp2 with 2 rank(s)"),
+])
 def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, tmp_path, strategy, config,
-                                                                          tiny_model, padded_data):
-    """A sharded checkpoint resumed by a launch that cannot read its format (once: a FileNotFoundError traceback
-    after the weights loaded) stops first, naming how it was written and the command that resumes it."""
+                                                                          launch_config, ranks, now, tiny_model,
+                                                                          padded_data):
+    """A checkpoint resumed by a launch that can neither read its format nor convert it (once: a FileNotFoundError
+    traceback after the weights loaded) stops first, naming how it was written and the command that resumes it."""
     straight = runs.strategy(strategy, "adamw", ADAMW)
     out = tmp_path / "resumed"
     shutil.copytree(os.path.join(straight, "checkpoints", "step-2"), out / "checkpoints" / "step-2")
     cfg = {**COMMON, **padded_data, **ADAMW, "model_name_or_path": tiny_model, "output_dir": str(out),
-           "per_device_train_batch_size": 8, "resume_from_checkpoint": "latest"}
-    proc = launch(args_from(cfg), num_processes=1, check=False)  # plain `python recipes/gpt2.py`
-    written = {"fsdp": "fsdp2", "zero3": "deepspeed-zero3"}[strategy]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"was written by 2 rank(s) under {written}; this launch is single with 1 rank(s)" in proc.stderr
+           "per_device_train_batch_size": 8 // ranks, "resume_from_checkpoint": "latest"}
+    proc = launch(args_from(cfg), num_processes=ranks, config=launch_config, check=False)
+    written = {"ddp": "ddp", "zero3": "deepspeed-zero3"}[strategy]
+    if ranks == 1:
+        assert proc.returncode == 2, proc.stderr[-3000:]
+    else:  # each rank exits 2; accelerate's launcher reports a failed child as 1
+        assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
+    assert f"was written by 2 rank(s) under {written}; this launch is {now}" in proc.stderr
     assert f"accelerate launch --config_file accelerate_configs/{config}" in proc.stderr
     assert "weights train in" not in proc.stdout and not (out / "final").exists()
 

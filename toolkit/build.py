@@ -66,7 +66,7 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
         resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
         if resume_from is not None:
-            check_resume(resume_from, cfg, order_record(cfg, lm["train"]), accelerator)
+            check_resume(resume_from, cfg, order_record(cfg, lm["train"]), accelerator)  # raises, or it can load
     model = load_model(cfg.model, model_config)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")

@@ -162,8 +162,13 @@ class DataArguments:
     packing: bool = field(
         default=True, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row."}
     )
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N training rows."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N validation rows."})
+    # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
+    max_train_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep the first N training documents (before tokenization and packing)."}
+    )
+    max_eval_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep the first N validation documents (before tokenization and packing)."}
+    )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
 

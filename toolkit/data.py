@@ -122,16 +122,7 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
     )
 
     if args.packing:
-        # One map batch over the whole split (batch_size=None): run_clm's group_texts works per 1000-row map batch
-        # and drops each batch's tail, losing up to block_size-1 tokens per 1000 rows. Here only the split's final
-        # partial block (< block_size tokens in all) is left out.
-        def pack(batch):
-            stream = [tok for ids in batch["input_ids"] for tok in ids]
-            n = (len(stream) // block_size) * block_size
-            return {"input_ids": [stream[i : i + block_size] for i in range(0, n, block_size)]}
-
-        grouped = tokenized.map(pack, batched=True, batch_size=None, desc=f"pack into {block_size}-token rows",
-                                load_from_cache_file=not args.overwrite_cache)
+        grouped = DatasetDict({name: pack(split, block_size, map_kwargs) for name, split in tokenized.items()})
     else:
         # A row with fewer than 2 tokens has no next-token target: drop it rather than feed a zero-token loss.
         grouped = tokenized.map(
@@ -155,6 +146,47 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
             f"no training rows after tokenization: {what}; use more data or a smaller block_size",
         )
     return grouped
+
+
+PACK_BATCH_ROWS = 10_000  # documents per packing map batch: bounds its Python lists (~100 bytes per token)
+
+
+def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
+    """Concatenate every document (each ending in EOS) into one token stream and cut it into ``block_size`` rows.
+
+    Only the stream's final partial block (< block_size tokens) is left out. run_clm's ``group_texts`` instead drops
+    each 1000-row map batch's tail, up to block_size-1 tokens per batch; a single map batch over the whole split
+    avoids that but holds the split in Python lists (~100 bytes per token: ~12 GB for wikitext-103). Here the map
+    batches are bounded (``PACK_BATCH_ROWS`` documents) and the result is the same as one batch: each block belongs
+    to the batch in which it *starts*, and a block that runs past the batch's last document reads the few documents
+    it needs from the dataset (at most block_size tokens). Stateless per batch, so ``num_proc`` and the cache work.
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if tokenized._indices is not None:  # a selected/shuffled view: make row i the table's row i
+        tokenized = tokenized.flatten_indices()
+    lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # starts[i]: offset of document i
+    n_blocks = int(starts[-1]) // block_size
+
+    def blocks(batch, indices):
+        first, end = indices[0], indices[-1] + 1
+        k0 = -(-int(starts[first]) // block_size)  # first block starting in this batch's tokens
+        k1 = min(-(-int(starts[end]) // block_size), n_blocks)  # one past the last
+        if k1 <= k0:
+            return {"input_ids": []}
+        stream = [tok for ids in batch["input_ids"] for tok in ids]
+        need = k1 * block_size - int(starts[end])  # tokens the last block takes from the documents after this batch
+        if need > 0:
+            stop = int(np.searchsorted(starts, k1 * block_size, side="left"))  # documents [end, stop) cover them
+            stream += [tok for ids in tokenized[end:stop]["input_ids"] for tok in ids][:need]
+        base = int(starts[first])
+        return {"input_ids": [stream[k * block_size - base:(k + 1) * block_size - base] for k in range(k0, k1)]}
+
+    return tokenized.map(blocks, batched=True, batch_size=PACK_BATCH_ROWS, with_indices=True,
+                         new_fingerprint=f"{tokenized._fingerprint}-pack{block_size}-{PACK_BATCH_ROWS}",
+                         desc=f"pack into {block_size}-token rows", **map_kwargs)
 
 
 class CausalLMCollator:

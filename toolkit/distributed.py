@@ -177,8 +177,9 @@ def _check_accumulation_env(args: TrainArgs) -> None:
         )
 
 
-def configure_deepspeed(accelerator: Accelerator, args: TrainArgs) -> None:
-    """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it."""
+def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universal: bool = False) -> None:
+    """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it.
+    ``load_universal``: the resume loads a universal checkpoint (``toolkit.convert``), which the engine must know."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -202,6 +203,8 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainArgs) -> None:
     ds["train_batch_size"] = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     )
+    if load_universal:
+        ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
     zero = ds.setdefault("zero_optimization", {})
     if args.save_final_model and zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
         # Without it the final export of a ZeRO-3 model fails after all the compute (accelerate injects false when the

@@ -10,6 +10,7 @@
         step-N/            accelerator.save_state, complete              (checkpoint)
           toolkit_state.json   the loop's position and what the sample order depends on (JSON: never unpickled)
         step-N.tmp/        a save in progress (renamed when every rank is done)
+        step-N.universal/  step-N converted for a launch that cannot load it as written  (convert)
         latest             the name of the newest complete checkpoint
       final/               save_pretrained model + tokenizer             (checkpoint.save_final)
 
@@ -61,6 +62,21 @@ def final_dir(output_dir: str) -> str:
 def has_final_model(output_dir: str) -> bool:
     """A finished run: ``final/`` holds a saved model."""
     return os.path.isfile(os.path.join(output_dir, FINAL, "config.json"))
+
+
+def converted_dir(checkpoint: str, kind: str) -> str:
+    """Where ``checkpoint`` converted into another format lives: beside it, ``step-N.<kind>`` (never listed as a
+    checkpoint of its own; removed with its original)."""
+    return os.path.normpath(checkpoint) + "." + kind
+
+
+def converted_copies(checkpoint: str) -> list[str]:
+    """The converted copies of ``checkpoint`` that exist (``step-N.<kind>``, not a save in progress)."""
+    parent, name = os.path.split(os.path.normpath(checkpoint))
+    if not os.path.isdir(parent):
+        return []
+    return [os.path.join(parent, n) for n in sorted(os.listdir(parent))
+            if n.startswith(name + ".") and not n.endswith(TMP_SUFFIX) and os.path.isdir(os.path.join(parent, n))]
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:

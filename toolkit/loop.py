@@ -31,6 +31,7 @@ from transformers import get_scheduler
 from toolkit import checkpoint as ckpt
 from toolkit import layout
 from toolkit.config import RunConfig, TrainArgs, write_config
+from toolkit.convert import UNIVERSAL, convert
 from toolkit.distributed import configure_deepspeed, strategy_name
 from toolkit.errors import TrainingStopped
 from toolkit.loss import count_targets, micro_step_loss, token_losses
@@ -273,23 +274,42 @@ def _call(callbacks, event: str, **kwargs) -> None:
             fn(**kwargs)
 
 
-def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, order: dict) -> str | None:
-    """Load the checkpoint ``resume_from_checkpoint`` names (collective), after refusing one that cannot continue
-    the same sample order (``toolkit.resume``; ``build`` has checked it already, before the weights loaded)."""
-    args = cfg.train
-    resume_from = layout.resolve_resume(args.output_dir, args.resume_from_checkpoint)
+@dataclass
+class ResumePlan:
+    checkpoint: str  # the checkpoint resume_from_checkpoint names
+    load_from: str  # the folder that loads: the checkpoint, or its converted copy
+    conversion: str | None  # toolkit.convert's kind, or None
+    saved: dict  # its toolkit_state.json
+
+
+def _plan_resume(accelerator, cfg: RunConfig, order: dict, model) -> ResumePlan | None:
+    """Before ``prepare``: the checkpoint ``resume_from_checkpoint`` names, after refusing one that cannot continue
+    the same sample order (``toolkit.resume``; ``build`` has checked it already, before the weights loaded), and the
+    folder to load, converted first if this launch cannot load it as written (collective: ``toolkit.convert``).
+    None when the run starts afresh."""
+    resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
     if resume_from is None:
         return None
-    saved = check_resume(resume_from, cfg, order, accelerator)
-    accelerator.print(f"resuming from {resume_from} (written by {saved['loop']['world_size']} ranks, "
+    saved, conversion = check_resume(resume_from, cfg, order, accelerator)
+    load_from = resume_from if conversion is None else convert(accelerator, resume_from, conversion, model,
+                                                               log=accelerator.print)
+    return ResumePlan(resume_from, load_from, conversion, saved)
+
+
+def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, scheduler, plan: ResumePlan | None) -> str | None:
+    """After ``prepare``: load the planned checkpoint (collective) and the loop's position. Returns its folder."""
+    if plan is None:
+        return None
+    saved = plan.saved
+    accelerator.print(f"resuming from {plan.checkpoint} (written by {saved['loop']['world_size']} ranks, "
                       f"{saved['strategy']}, at step {saved['loop']['step']})")
-    ckpt.load_checkpoint(accelerator, resume_from, optimizer)
+    ckpt.load_checkpoint(accelerator, plan.load_from, optimizer, scheduler, universal=plan.conversion == UNIVERSAL)
     state.load_state_dict(saved["loop"])
     state.world_size = accelerator.num_processes
     # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another split of
     # the same global batch (8 x 1 resumed as 4 x 2) its boundaries would fall mid-step. Ours is the truth.
-    accelerator.step = state.step * args.gradient_accumulation_steps
-    return resume_from
+    accelerator.step = state.step * cfg.train.gradient_accumulation_steps
+    return plan.checkpoint
 
 
 def _prepare_output_dir(accelerator, args: TrainArgs, resume_from: str | None) -> None:
@@ -338,7 +358,9 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
-    configure_deepspeed(accelerator, args)
+    order = order_record(cfg, train_dataset)  # fixed for the run: hashed once, written into every checkpoint
+    plan = _plan_resume(accelerator, cfg, order, model)
+    configure_deepspeed(accelerator, args, load_universal=plan is not None and plan.conversion == UNIVERSAL)
     if eval_dl is not None:
         model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
                                                                              scheduler)
@@ -348,8 +370,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
 
     # --- the position (from a checkpoint when resuming), the run's files
     state = LoopState(world_size=world, global_batch_size=global_batch)
-    order = order_record(cfg, train_dataset)  # fixed for the run: hashed once, written into every checkpoint
-    resume_from = _resume(accelerator, cfg, state, optimizer, order)
+    resume_from = _resume(accelerator, cfg, state, optimizer, scheduler, plan)
     if accelerator.is_main_process:
         _prepare_output_dir(accelerator, args, resume_from)
         write_config(cfg, layout.path(args.output_dir, layout.CONFIG))

@@ -5,14 +5,14 @@ A checkpoint continues the same run only if the sample order is the same: step s
 content, which depend on the data, block_size and packing). All of that is recorded in the checkpoint's
 ``toolkit_state.json`` (``toolkit.layout``) and compared before the weights load; each difference is refused with the
 field that caused it. The world size, micro batch and accumulation may change, as long as their product, the global
-batch B, does not; and the checkpoint's format must be one this launch can load (``check_format``).
+batch B, does not; and the checkpoint's format must be one this launch can load, as written or converted (``load_plan``).
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from toolkit import layout
+from toolkit import convert, layout
 from toolkit.distributed import strategy_name
 from toolkit.errors import ConfigError
 
@@ -54,20 +54,28 @@ def order_record(cfg, train_dataset) -> dict:
 
 # How each strategy's checkpoint is relaunched, and which loads are known to work (measured, see
 # ../shared/notes/next-capabilities.md): plain weights + optimizer files load under single/ddp on any world size;
-# FSDP2's DCP checkpoint reshards onto any world size under FSDP2; FSDP1 and DeepSpeed load on the same world only.
+# FSDP2's DCP checkpoint reshards onto any world size under FSDP2; a DeepSpeed checkpoint loads on its own world size
+# as written and on any other through DeepSpeed's universal format (toolkit.convert); FSDP2's converts to the plain
+# files for single/ddp (toolkit.convert); FSDP1's loads on the same world only.
 LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml", "fsdp2": "fsdp.yaml",
                  "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml"}
 PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
+ANY_WORLD_VIA_UNIVERSAL = {"deepspeed-zero2", "deepspeed-zero3"}
 
 
-def check_format(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> None:
-    """Refuse, before the weights load, a checkpoint this launch cannot load (once: a FileNotFoundError traceback
+def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> str | None:
+    """How this launch loads ``checkpoint``: None (as written) or the kind of ``toolkit.convert`` conversion it needs.
+    Refuses, before the weights load, a checkpoint no conversion makes loadable (once: a FileNotFoundError traceback
     after the weights loaded), naming how it was written and how to relaunch it."""
     wrote, world = saved["strategy"], saved["loop"]["world_size"]
     if strategy in PORTABLE.get(wrote, set()) or (strategy == wrote and num_processes == world):
-        return
+        return None
+    if strategy == wrote and wrote in ANY_WORLD_VIA_UNIVERSAL:
+        return convert.UNIVERSAL
+    if wrote == "fsdp2" and strategy in ("single", "ddp"):
+        return convert.PLAIN
     config = LAUNCH_CONFIG.get(wrote, "<its launch config>")
-    same_world = "" if wrote in PORTABLE else f" --num_processes {world}"
+    same_world = "" if wrote in PORTABLE or wrote in ANY_WORLD_VIA_UNIVERSAL else f" --num_processes {world}"
     raise ConfigError(
         "resume_from_checkpoint",
         f"{checkpoint} was written by {world} rank(s) under {wrote}; this launch is {strategy} with "
@@ -76,9 +84,9 @@ def check_format(checkpoint: str, saved: dict, strategy: str, num_processes: int
     )
 
 
-def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> dict:
+def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, str | None]:
     """Refuse, before the weights load, a resume that would not continue the same sample order (``order``: this
-    run's ``order_record``); returns the checkpoint's state."""
+    run's ``order_record``) or that this launch cannot load; returns the checkpoint's state and its ``load_plan``."""
     saved = layout.read_checkpoint_state(checkpoint)
     if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
         raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
@@ -95,7 +103,7 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> dict:
                 f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
             )
     num_processes = accelerator.num_processes
-    check_format(checkpoint, saved, strategy_name(accelerator), num_processes)
+    plan = load_plan(checkpoint, saved, strategy_name(accelerator), num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     global_batch = num_processes * micro * accumulation
     saved_batch = saved["loop"]["global_batch_size"]
@@ -107,4 +115,4 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> dict:
             f"this run has {global_batch} ({num_processes} ranks x {micro} x {accumulation} accumulation); keep "
             "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
         )
-    return saved
+    return saved, plan
