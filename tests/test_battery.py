@@ -73,6 +73,8 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("zero eval steps", {"eval_steps": 0}, [], {}, "eval_steps", "positive"),
         ("zero save limit", {"save_total_limit": 0}, [], {}, "save_total_limit", "positive"),
         ("negative workers", {"dataloader_num_workers": -1}, [], {}, "dataloader_num_workers", ">= 0"),
+        ("negative loss chunk", {"loss_chunk_size": -1}, [], {}, "loss_chunk_size", ">= 0 (0 turns it off)"),
+        ("zero peak flops", {"peak_flops": 0}, [], {}, "peak_flops", "must be a device's peak FLOP/s"),
         ("unknown optim", {"optim": "adamw"}, [], {}, "optim", "choose one of"),
         ("unknown scheduler", {"lr_scheduler_type": "cosin"}, [], {}, "lr_scheduler_type", "Did you mean 'cosine'"),
         ("unknown normalisation", {"loss_normalization": "mean"}, [], {}, "loss_normalization", "choose one of"),

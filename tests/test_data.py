@@ -121,6 +121,9 @@ def test_padding_carries_no_loss():
     assert batch["labels"].tolist() == [[5, 6, 7, 8], [9, 10, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert int(count_targets(batch["labels"])) == 3 + 1
+    # counted on the CPU by the collator, as plain ints: the loop reads them without waiting for a device
+    assert (batch["num_targets"], batch["num_tokens"]) == (3 + 1, 4 + 2)
+    assert type(batch["num_targets"]) is int and type(batch["num_tokens"]) is int
     logits = torch.randn(2, 4, 11)
     sums, counts = token_losses(logits, batch["labels"])
     alone, n = token_losses(logits[1:, :2], batch["labels"][1:, :2])

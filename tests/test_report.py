@@ -143,3 +143,9 @@ def test_report_on_real_runs(quickstart, tmp_path):
     r = quickstart["result"]
     assert s["final_train_loss"] == r["launch_loss"][-1] and s["best_eval_loss"] == min(r["launch_eval_loss"])
     assert s["final_model"] == os.path.join(launch, "final") and s["tokens_per_s"] > 0
+    # the accounting every run carries: per device rates, steps/s, peak memory of every rank (no MFU on a CPU)
+    assert s["tokens_per_s_per_device"] == pytest.approx(s["tokens_per_s"] / 2) and s["steps_per_s"] > 0
+    assert 0.05 < s["peak_memory_gb"] < 20 and s["mfu"] is None
+    summary = json.load(open(os.path.join(launch, "summary.json")))
+    assert len(summary["peak_memory_gb_per_rank"]) == 2 and summary["mfu"] is None
+    assert "| peak memory, busiest rank (GB) |" in proc.stdout

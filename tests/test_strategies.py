@@ -194,6 +194,66 @@ def test_resume_on_another_world_size(runs, strategy, writer, reader):
         assert os.path.isdir(os.path.join(converted, "pytorch_model", "zero"))
 
 
+def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
+    config = yaml.safe_load(open(os.path.join(CONFIGS, base)))
+    config["fsdp_config"].update(fsdp_config)
+    path = tmp_path / f"{base[:-5]}_{'_'.join(fsdp_config)}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+# Memory switches train like the plain run. Activation checkpointing recomputes each layer in the backward pass
+# (with the forward's RNG state: dropout is on in these runs); the chunked loss computes the same token losses 24
+# positions at a time (rows are ~48 long: chunks split rows; under ZeRO-3 it is refused, see
+# distributed.check_chunked_loss_strategy). FSDP's own fsdp_activation_checkpointing is handed to transformers
+# (distributed.check_activation_checkpointing). The memory each saves is measured in bench/memory.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, switch", [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"),
+                                              ("fsdp", "fsdp_activation_checkpointing"), ("ddp", "loss_chunk_size"),
+                                              ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size")])
+def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strategy, switch):
+    plain = runs.strategy(strategy, "sgd", SGD)
+    if switch == "fsdp_activation_checkpointing":  # FSDP's own, honoured from the launch config (applied in prepare)
+        config = _launch_config_with(tmp_path_factory.mktemp("ac"), "fsdp.yaml", fsdp_activation_checkpointing=True)
+        out = runs.get("sgd_fsdp_activation_checkpointing", config, 2, 2, 2, SGD)
+    else:
+        value = {"gradient_checkpointing": True, "loss_chunk_size": 24}[switch]
+        out = runs.strategy(strategy, f"sgd_{switch}", {**SGD, switch: value})
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) <= 1e-6
+    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-6)
+
+
+@pytest.mark.parametrize("what", ["checkpointing asked twice", "chunked loss under ZeRO-3"])
+def test_memory_switch_the_strategy_cannot_honour_is_refused(tmp_path, tiny_model, padded_data, what):
+    if what == "checkpointing asked twice":
+        config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
+        extra, words = {"gradient_checkpointing": True}, ("gradient_checkpointing: the launch config already sets "
+                                                         "fsdp_activation_checkpointing")
+    else:  # each chunk all-gathers lm_head; ranks with other lengths would run other chunk counts: a hang
+        config, extra, words = "zero3.yaml", {"loss_chunk_size": 16}, "loss_chunk_size: is not supported under ZeRO-3"
+    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
+           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, **extra}
+    proc = launch(args_from(cfg), config=config, check=False)
+    assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
+    assert f"config error: {words}" in proc.stderr
+    assert "weights train in" not in proc.stdout and not os.path.exists(tmp_path / "out" / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, name", [("ddp", "DDP"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3"), ("fsdp", "FSDP2")])
+def test_plan_predicts_the_model_states_each_rank_holds(runs, tiny_model, strategy, name):
+    """``toolkit plan``'s per-device weights + optimizer state (fp32 AdamW: ZeRO-2 keeps a master copy, ZeRO-3's is
+    the weights' partition, torch keeps none) against the bytes each of the 2 ranks holds after the run's last step,
+    storage by storage (tests/scripts/probe_run.py): within 3%."""
+    from toolkit.plan import count_model, model_states_per_device
+
+    states = model_states_per_device(count_model(tiny_model), name, devices=2, per_node=2, precision="fp32")
+    predicted = states["weights"] + states["optimizer"]
+    for rank in probes(runs.strategy(strategy, "adamw", ADAMW)):
+        held = rank["held_bytes"]["weights"] + rank["held_bytes"]["optimizer"]
+        assert held == pytest.approx(predicted, rel=0.03), (rank["process_index"], held, predicted)
+
+
 @pytest.mark.slow
 def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
     """A ZeRO-3 launch config without zero3_save_16bit_model once crashed at the final export, after all the compute;

@@ -19,7 +19,18 @@ from typing import Any
 
 from toolkit import data, layout
 from toolkit.config import RunConfig
-from toolkit.model import disable_dropout, load_config, load_model, load_tokenizer, max_positions, parameter_dtypes
+from toolkit.distributed import check_activation_checkpointing, check_chunked_loss_strategy
+from toolkit.model import (
+    check_chunked_loss,
+    disable_dropout,
+    enable_activation_checkpointing,
+    enable_chunked_loss,
+    load_config,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    parameter_dtypes,
+)
 from toolkit.order import require_one_global_batch
 from toolkit.resume import check_resume, order_record
 
@@ -53,6 +64,8 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
 
     tokenizer = load_tokenizer(cfg.model, log=log)
     model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
+    if cfg.train.loss_chunk_size:
+        check_chunked_loss(model_config)
     raw = data.load_raw_datasets(cfg.data)  # checks files and the text column before the weights load
     block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
     if accelerator is not None:
@@ -61,7 +74,10 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
     else:
         lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
 
+    checkpointing = cfg.train.gradient_checkpointing
     if accelerator is not None:  # checked here too so that it stops before the weights load
+        check_chunked_loss_strategy(accelerator, cfg.train.loss_chunk_size)
+        checkpointing = check_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
         resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
@@ -73,5 +89,11 @@ def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
     if cfg.train.disable_dropout:
         disable_dropout(model)
         log("disable_dropout: every dropout probability of the model is 0")
+    if cfg.train.loss_chunk_size:
+        enable_chunked_loss(model, cfg.train.loss_chunk_size)
+        log(f"loss_chunk_size: the training loss is computed {cfg.train.loss_chunk_size} positions at a time")
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        log("activation checkpointing: each layer's activations are recomputed in the backward pass")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=data.CausalLMCollator(tokenizer.pad_token_id), block_size=block_size)

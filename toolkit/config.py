@@ -222,6 +222,21 @@ class TrainArgs:
         default=False, metadata={"help": "Set every dropout probability of the model to 0 (TRL's name): "
                                          "deterministic runs, e.g. to compare strategies."}
     )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping "
+                                         "them (non-reentrant; TrainingArguments' name): less memory, ~1/3 more "
+                                         "compute. Under FSDP, fsdp_activation_checkpointing in the launch config "
+                                         "does the same; set one of them."}
+    )
+    peak_flops: Optional[float] = field(
+        default=None, metadata={"help": "Peak FLOP/s of one device, for MFU; default: a datasheet value for known "
+                                        "GPUs (toolkit/accounting.py), none on a CPU."}
+    )
+    loss_chunk_size: int = field(
+        default=0, metadata={"help": "Compute the training loss this many token positions at a time, never holding "
+                                     "the whole micro-batch's fp32 logits (the largest activation of a small model "
+                                     "with a big vocabulary); 0 = off."}
+    )
     skip_nonfinite_steps: bool = field(
         default=False, metadata={"help": "On a non-finite gradient norm, skip that optimizer step (counted in the "
                                          "metrics as skipped_steps) instead of stopping the run."}
@@ -251,6 +266,9 @@ class TrainArgs:
         _positive(self, "eval_steps", "save_steps", "save_total_limit", allow_none=True)
         _at_least_zero(self, "learning_rate", "weight_decay", "warmup_steps", "dataloader_num_workers")
         _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
+        _at_least_zero(self, "loss_chunk_size", why=" (0 turns it off)")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError("peak_flops", f"must be a device's peak FLOP/s (> 0), e.g. 989e12; got {self.peak_flops}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError("max_steps", "must be a positive number of steps, or -1 to use num_train_epochs; "
                                            f"got {self.max_steps}")

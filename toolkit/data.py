@@ -15,6 +15,7 @@ from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
+from toolkit.loss import count_targets
 
 PYDOC = "pydoc"
 
@@ -194,6 +195,9 @@ class CausalLMCollator:
 
     Pad positions get attention_mask 0 and label -100, so they carry no loss and (with right padding and a causal
     mask) do not change the logits of real tokens: a padded row trains exactly like the same row alone.
+
+    ``num_targets`` (next-token targets) and ``num_tokens`` (non-pad tokens) are counted here, on the CPU, as plain
+    ints: the loop normalises by the global batch's targets without a micro-step waiting for the device.
     """
 
     def __init__(self, pad_token_id: int):
@@ -208,4 +212,5 @@ class CausalLMCollator:
             ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
             mask[i, :n] = 1
         labels = ids.masked_fill(mask == 0, -100)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "num_targets": int(count_targets(labels)), "num_tokens": int(mask.sum())}

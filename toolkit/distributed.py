@@ -219,6 +219,42 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universa
         ds["zero_force_ds_cpu_optimizer"] = False
 
 
+def check_activation_checkpointing(accelerator: Accelerator, gradient_checkpointing: bool) -> bool:
+    """Whether the model should use transformers' activation checkpointing: the recipe's field, or FSDP's own option
+    (``fsdp_activation_checkpointing`` in the launch config), which is then handed over to transformers.
+
+    accelerate applies the FSDP option by wrapping every decoder layer in torch's ``checkpoint_wrapper``, whose
+    recompute calls the layer without the keyword arguments transformers 5 passes it (measured, GPT-2 with an
+    attention mask: ``RuntimeError: The size of tensor a (66) must match the size of tensor b (33)`` in the
+    backward). transformers' own checkpointing recomputes the same layers with their arguments. Asked twice (field
+    and launch config) is refused: set one.
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    from_launch_config = plugin is not None and plugin.activation_checkpointing
+    if gradient_checkpointing and from_launch_config:
+        raise ConfigError(
+            "gradient_checkpointing",
+            "the launch config already sets fsdp_activation_checkpointing: true, which checkpoints every layer; "
+            "set gradient_checkpointing: false (or turn the FSDP option off)",
+        )
+    if from_launch_config:
+        plugin.activation_checkpointing = False  # done by transformers instead (see above)
+        accelerator.print("fsdp_activation_checkpointing: each decoder layer is recomputed in the backward pass "
+                          "(through transformers' activation checkpointing)")
+    return gradient_checkpointing or from_launch_config
+
+
+def check_chunked_loss_strategy(accelerator: Accelerator, loss_chunk_size: int) -> None:
+    """ZeRO-3 gathers lm_head's weight collectively at every call; the chunked loss calls it once per chunk, and the
+    number of chunks follows each rank's own padded length: ranks would wait on each other's all-gathers forever
+    (measured: a hang)."""
+    if loss_chunk_size and accelerator.distributed_type == DistributedType.DEEPSPEED \
+            and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise ConfigError("loss_chunk_size", "is not supported under ZeRO-3 (each chunk all-gathers lm_head, and "
+                                             "ranks with different lengths would run different numbers of chunks); "
+                                             "use FSDP (fsdp.yaml), ZeRO-2 or DDP, or loss_chunk_size: 0")
+
+
 def strategy_name(accelerator: Accelerator) -> str:
     """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2' or 'deepspeed-zero<stage>'."""
     kind = accelerator.distributed_type

@@ -30,6 +30,7 @@ from transformers import get_scheduler
 
 from toolkit import checkpoint as ckpt
 from toolkit import layout
+from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, peak_memory_gb
 from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.convert import UNIVERSAL, convert
 from toolkit.distributed import configure_deepspeed, strategy_name
@@ -145,24 +146,45 @@ def _is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type.value == "DEEPSPEED"
 
 
-def _global_counts(accelerator, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
-    """(target tokens, non-pad tokens) of the whole global batch: one all-reduce of two integers per step."""
-    local = torch.tensor(
-        [sum(int(count_targets(b["labels"])) for b in micro_batches),
-         sum(int(b["attention_mask"].sum()) for b in micro_batches)],
-        device=accelerator.device,
-    )
-    global_targets, global_tokens = accelerator.reduce(local, reduction="sum")
-    return global_targets, int(global_tokens)
+def _global_counts(accelerator, micro_batches: list[dict]) -> torch.Tensor:
+    """[target tokens, non-pad tokens] of the whole global batch, on the device: one all-reduce of two integers per
+    step. The local counts come from the collator (``num_targets``, ``num_tokens``: counted on the CPU where the batch
+    is built), so no micro-step waits for the device; a collator without them is counted on the device."""
+    def counts(b):
+        if "num_targets" in b:
+            return b["num_targets"], b["num_tokens"]
+        return count_targets(b["labels"]), b["attention_mask"].sum()
+
+    local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))]
+    local = torch.stack([torch.as_tensor(c, dtype=torch.long) for c in local]).to(accelerator.device, non_blocking=True)
+    return accelerator.reduce(local, reduction="sum")
 
 
-def _clip_and_norm(accelerator, model, max_grad_norm: float) -> float | None:
-    """Clip to max_grad_norm (0 = off) and return the global pre-clip norm, as a float or None."""
+def _row_losses(model, batch: dict, chunked: bool) -> torch.Tensor:
+    """Per-row summed token cross-entropy of a micro-batch: from the logits, or from the model's chunked loss."""
+    if chunked:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"])["row_loss"]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_losses(logits, batch["labels"])[0]
+
+
+def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | None:
+    """Clip to max_grad_norm (0 = off) and return the global pre-clip norm (a device tensor), or None."""
     if _is_deepspeed(accelerator):
         return None  # DeepSpeed clips inside engine.step() (gradient_clipping set from the recipe); norm read after
     # With clipping off, a max norm of inf still returns the norm and scales by exactly 1.0 (min(inf/n, 1) == 1).
-    norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
-    return float(norm) if norm is not None else None
+    return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+
+
+def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int]:
+    """The step's one host-device synchronisation: the grad norm (needed before the optimizer applies the step, to
+    refuse a non-finite one) and the global counts, read together."""
+    if norm is None:
+        targets, tokens = counts.tolist()
+        return None, targets, tokens
+    values = torch.cat([norm.detach().reshape(1).to(torch.float64), counts.to(torch.float64)]).tolist()
+    return values[0], int(values[1]), int(values[2])
 
 
 def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
@@ -175,18 +197,21 @@ def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
 
 def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
-               skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None) -> StepResult:
+               skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None,
+               chunked_loss: bool = False) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
     ``data_parallel_size``: ranks that each take a different shard of the global batch (the gradient average
     divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
+    ``chunked_loss``: the model computes its loss in chunks (``toolkit.model.enable_chunked_loss``).
     A non-finite gradient norm is never applied: the step is skipped (``skip_nonfinite``) or the run stops (except
     under DeepSpeed, whose engine steps before the norm is known: there the run stops after the step).
     """
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
-    global_targets, global_tokens = _global_counts(accelerator, micro_batches)
+    counts = _global_counts(accelerator, micro_batches)
+    global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm, skipped = None, False
     for index, batch in enumerate(micro_batches):
@@ -197,8 +222,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
                     f"step {step}, micro-step {index}: accelerate's accumulation boundary "
                     f"(sync_gradients={accelerator.sync_gradients}) disagrees with ours (k={accumulation})"
                 )
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            row_loss, _ = token_losses(logits, batch["labels"])
+            row_loss = _row_losses(model, batch, chunked_loss)
             micro_sum = row_loss.sum()
             loss = micro_step_loss(micro_sum, count_targets(batch["labels"]), global_targets, data_parallel_size,
                                    accumulation, loss_normalization)
@@ -209,8 +233,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             if engine is not None and engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"step {step}: DeepSpeed's accumulation boundary drifted from ours")
             if boundary:
-                grad_norm = _clip_and_norm(accelerator, model, max_grad_norm)  # the same on every rank
-                stop = _nonfinite(grad_norm, step + 1)
+                grad_norm, targets, global_tokens = _to_host(_clip_and_norm(accelerator, model, max_grad_norm), counts)
+                stop = _nonfinite(grad_norm, step + 1)  # the norm is the same on every rank
                 if stop is not None and not skip_nonfinite:
                     raise stop
                 skipped = stop is not None
@@ -227,8 +251,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             raise stop
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
-    return StepResult(loss_sum=loss_sum, targets=int(global_targets), tokens=global_tokens, grad_norm=grad_norm,
-                      skipped=skipped)
+    return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped)
 
 
 # ------------------------------------------------------------------------------------------- between steps
@@ -241,28 +264,40 @@ def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: Loo
 
 
 class LogWindow:
-    """Training loss and tokens/s since the last logged step. The loss is reduced over ranks only when logged."""
+    """Training loss, throughput, MFU and peak memory since the last logged step. The loss is reduced over ranks only
+    when logged (``toolkit.accounting`` says how MFU is counted)."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None):
         self.accelerator = accelerator
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         self.targets = 0
+        self.steps = 0
         self.throughput = Throughput()
 
     def add(self, result: StepResult) -> None:
         self.loss += result.loss_sum
         self.targets += result.targets
+        self.steps += 1
         self.throughput.add(result.tokens)
 
     def exclude(self, seconds: float) -> None:
         self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
 
     def flush(self) -> dict:
-        """Collective: the mean token loss and tokens/s of the window; then start a new one."""
+        """Collective: the window's mean token loss, throughput, MFU and the peak memory of the busiest rank."""
         total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum"))
-        out = {"loss": total / max(self.targets, 1), "tokens_per_s": self.throughput.rate()}
+        memory = self.accelerator.gather(torch.tensor([peak_memory_gb(self.accelerator.device)],
+                                                      device=self.accelerator.device))
+        tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
+        out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
+               "tokens_per_s_per_device": tokens_per_s / world,
+               "steps_per_s": self.steps / max(self.throughput.seconds(), 1e-9),
+               "peak_memory_gb": float(memory.max())}
+        if self.peak_flops:
+            out["mfu"] = self.flops_per_token * tokens_per_s / world / self.peak_flops
         self.loss.zero_()
-        self.targets = 0
+        self.targets = self.steps = 0
         self.throughput.reset()
         return out
 
@@ -355,6 +390,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     if eval_dataset is not None and len(eval_dataset) > 0:
         eval_dl = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
                              collate_fn=collator, num_workers=args.dataloader_num_workers)
+    n_params = count_parameters(model)  # before prepare: ZeRO-3 and FSDP shard the parameters
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
@@ -378,7 +414,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                                                  if isinstance(value, (int, float, str, bool))})
     logger = MetricsLogger(accelerator, args.output_dir, total_steps, start_step=state.step,
                            resume=resume_from is not None)
-    tokens_at_start = state.tokens_seen  # a resumed run's tokens/s counts this attempt's tokens only
+    tokens_at_start, start_step = state.tokens_seen, state.step  # a resumed run's rates count this attempt only
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
     accelerator.print(
         f"world size {world} ({accelerator.distributed_type.value}) | micro batch {micro} | accumulation "
@@ -406,7 +442,11 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     def after_backward(micro_step: int) -> None:
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
-    window = LogWindow(accelerator)
+    layers, width = model_shape(accelerator.unwrap_model(model).config)
+    mean_row = (sum(len(r) for r in train_dataset[:256]["input_ids"]) / min(len(train_dataset), 256))
+    per_token = flops_per_token(n_params, layers, width, tokens_per_row or mean_row)
+    peak = peak_flops(accelerator.device, accelerator.mixed_precision, args.peak_flops)
+    window = LogWindow(accelerator, per_token, peak)
     preemption = Preemption(accelerator)
     preempted = False
     batches = None
@@ -419,7 +459,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
                                 step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                                after_backward=after_backward)
+                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0)
             if state.finish_step(result, steps_per_epoch):
                 batches = None
             window.add(result)
@@ -431,8 +471,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             logged = state.step % args.logging_steps == 0 or last
             if logged:
                 window_stats = window.flush()
-                row.update(loss=window_stats["loss"], lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm,
-                           tokens_per_s=window_stats["tokens_per_s"])
+                row.update(lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window_stats)
                 if state.skipped_steps:
                     row["skipped_steps"] = state.skipped_steps
             evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
@@ -464,12 +503,18 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     if args.save_final_model and not preempted:
         ckpt.save_final(accelerator, model, tokenizer, final_dir)
     elapsed = time.time() - started
+    memory = accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
+    tokens_per_s = (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0
     summary = {
         "steps": state.step,
         "epochs": state.epochs_done(steps_per_epoch),
         "tokens_seen": state.tokens_seen,
         "seconds": elapsed,
-        "tokens_per_s": (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / world,
+        "steps_per_s": (state.step - start_step) / elapsed if elapsed > 0 else 0.0,
+        "mfu": per_token * tokens_per_s / world / peak if peak else None,
+        "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory],
         "best_eval_perplexity": best_perplexity,
         "final_model": os.path.abspath(final_dir) if args.save_final_model and not preempted else None,
         "preempted": preempted,

@@ -62,6 +62,11 @@ def format_run_summary(summary: dict) -> str:
         "run summary",
         f"  {summary['steps']} optimizer steps, {summary['tokens_seen']:,} tokens in {summary['seconds']:.1f} s "
         f"({summary['tokens_per_s']:,.0f} tokens/s, wall clock incl. evaluation and export)",
+        f"  {summary.get('tokens_per_s_per_device', 0):,.0f} tokens/s per device, "
+        f"{summary.get('steps_per_s', 0):.3f} optimizer steps/s, MFU "
+        + (f"{100 * summary['mfu']:.1f}%" if summary.get("mfu") is not None else "n/a (peak FLOP/s unknown: "
+                                                                                  "set peak_flops)")
+        + f", peak memory per rank {summary.get('peak_memory_gb_per_rank', [])} GB",
         f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
         f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
@@ -99,10 +104,12 @@ class MetricsLogger:
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
             if self.accelerator.trackers:
                 self.accelerator.log(scalars, step=row["step"])
-            post = {k: row[k] for k in ("loss", "lr", "tokens_per_s") if k in row}
-            if "loss" in post:
-                self.bar.set_postfix(loss=f"{post['loss']:.4f}", lr=f"{post.get('lr', 0):.2e}",
-                                     tok_s=f"{post.get('tokens_per_s', 0):.0f}")
+            if "loss" in row:
+                post = {"loss": f"{row['loss']:.4f}", "lr": f"{row.get('lr', 0):.2e}",
+                        "tok_s": f"{row.get('tokens_per_s', 0):.0f}", "mem": f"{row.get('peak_memory_gb', 0):.2f}G"}
+                if row.get("mfu") is not None:
+                    post["mfu"] = f"{100 * row['mfu']:.1f}%"
+                self.bar.set_postfix(**post)
             if "eval_loss" in row:
                 self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f} perplexity {row['perplexity']:.2f}")
 
@@ -126,6 +133,9 @@ class Throughput:
     def add(self, tokens: int):
         self.tokens += tokens
 
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
     def rate(self) -> float:
-        dt = time.perf_counter() - self.t0
+        dt = self.seconds()
         return self.tokens / dt if dt > 0 else 0.0

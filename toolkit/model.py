@@ -87,6 +87,53 @@ def load_model(args: ModelArguments, config=None):
     return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant (the reentrant form needs inputs that require grad and
+    re-runs hooks: torch recommends against it). ``activation_checkpointing_enable`` is 5.x's name (the old
+    ``gradient_checkpointing_enable`` warns it goes away in v6). The KV cache is off: a recomputed layer cannot use it.
+    """
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+# Model types whose logits are exactly lm_head(last hidden state): no softcapping or logit scale that a chunked loss
+# computed from the hidden states would miss (Gemma 2's final_logit_softcapping, Cohere's logit_scale, ...).
+CHUNKABLE_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+
+
+def check_chunked_loss(config) -> None:
+    """Refuse (before the weights load) a chunked loss for a model whose logits are more than lm_head(hidden)."""
+    if config.model_type not in CHUNKABLE_MODEL_TYPES:
+        raise ConfigError("loss_chunk_size", f"a {config.model_type} model may transform its logits beyond "
+                                             "lm_head(hidden), which a chunked loss would skip; supported: "
+                                             f"{', '.join(CHUNKABLE_MODEL_TYPES)}. Set loss_chunk_size: 0")
+
+
+def enable_chunked_loss(model: torch.nn.Module, chunk_size: int) -> None:
+    """Make ``model(input_ids, attention_mask, labels=...)`` return per-row loss sums computed ``chunk_size``
+    positions at a time (``toolkit.loss.chunked_token_losses``) instead of the whole micro-batch's logits.
+
+    The instance's own ``forward`` is replaced (not a wrapper module): DDP, FSDP and DeepSpeed call it through their
+    usual hooks, and the state dict, the tied weights and ``save_pretrained`` stay those of the model. Without
+    ``labels`` (evaluation, generation) the model's forward runs unchanged.
+    """
+    import types
+
+    from toolkit.loss import chunked_token_losses
+
+    check_chunked_loss(model.config)
+    original = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        if labels is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        row_loss, row_targets = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size)
+        return {"row_loss": row_loss, "row_targets": row_targets}
+
+    model.forward = types.MethodType(forward, model)
+
+
 def parameter_dtypes(model: torch.nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when a model holds several (for the log)."""
     return "+".join(sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}))

@@ -114,9 +114,19 @@ def summarize(run: dict) -> dict:
         "best_eval_step": best["step"] if best else None,
         "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best else None,
         "tokens_per_s": _training_tokens_per_s(rows),
+        "tokens_per_s_per_device": (_training_tokens_per_s(rows) / world
+                                    if world and _training_tokens_per_s(rows) else None),
+        "steps_per_s": summary.get("steps_per_s"),
+        "mfu": _mean(r.get("mfu") for r in train),
+        "peak_memory_gb": max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None), default=None),
         "seconds": summary.get("seconds"),
         "final_model": _final_model(run),
     }
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _final_model(run: dict) -> str | None:
@@ -135,6 +145,10 @@ ROWS = (  # (label, key, format)
     ("eval loss first -> best", None, None),
     ("best eval perplexity", "best_perplexity", ".2f"),
     ("training tokens/s", "tokens_per_s", ",.0f"),
+    ("tokens/s per device", "tokens_per_s_per_device", ",.0f"),
+    ("optimizer steps/s (wall)", "steps_per_s", ".3f"),
+    ("MFU (mean of logged steps)", "mfu", ".1%"),
+    ("peak memory, busiest rank (GB)", "peak_memory_gb", ".2f"),
     ("wall time (s)", "seconds", ".1f"),
     ("final model", "final_model", "s"),
 )

@@ -2,6 +2,7 @@
 
 - counts DDP gradient all-reduces per micro-step with a DDP communication hook (proves no_sync skips them);
 - records the trained model's logits on a fixed input, to compare with what final/ loads back;
+- measures the bytes of weights and optimizer state each rank holds after the last step (for ``toolkit plan``);
 - records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
   and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree.
 Writes ``probe/comm_rank{R}.json`` and ``probe/logits.pt`` into output_dir.
@@ -28,6 +29,7 @@ class Probe:
         self.weight_decays = None
 
     def on_prepared(self, accelerator, model, optimizer):
+        self.optimizer = optimizer
         # weight decay per optimizer group, as the strategy's optimizer holds them (ZeRO-3 once lost the split)
         self.weight_decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -49,7 +51,8 @@ class Probe:
         record = {"per_micro_step": self.per_micro_step, "distributed_type": summary["distributed_type"],
                   "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
                   "model_type": type(model).__name__, "is_fsdp2": bool(getattr(accelerator, "is_fsdp2", False)),
-                  "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays}
+                  "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays,
+                  "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED")}
         if summary["distributed_type"] == "DEEPSPEED":
             record.update(zero_stage=model.zero_optimization_stage(), gradient_clipping=model.gradient_clipping(),
                           global_steps=model.global_steps, optimizer_type=type(model.optimizer).__name__,
@@ -61,6 +64,30 @@ class Probe:
             logits = model(input_ids=PROBE_IDS.to(accelerator.device)).logits.float().cpu()
         if accelerator.is_main_process:
             torch.save(logits, os.path.join(out, "logits.pt"))
+
+
+def held_bytes(model, optimizer, deepspeed: bool) -> dict:
+    """Bytes of the weights and the optimizer state this rank holds (its shards only), each storage counted once
+    (ZeRO's parameters are views into flat buffers; under ZeRO-3 in fp32 the master partition *is* the weights')."""
+    seen = set()
+
+    def held(t):
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
+        t = getattr(t, "ds_tensor", t)  # ZeRO-3: this rank's partition
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    weights = sum(held(p) for p in model.parameters())
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) torch's AdamW
+        inner = inner.optimizer
+    state = sum(held(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    if deepspeed:  # the fp32 master partitions DeepSpeed's AdamW steps on (its params, not the model's)
+        state += sum(held(p) for g in inner.param_groups for p in g["params"])
+    return {"weights": weights, "optimizer": state}
 
 
 def full_weights(accelerator, model) -> dict:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One prepared check for a lent GPU: GPT-2 124M (12 x 768, random init, OpenAI's real BPE, no Hub) trained in bf16 on
+# one device for a few steps through the real recipe; prints tokens/s, MFU and peak memory, then what
+# `toolkit plan` predicts for the same job. Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1).
+#   bench/gpu_check.sh [steps=30] [micro_batch=8]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${1:-30}
+MICRO=${2:-8}
+WORK=${WORK:-/tmp/toolkit-gpu-check}
+mkdir -p "$WORK"
+python -m toolkit.offline tiny-gpt2 "$WORK/gpt2-124m" --n-layer 12 --n-embd 768 --n-head 12 --n-positions 1024 >/dev/null
+python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 --mixed_precision bf16 \
+  recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc --block_size 1024 \
+  --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" --logging_steps 10 \
+  --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false --report_to none \
+  --output_dir "$WORK/run" --overwrite_output_dir true
+python - "$WORK" "$MICRO" <<'PY'
+import json, subprocess, sys
+work, micro = sys.argv[1], sys.argv[2]
+s = json.load(open(f"{work}/run/summary.json"))
+rows = [json.loads(line) for line in open(f"{work}/run/metrics.jsonl") if '"loss"' in line]
+last = rows[-1]  # the last logging window: training time only, after warm-up
+mfu = last.get("mfu")
+print(f"gpu_check: {last['tokens_per_s']:,.0f} tokens/s in the last window, MFU "
+      + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a (no GPU peak known)")
+      + f", peak memory {max(s['peak_memory_gb_per_rank']):.2f} GB")
+try:
+    import torch
+    memory = f"{torch.cuda.get_device_properties(0).total_memory / 1e9:.0f}GB" if torch.cuda.is_available() else "80GB"
+except Exception:
+    memory = "80GB"
+subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", f"{work}/gpt2-124m", "--gpus", "1", "--gpu-memory",
+                memory, "--micro-batch", micro, "--seq-len", "1024", "--precision", "bf16"], check=True)
+PY

@@ -1,0 +1,110 @@
+"""Peak memory and step time of each memory switch: plain, gradient_checkpointing, loss_chunk_size, both, and bf16.
+
+    python bench/memory.py [--layers 4 --width 256 --seq 1024 --micro 8 --steps 2 --chunk 4096]
+
+One process, a GPT-2 shape built from a config (vocab 50257: at micro 8 x 1024 positions its fp32 logits alone are
+1.6 GB, and their gradient as much again), AdamW, toolkit's ``train_step``. Each setting runs in a fresh process
+(peak RSS, ``ru_maxrss``, is per process) after a warm-up step; on a GPU the same script reports
+``torch.cuda.max_memory_allocated``. Writes ``bench/results/memory.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+SETTINGS = {
+    "plain": {},
+    "gradient_checkpointing": {"gradient_checkpointing": True},
+    "loss_chunk_size": {"loss_chunk_size": True},
+    "both": {"gradient_checkpointing": True, "loss_chunk_size": True},
+    "bf16 mixed precision": {"mixed_precision": "bf16"},
+}
+
+
+def run_one(name: str, opts) -> dict:
+    sys.path.insert(0, ROOT)
+    import torch
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.data import CausalLMCollator
+    from toolkit.loop import train_step
+    from toolkit.model import enable_activation_checkpointing, enable_chunked_loss
+
+    setting = SETTINGS[name]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=opts.layers, n_embd=opts.width, n_head=max(1, opts.width // 64),
+                                       n_positions=opts.seq, vocab_size=50257))
+    if setting.get("gradient_checkpointing"):
+        enable_activation_checkpointing(model)
+    if setting.get("loss_chunk_size"):
+        enable_chunked_loss(model, opts.chunk)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=setting.get("mixed_precision", "no"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    collate = CausalLMCollator(0)
+    g = torch.Generator().manual_seed(0)
+    batch = collate([{"input_ids": torch.randint(0, 50257, (opts.seq,), generator=g).tolist()}
+                     for _ in range(opts.micro)])
+    batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    times = []
+    for step in range(opts.steps + 1):
+        started = time.perf_counter()
+        result = train_step(accelerator, model, optimizer, scheduler, [batch], step=step, data_parallel_size=1,
+                            max_grad_norm=1.0, chunked_loss=bool(setting.get("loss_chunk_size")))
+        times.append(time.perf_counter() - started)
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"setting": name, "peak_gb": round(peak, 3), "step_s": round(statistics.median(times[1:]), 3),
+            "loss": float(result.loss_sum) / max(result.targets, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.one:
+        print("RESULT " + json.dumps(run_one(opts.one, opts)))
+        return
+    rows = []
+    for name in opts.settings.split(","):
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", name], capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+        rows.append(json.loads(line[7:]))
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]
+    table = ["| setting | peak memory | vs plain | step time | vs plain | last step loss |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        table.append(f"| {r['setting']} | {r['peak_gb']:.2f} GB | {r['peak_gb'] / base['peak_gb']:.2f}x | "
+                     f"{r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "memory.json"), "w") as f:
+        json.dump({"job": vars(opts), "rows": rows}, f, indent=2)
+    with open(os.path.join(RESULTS, "memory.md"), "w") as f:
+        f.write("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Optimizer-step time: toolkit's ``train_step`` vs a bare accelerate loop vs transformers' ``Trainer``.
+
+    python bench/step_speed.py [--rounds 3 --steps 4 --layers 4 --width 256 --seq 256 --micro 4 --accum 2]
+
+The same job for all three: a GPT-2 shape (vocab 50257) built from a config with one seed, the same packed pydoc
+rows, micro batch x accumulation x sequence, AdamW (lr 1e-4, eps 1e-8), clipping at 1.0, fp32, one process. Each
+(system, round) runs in a fresh process, the systems interleaved round by round so that a slow moment of the machine
+hits all of them; one warm-up step, then ``--steps`` timed optimizer steps. Reported: the median step time of each
+system over all rounds, and the ratios toolkit / bare and toolkit / Trainer. Writes ``bench/results/step_speed.json``,
+``.md`` and ``.png``. Trainer gets ``model.loss_type = "ForCausalLM"``: without it transformers 5.24 divides GPT-2's
+summed loss by the wrong count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+SYSTEMS = ("toolkit", "bare", "trainer")
+
+
+def _setup(opts):
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.config import DataArguments
+    from toolkit.data import CausalLMCollator, load_raw_datasets, tokenize_and_group
+    from toolkit.offline import gpt2_tokenizer
+
+    tokenizer = gpt2_tokenizer()
+    args = DataArguments(dataset_name="pydoc", packing=True)
+    rows = tokenize_and_group(load_raw_datasets(args), tokenizer, args, opts.seq)["train"]
+    n = opts.micro * (opts.steps + 1) * opts.accum
+    rows = rows.select(range(n))
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=opts.layers, n_embd=opts.width, n_head=max(1, opts.width // 64), n_positions=opts.seq,
+                        vocab_size=50257)
+    model = GPT2LMHeadModel(config)
+    return model, rows, CausalLMCollator(tokenizer.eos_token_id)
+
+
+def _micro_batches(rows, collator, micro):
+    return [collator([rows[i + j] for j in range(micro)]) for i in range(0, len(rows), micro)]
+
+
+def run_one(system: str, opts) -> list[float]:
+    """In this (fresh) process: the step times of one system."""
+    import torch
+
+    model, rows, collator = _setup(opts)
+    times = []
+    if system == "trainer":
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                times.append(time.perf_counter() - self.t)
+
+        model.loss_type = "ForCausalLM"
+        targs = TrainingArguments(output_dir=os.path.join(opts.workdir, "trainer"), per_device_train_batch_size=opts.micro,
+                                  gradient_accumulation_steps=opts.accum, max_steps=opts.steps + 1, learning_rate=1e-4,
+                                  max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
+                                  report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
+                                  remove_unused_columns=False)
+        Trainer(model=model, args=targs, train_dataset=rows, data_collator=collator, callbacks=[Clock()]).train()
+        return times[1:]
+
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=opts.accum, sync_with_dataloader=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    batches = _micro_batches(rows, collator, opts.micro)
+    model.train()
+    for step in range(opts.steps + 1):
+        micro = batches[step * opts.accum:(step + 1) * opts.accum]
+        started = time.perf_counter()
+        if system == "toolkit":
+            from toolkit.loop import train_step
+
+            train_step(accelerator, model, optimizer, scheduler, micro, step=step, data_parallel_size=1,
+                       max_grad_norm=1.0)
+        else:  # the bare loop every accelerate example writes
+            for batch in micro:
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 labels=batch["labels"]).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+def write_results(results: dict, opts) -> None:
+    medians = {s: statistics.median(t) for s, t in results.items() if t}
+    out = {"job": vars(opts) | {"workdir": None}, "step_times": results, "median_step_s": medians}
+    if "toolkit" in medians:
+        out["toolkit_over_bare"] = medians["toolkit"] / medians["bare"] if "bare" in medians else None
+        out["trainer_over_toolkit"] = medians["trainer"] / medians["toolkit"] if "trainer" in medians else None
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "step_speed.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    tokens = opts.micro * opts.accum * opts.seq
+    lines = ["| system | median optimizer step | tokens/s | vs toolkit |", "| --- | --- | --- | --- |"]
+    for s, m in medians.items():
+        lines.append(f"| {s} | {m:.3f} s | {tokens / m:,.0f} | {m / medians['toolkit']:.3f}x |")
+    with open(os.path.join(RESULTS, "step_speed.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps({k: v for k, v in out.items() if k.endswith("bare") or k.endswith("toolkit")}))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.boxplot([results[s] for s in medians], tick_labels=list(medians))
+    ax.set_ylabel("optimizer step (s)")
+    ax.set_title(f"{opts.layers}x{opts.width} GPT-2, {opts.micro}x{opts.accum}x{opts.seq} tokens, fp32, 1 process")
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "step_speed.png"), dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--workdir", default="/tmp/toolkit-bench")
+    parser.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)  # the child mode
+    opts = parser.parse_args()
+    if opts.one:
+        print("TIMES " + json.dumps(run_one(opts.one, opts)))
+        return
+    child = [a for a in sys.argv[1:]]
+    results = {s: [] for s in opts.systems.split(",")}
+    for r in range(opts.rounds):
+        for system in results:
+            proc = subprocess.run([sys.executable, __file__, *child, "--one", system], capture_output=True, text=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("TIMES ")), None)
+            if line is None:
+                raise SystemExit(f"{system} failed:\n{proc.stderr[-4000:]}")
+            results[system] += json.loads(line[6:])
+            print(f"round {r + 1} {system}: {statistics.median(json.loads(line[6:])):.3f} s/step", flush=True)
+    write_results(results, opts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Memory switches, in one process (their multi-rank equivalence runs in test_strategies.py): each must train exactly
+like the plain run, and must really do what it says (here: the layers are recomputed)."""
+
+import copy
+
+import torch
+
+from toolkit.loss import token_losses
+from toolkit.model import enable_activation_checkpointing
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=97))
+
+
+def _grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # dropout is on: the recompute must replay the forward's masks
+    sums, _ = token_losses(model(input_ids=ids).logits, ids)
+    sums.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_and_keeps_the_gradients():
+    plain = _tiny_gpt2().train()
+    checkpointed = copy.deepcopy(plain)
+    enable_activation_checkpointing(checkpointed)
+    calls = []
+    for model in (plain, checkpointed):
+        model.transformer.h[0].attn.register_forward_hook(lambda *a, m=model: calls.append(m))
+    ids = torch.randint(0, 97, (3, 16))
+    want, got = _grads(plain, ids), _grads(checkpointed, ids)
+    assert calls.count(plain) == 1 and calls.count(checkpointed) == 2, "the checkpointed layer runs again in backward"
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+    assert checkpointed.config.use_cache is False
+
+
+def test_chunked_loss_equals_the_full_loss_and_its_gradients():
+    """Chunks that split rows, a last partial chunk, padding: the same per-row sums and gradients as the logits path;
+    the model's own forward (no labels) is untouched."""
+    from toolkit.model import enable_chunked_loss
+
+    plain = _tiny_gpt2().eval()
+    chunked = copy.deepcopy(plain)
+    enable_chunked_loss(chunked, 7)  # 3 rows x 16 positions = 48 = 6 chunks of 7 + one of 6
+    ids = torch.randint(0, 97, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[2, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    want, want_targets = token_losses(plain(input_ids=ids, attention_mask=mask).logits, labels)
+    out = chunked(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.allclose(out["row_loss"], want, rtol=1e-6, atol=0) and torch.equal(out["row_targets"], want_targets)
+    want.sum().backward()
+    out["row_loss"].sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+    assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert "forward" not in chunked.state_dict() and chunked.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_chunked_loss_is_refused_for_a_model_it_cannot_reproduce():
+    import pytest
+    from transformers import AutoConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.model import check_chunked_loss
+
+    with pytest.raises(ConfigError, match="loss_chunk_size: a gemma2 model"):
+        check_chunked_loss(AutoConfig.for_model("gemma2"))

@@ -1,0 +1,65 @@
+"""``python -m toolkit plan``: the arithmetic on a 7B Llama config (meta device, no weights), and the command.
+
+The per-rank bytes measured on real 2-rank runs are compared in test_strategies.py
+(``test_plan_predicts_the_model_states_each_rank_holds``)."""
+
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, subprocess_env
+
+from toolkit.plan import activation_bytes, count_model, model_states_per_device, plan
+
+
+@pytest.fixture(scope="module")
+def llama7b(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama7b")
+    LlamaConfig().save_pretrained(folder)  # the defaults are Llama-2-7B's shape
+    return str(folder)
+
+
+def test_mixed_precision_adamw_is_16_bytes_per_parameter(llama7b):
+    """The seed's arithmetic: ~108 GB of model states under DDP, an eighth of that per GPU under ZeRO-3 on 8."""
+    m = count_model(llama7b)
+    assert m.params == 6_738_415_616 and (m.layers, m.width, m.heads, m.vocab) == (32, 4096, 32, 32000)
+    ddp = sum(model_states_per_device(m, "DDP", 8, 8, "bf16").values())
+    zero3 = sum(model_states_per_device(m, "ZeRO-3", 8, 8, "bf16").values())
+    assert ddp == 16 * m.params == pytest.approx(107.8e9, rel=1e-3)
+    assert zero3 == ddp / 8
+    zero2 = model_states_per_device(m, "ZeRO-2", 8, 8, "bf16")
+    assert (zero2["weights"], zero2["gradients"], zero2["optimizer"]) == (2 * m.params, 2 * m.params / 8,
+                                                                         12 * m.params / 8)
+    offload = model_states_per_device(m, "ZeRO-3 + offload", 8, 8, "bf16")
+    assert offload["optimizer"] == 0 and offload["cpu"] == 12 * m.params / 8
+    # fp32 under ZeRO-2 keeps a master copy as well: 20 bytes; ZeRO-3's shares the weights' partition, and torch's
+    # DDP has none: 16
+    assert sum(model_states_per_device(m, "ZeRO-2", 1, 1, "fp32").values()) == 20 * m.params
+    assert sum(model_states_per_device(m, "ZeRO-3", 1, 1, "fp32").values()) == 16 * m.params
+    assert sum(model_states_per_device(m, "DDP", 1, 1, "fp32").values()) == 16 * m.params
+
+
+def test_lora_and_checkpointing_shrink_what_they_should(llama7b):
+    m = count_model(llama7b, lora_r=16)
+    # r x (in + out) over q, k, v, o (4096 x 4096) and gate, up (4096 -> 11008), down (11008 -> 4096), 32 layers
+    assert m.trainable == 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))
+    states = model_states_per_device(m, "DDP", 8, 8, "bf16")
+    assert states["weights"] == 4 * m.params and states["optimizer"] == 8 * m.trainable
+    full = activation_bytes(m, 4, 2048, "bf16", checkpointing=False)
+    recompute = activation_bytes(m, 4, 2048, "bf16", checkpointing=True)
+    assert full["low"] < full["expected"] < full["high"] and recompute["expected"] < full["expected"] / 5
+    rows = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=2, checkpointing=True)}
+    assert rows["HSDP"]["model_states"] > rows["ZeRO-3"]["model_states"] and rows["DDP"]["fits"] == "yes"
+
+
+def test_the_command(llama7b):
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", f"{llama7b}/config.json", "--gpus", "8",
+                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
+    assert "6.74 B parameters" in proc.stdout
+    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-2:] == ["no", "ddp.yaml"]
+    assert "zero3.yaml" in proc.stdout and "fsdp.yaml" in proc.stdout

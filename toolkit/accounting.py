@@ -1,0 +1,75 @@
+"""What a run costs: FLOPs per token, model FLOP utilisation (MFU) and peak memory per rank.
+
+MFU = achieved model FLOP/s per device / the device's peak FLOP/s. The model FLOPs per trained token are the usual
+estimate (Kaplan et al. 2020; PaLM, appendix B; nanoGPT's ``estimate_mfu``):
+
+    6 N            forward (2N) + backward (4N) of every weight matrix, N = parameters (tied ones once, the
+                   position-embedding table excluded: a lookup, no matmul)
+  + 12 L d T       attention scores and their weighted sum, forward + backward, L layers of width d over T positions
+
+Recomputation (gradient checkpointing) is not counted: MFU measures useful work, so checkpointing lowers it. The
+peak is the ``peak_flops`` field when set, else a datasheet value for the device and precision (dense, no sparsity)
+when the device is in ``PEAK_FLOPS``, else unknown (a CPU): MFU is then not reported.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+# Dense peak FLOP/s per device from the vendors' datasheets, by a substring of torch.cuda.get_device_name().
+# "fp32" is plain fp32 (torch's default matmul precision), not TF32.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM; the PCIe card is lower: set peak_flops
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},
+}
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """N of the 6N estimate: every parameter once (tied ones once; ZeRO-3's partitioned ones at their full size),
+    without a position-embedding table (GPT-2's ``wpe``)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or name.endswith("wpe.weight"):
+            continue
+        seen.add(id(p))
+        total += getattr(p, "ds_numel", None) or p.numel()
+    return total
+
+
+def flops_per_token(n_params: int, n_layers: int, width: int, seq_len: float) -> float:
+    return 6 * n_params + 12 * n_layers * width * seq_len
+
+
+def model_shape(config) -> tuple[int, int]:
+    """(layers, width) of a transformers config, under either naming (GPT-2's n_layer / n_embd or the usual)."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    width = getattr(config, "hidden_size", None) or config.n_embd
+    return layers, width
+
+
+def peak_flops(device: torch.device, mixed_precision: str, override: float | None) -> float | None:
+    """Peak FLOP/s of one device at the run's precision, or None when unknown."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    precision = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
+    for key, table in PEAK_FLOPS.items():
+        if key in name:
+            return table.get(precision)
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory so far: allocated device memory on a GPU, resident set size (RSS) on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
