@@ -3,12 +3,15 @@
     python bench/step_speed.py [--rounds 3 --steps 4 --layers 4 --width 256 --seq 256 --micro 4 --accum 2]
 
 The same job for all three: a GPT-2 shape (vocab 50257) built from a config with one seed, the same packed pydoc
-rows, micro batch x accumulation x sequence, AdamW (lr 1e-4, eps 1e-8), clipping at 1.0, fp32, one process. Each
+rows, micro batch x accumulation x sequence, the same AdamW implementation (``--optim``: adamw_torch, torch's
+foreach kernel, or adamw_torch_fused, Trainer's default since 4.x; lr 1e-4), clipping at 1.0, fp32, one process. Each
 (system, round) runs in a fresh process, the systems interleaved round by round so that a slow moment of the machine
 hits all of them; one warm-up step, then ``--steps`` timed optimizer steps. Reported: the median step time of each
-system over all rounds, and the ratios toolkit / bare and toolkit / Trainer. Writes ``bench/results/step_speed.json``,
-``.md`` and ``.png``. Trainer gets ``model.loss_type = "ForCausalLM"``: without it transformers 5.24 divides GPT-2's
-summed loss by the wrong count.
+system over all rounds, and the ratios toolkit / bare and toolkit / Trainer. Across processes the machine's noise is
++-10% here, so toolkit and the bare loop also run paired in one process, alternating step by step
+(``--paired-steps``): their ratio is the precise figure. Writes ``bench/results/step_speed_<optim>.json``, ``.md``
+and ``.png``. Trainer gets ``model.loss_type = "ForCausalLM"``: without it transformers 5.24 divides GPT-2's summed
+loss by the wrong count.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def _micro_batches(rows, collator, micro):
     return [collator([rows[i + j] for j in range(micro)]) for i in range(0, len(rows), micro)]
 
 
+def bare_step(accelerator, model, optimizer, scheduler, micro) -> None:
+    """The bare loop every accelerate example writes: the model's own loss, accumulate, clip, step."""
+    for batch in micro:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"]).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+
 def run_one(system: str, opts) -> list[float]:
     """In this (fresh) process: the step times of one system."""
     import torch
@@ -72,7 +89,7 @@ def run_one(system: str, opts) -> list[float]:
                                   gradient_accumulation_steps=opts.accum, max_steps=opts.steps + 1, learning_rate=1e-4,
                                   max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
                                   report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
-                                  remove_unused_columns=False)
+                                  remove_unused_columns=False, optim=opts.optim, weight_decay=0.0)
         Trainer(model=model, args=targs, train_dataset=rows, data_collator=collator, callbacks=[Clock()]).train()
         return times[1:]
 
@@ -81,7 +98,8 @@ def run_one(system: str, opts) -> list[float]:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
         num_steps=opts.accum, sync_with_dataloader=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                  fused=True if opts.optim == "adamw_torch_fused" else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     batches = _micro_batches(rows, collator, opts.micro)
@@ -94,36 +112,76 @@ def run_one(system: str, opts) -> list[float]:
 
             train_step(accelerator, model, optimizer, scheduler, micro, step=step, data_parallel_size=1,
                        max_grad_norm=1.0)
-        else:  # the bare loop every accelerate example writes
-            for batch in micro:
-                with accelerator.accumulate(model):
-                    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 labels=batch["labels"]).loss
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
+        else:
+            bare_step(accelerator, model, optimizer, scheduler, micro)
         times.append(time.perf_counter() - started)
     return times[1:]
 
 
-def write_results(results: dict, opts) -> None:
+def paired(opts) -> dict:
+    """toolkit and the bare loop in one process, two copies of the same model, alternating step by step (who goes
+    first alternates too): the machine's slow moments hit both, so their ratio is far less noisy than across
+    processes. Trainer cannot be stepped from outside, so it only runs in the interleaved processes."""
+    import copy
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
+
+    model, rows, collator = _setup(opts)  # puts the repository on sys.path
+    from toolkit.loop import train_step
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=opts.accum, sync_with_dataloader=False))
+    fused = True if opts.optim == "adamw_torch_fused" else None
+    parts = {}
+    for name, m in (("toolkit", model), ("bare", copy.deepcopy(model))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+        parts[name] = accelerator.prepare(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+    batches = _micro_batches(rows, collator, opts.micro)
+    per_step = len(batches) // opts.accum
+
+    def toolkit_step(step, micro):
+        m, opt, sched = parts["toolkit"]
+        train_step(accelerator, m, opt, sched, micro, step=step, data_parallel_size=1, max_grad_norm=1.0)
+
+    def bare(step, micro):
+        bare_step(accelerator, *parts["bare"], micro)
+
+    times = {"toolkit": [], "bare": []}
+    for step in range(opts.paired_steps + 1):
+        micro = batches[(step % per_step) * opts.accum:(step % per_step + 1) * opts.accum]
+        order = (("toolkit", toolkit_step), ("bare", bare))
+        for name, fn in order if step % 2 else order[::-1]:
+            started = time.perf_counter()
+            fn(step, micro)
+            if step:  # the first is a warm-up
+                times[name].append(time.perf_counter() - started)
+    return times
+
+
+def write_results(results: dict, opts, pair: dict | None = None) -> None:
     medians = {s: statistics.median(t) for s, t in results.items() if t}
     out = {"job": vars(opts) | {"workdir": None}, "step_times": results, "median_step_s": medians}
+    if pair:
+        out["paired_step_times"] = pair
+        out["paired_toolkit_over_bare"] = statistics.median(pair["toolkit"]) / statistics.median(pair["bare"])
     if "toolkit" in medians:
         out["toolkit_over_bare"] = medians["toolkit"] / medians["bare"] if "bare" in medians else None
         out["trainer_over_toolkit"] = medians["trainer"] / medians["toolkit"] if "trainer" in medians else None
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "step_speed.json"), "w") as f:
+    name = f"step_speed_{opts.optim}"
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(out, f, indent=2)
     tokens = opts.micro * opts.accum * opts.seq
     lines = ["| system | median optimizer step | tokens/s | vs toolkit |", "| --- | --- | --- | --- |"]
     for s, m in medians.items():
         lines.append(f"| {s} | {m:.3f} s | {tokens / m:,.0f} | {m / medians['toolkit']:.3f}x |")
-    with open(os.path.join(RESULTS, "step_speed.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    if pair:
+        lines.append(f"\nIn one process, alternating step by step ({len(pair['toolkit'])} steps each): toolkit / bare = "
+                     f"{out['paired_toolkit_over_bare']:.3f}")
     print("\n".join(lines))
     print(json.dumps({k: v for k, v in out.items() if k.endswith("bare") or k.endswith("toolkit")}))
     import matplotlib
@@ -134,9 +192,10 @@ def write_results(results: dict, opts) -> None:
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.boxplot([results[s] for s in medians], tick_labels=list(medians))
     ax.set_ylabel("optimizer step (s)")
-    ax.set_title(f"{opts.layers}x{opts.width} GPT-2, {opts.micro}x{opts.accum}x{opts.seq} tokens, fp32, 1 process")
+    ax.set_title(f"{opts.layers}x{opts.width} GPT-2, {opts.micro}x{opts.accum}x{opts.seq} tokens, {opts.optim}",
+                 fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "step_speed.png"), dpi=120)
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=120)
 
 
 def main() -> None:
@@ -149,11 +208,13 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
+    parser.add_argument("--paired-steps", type=int, default=20, help="steps of the in-process toolkit/bare pairing")
     parser.add_argument("--workdir", default="/tmp/toolkit-bench")
-    parser.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)  # the child mode
+    parser.add_argument("--one", choices=SYSTEMS + ("paired",), help=argparse.SUPPRESS)  # the child mode
     opts = parser.parse_args()
     if opts.one:
-        print("TIMES " + json.dumps(run_one(opts.one, opts)))
+        print("TIMES " + json.dumps(paired(opts) if opts.one == "paired" else run_one(opts.one, opts)))
         return
     child = [a for a in sys.argv[1:]]
     results = {s: [] for s in opts.systems.split(",")}
@@ -166,7 +227,15 @@ def main() -> None:
                 raise SystemExit(f"{system} failed:\n{proc.stderr[-4000:]}")
             results[system] += json.loads(line[6:])
             print(f"round {r + 1} {system}: {statistics.median(json.loads(line[6:])):.3f} s/step", flush=True)
-    write_results(results, opts)
+    pair = None
+    if {"toolkit", "bare"} <= set(results) and opts.paired_steps:
+        proc = subprocess.run([sys.executable, __file__, *child, "--one", "paired"], capture_output=True, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("TIMES ")), None)
+        if line is None:
+            raise SystemExit(f"paired run failed:\n{proc.stderr[-4000:]}")
+        pair = json.loads(line[6:])
+    write_results(results, opts, pair)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def evaluate(accelerator, model, eval_dataloader) -> dict:
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     targets = torch.zeros((), dtype=torch.long, device=accelerator.device)
     for batch in eval_dataloader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         row_loss, row_targets = token_losses(logits, batch["labels"])
         row_loss, row_targets = accelerator.gather_for_metrics((row_loss, row_targets))
         loss_sum += row_loss.double().sum()
@@ -161,11 +161,13 @@ def _global_counts(accelerator, micro_batches: list[dict]) -> torch.Tensor:
 
 
 def _row_losses(model, batch: dict, chunked: bool) -> torch.Tensor:
-    """Per-row summed token cross-entropy of a micro-batch: from the logits, or from the model's chunked loss."""
+    """Per-row summed token cross-entropy of a micro-batch: from the logits, or from the model's chunked loss.
+    ``use_cache=False``: a training forward has no use for the key/value cache transformers would otherwise build
+    (and Trainer turns it off too); the config, and so generation after export, keeps its own setting."""
     if chunked:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"])["row_loss"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     return token_losses(logits, batch["labels"])[0]
 
 

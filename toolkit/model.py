@@ -127,7 +127,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int) -> None:
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         row_loss, row_targets = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size)
         return {"row_loss": row_loss, "row_targets": row_targets}
 
