@@ -163,11 +163,13 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
     it needs from the dataset (at most block_size tokens). Stateless per batch, so ``num_proc`` and the cache work.
     """
     import numpy as np
-    import pyarrow.compute as pc
 
     if tokenized._indices is not None:  # a selected/shuffled view: make row i the table's row i
         tokenized = tokenized.flatten_indices()
-    lengths = pc.list_value_length(tokenized.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    # Document lengths from the Arrow list offsets, read as numpy: no pyarrow.compute kernel, whose thread pool does
+    # not survive a fork (notebook_launcher forks a kernel that has packed before: the ranks hung here).
+    lengths = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in
+                              tokenized.data.column("input_ids").chunks] or [np.zeros(0, np.int64)])
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # starts[i]: offset of document i
     n_blocks = int(starts[-1]) // block_size
 
