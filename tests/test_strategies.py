@@ -206,7 +206,7 @@ def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
 # (with the forward's RNG state: dropout is on in these runs); the chunked loss computes the same token losses 24
 # positions at a time (rows are ~48 long: chunks split rows; under ZeRO-3 it is refused, see
 # distributed.check_chunked_loss_strategy). FSDP's own fsdp_activation_checkpointing is handed to transformers
-# (distributed.check_activation_checkpointing). The memory each saves is measured in bench/memory.py.
+# (distributed.resolve_activation_checkpointing). The memory each saves is measured in bench/memory.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, switch", [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"),
                                               ("fsdp", "fsdp_activation_checkpointing"), ("ddp", "loss_chunk_size"),

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data, layout
+from toolkit import data, layout, lora
 from toolkit.config import RunConfig
-from toolkit.distributed import check_activation_checkpointing, check_chunked_loss_strategy
+from toolkit.distributed import check_chunked_loss_strategy, resolve_activation_checkpointing
 from toolkit.model import (
     check_chunked_loss,
     disable_dropout,
@@ -33,6 +33,7 @@ from toolkit.model import (
 )
 from toolkit.order import require_one_global_batch
 from toolkit.resume import check_resume, order_record
+from toolkit.tasks import CausalLM
 
 
 @dataclass
@@ -41,59 +42,71 @@ class Parts:
     model: Any
     train_dataset: Any
     eval_dataset: Any  # None when the data has no validation split
-    collator: data.CausalLMCollator
+    collator: Any  # pads a micro-batch (the task's)
     block_size: int
+    task: Any = None  # toolkit.tasks: what a row's loss and the evaluation are
 
     def train_kwargs(self) -> dict:
         """The keyword arguments of ``toolkit.loop.train`` after ``cfg`` and ``accelerator``."""
         return dict(model=self.model, tokenizer=self.tokenizer, train_dataset=self.train_dataset,
-                    eval_dataset=self.eval_dataset, collator=self.collator)
+                    eval_dataset=self.eval_dataset, collator=self.collator, task=self.task)
 
 
-def build(cfg: RunConfig, accelerator=None, log=None) -> Parts:
-    """Seed, then load the tokenizer, the data (tokenized and packed or padded) and the model.
+def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
+    """Seed, then load the tokenizer, the data (tokenized, then packed or padded) and the model, for ``task``
+    (``toolkit.tasks``; a causal LM on text by default).
 
     ``accelerator`` may be None outside a run (e.g. to look at the data in a notebook before any Accelerator
     exists, which ``notebook_launcher`` requires): then tokenization runs in this process without coordination.
     """
     from accelerate.utils import set_seed
 
+    task = task or CausalLM()
     if log is None:
         log = accelerator.print if accelerator is not None else print
+    task.check(cfg)
+    if cfg.model.use_peft:
+        lora.check_available()
     set_seed(cfg.train.seed)
 
     tokenizer = load_tokenizer(cfg.model, log=log)
+    task.prepare_tokenizer(tokenizer, cfg)  # e.g. SFT's chat template: checked before the weights load
     model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
-    raw = data.load_raw_datasets(cfg.data)  # checks files and the text column before the weights load
+    raw = task.load_raw(cfg.data)  # checks files and columns before the weights load
+    task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
     block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
     if accelerator is not None:
         with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
-            lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
+            lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
     else:
-        lm = data.tokenize_and_group(raw, tokenizer, cfg.data, block_size)
+        lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
 
     checkpointing = cfg.train.gradient_checkpointing
     if accelerator is not None:  # checked here too so that it stops before the weights load
         check_chunked_loss_strategy(accelerator, cfg.train.loss_chunk_size)
-        checkpointing = check_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
+        checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  accelerator.num_processes, cfg.train.gradient_accumulation_steps)
         resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
         if resume_from is not None:
             check_resume(resume_from, cfg, order_record(cfg, lm["train"]), accelerator)  # raises, or it can load
-    model = load_model(cfg.model, model_config)
+    model = load_model(cfg.model, model_config, auto_class=task.auto_class)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")
-    if cfg.train.disable_dropout:
-        disable_dropout(model)
-        log("disable_dropout: every dropout probability of the model is 0")
+    # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing
+    # wraps its layers), then LoRA around them, then dropout off everywhere, LoRA's dropout included.
     if cfg.train.loss_chunk_size:
         enable_chunked_loss(model, cfg.train.loss_chunk_size)
         log(f"loss_chunk_size: the training loss is computed {cfg.train.loss_chunk_size} positions at a time")
     if checkpointing:
         enable_activation_checkpointing(model)
         log("activation checkpointing: each layer's activations are recomputed in the backward pass")
+    if cfg.model.use_peft:
+        model = lora.apply_lora(model, cfg.model, task.peft_task_type, log=log)
+    if cfg.train.disable_dropout:
+        disable_dropout(model)
+        log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
-                 collator=data.CausalLMCollator(tokenizer.pad_token_id), block_size=block_size)
+                 collator=task.collator(tokenizer), block_size=block_size, task=task)

@@ -98,15 +98,21 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
         _unshare_step_counters(optimizer)
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer inside accelerate's wrapper (and, under DeepSpeed, inside its ZeRO optimizer)."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner
+
+
 def _unshare_step_counters(optimizer) -> None:
     """Give every parameter's AdamW ``step`` its own tensor. DeepSpeed's ZeRO-3 universal loader stores one tensor
     object as the step of every group; torch's AdamW increments it in place once per group and step, so the second
     group's bias correction runs ahead (measured: 9e-5 off after one step, with two groups)."""
     import torch
 
-    inner = optimizer
-    while hasattr(inner, "optimizer"):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer
-        inner = inner.optimizer
+    inner = torch_optimizer(optimizer)
     seen = set()
     for state in inner.state.values():
         step = state.get("step")
@@ -175,11 +181,15 @@ def _realias_tied(state_dict: dict, model) -> dict:
     return state_dict
 
 
-def save_final(accelerator: Accelerator, model, tokenizer, path: str) -> None:
-    """Full (unsharded) weights via ``save_pretrained``, loadable by ``AutoModelForCausalLM.from_pretrained``.
+def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool = False) -> None:
+    """Full (unsharded) weights via ``save_pretrained``, loadable by ``AutoModelFor*.from_pretrained``; for a LoRA
+    model the adapter alone (``PeftModel.from_pretrained``), and with ``merge_lora`` the merged full weights in
+    ``final/merged/`` too (``toolkit.lora``).
 
     Gathering is collective (ZeRO-3 / FSDP shards), so every rank calls it; only the main process writes.
     """
+    from toolkit import lora
+
     accelerator.wait_for_everyone()
     state_dict = full_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
@@ -188,7 +198,14 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str) -> None:
             raise RuntimeError("the final export gathered no weights on the main process; nothing written")
         tmp = path + layout.TMP_SUFFIX
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
+        if lora.is_peft_model(unwrapped):
+            lora.save_adapter(unwrapped, state_dict, tmp)
+            if merge_lora:
+                lora.save_merged(unwrapped, state_dict, os.path.join(tmp, lora.MERGED))
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(os.path.join(tmp, lora.MERGED))
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         layout.fsync_tree(tmp)

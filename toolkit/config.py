@@ -108,9 +108,34 @@ class ModelArguments:
                           "dtype the checkpoint was stored in: bf16 for most Hub models), bfloat16 or float16 (pure "
                           "low-precision training, on purpose). Mixed precision is accelerate's --mixed_precision."},
     )
+    # LoRA, with TRL's field names (ModelConfig): the same fields in every recipe.
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: Optional[list[str]] = field(
+        default=None, metadata={"help": "Module names to adapt, or all-linear (every linear layer but the output "
+                                        "head); default: peft's choice for the model type (e.g. GPT-2's c_attn, "
+                                        "Llama's q_proj v_proj, BERT's query value).", "nargs": "+"}
+    )
+    lora_modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules trained fully and saved with the adapter (a classifier's head is "
+                                        "added by peft itself).", "nargs": "+"}
+    )
+    merge_lora: bool = field(
+        default=False, metadata={"help": "Also export the merged full weights (base + adapter) to final/merged/."}
+    )
 
     def __post_init__(self):
         _one_of(self, "torch_dtype", TORCH_DTYPES)
+        _positive(self, "lora_r", "lora_alpha")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if self.use_peft and not self.model_name_or_path:
+            raise ConfigError("use_peft", "LoRA adapts pretrained weights: set model_name_or_path (the adapter is "
+                                          "exported without the base, which must be loadable again)")
+        if self.merge_lora and not self.use_peft:
+            raise ConfigError("merge_lora", "merges LoRA adapters into the weights; set use_peft: true, or drop it")
         for name in ("model_name_or_path", "config_name", "tokenizer_name"):
             value = getattr(self, name)
             # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.
@@ -155,7 +180,22 @@ class DataArguments:
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train held out when the dataset has no validation split."}
     )
-    text_column_name: Optional[str] = field(default=None, metadata={"help": "Text column (default: 'text')."})
+    text_column_name: Optional[str] = field(
+        default=None, metadata={"help": "Text column (default: 'text'; chat SFT: 'messages', a list of {role, "
+                                        "content})."}
+    )
+    label_column_name: Optional[str] = field(
+        default=None, metadata={"help": "Classification: the label column, class names or ids (default: 'label')."}
+    )
+    class_weights: Optional[list[str]] = field(
+        default=None, metadata={"help": "Classification: one loss weight per class (in the order of the class "
+                                        "names), or 'balanced' (n_rows / (n_classes x class rows), from train).",
+                                "nargs": "+"}
+    )
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "Chat SFT: a Jinja chat template, or a file holding one; overrides the "
+                                        "tokenizer's."}
+    )
     block_size: Optional[int] = field(
         default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
     )
@@ -191,6 +231,14 @@ class DataArguments:
                               f"must be in [0, 100), got {self.validation_split_percentage}")
         _positive(self, "block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                   allow_none=True)
+        if self.class_weights and self.class_weights != ["balanced"]:
+            try:
+                weights = [float(w) for w in self.class_weights]
+            except ValueError:
+                raise ConfigError("class_weights", f"expected one number per class or 'balanced', got "
+                                                   f"{self.class_weights}") from None
+            if any(not w > 0 for w in weights):
+                raise ConfigError("class_weights", f"every weight must be > 0, got {self.class_weights}")
 
 
 @dataclass

@@ -56,18 +56,18 @@ def _write_atomically(target: str, write) -> None:
     layout.fsync_dir(os.path.dirname(os.path.abspath(target)))
 
 
-def _copy_run_files(checkpoint: str, tmp: str, skip: set) -> None:
+def _copy_run_files(checkpoint: str, tmp: str) -> None:
     """accelerate's own files (scheduler, RNG states, sampler states) are format-independent: copied as they are.
     Not the toolkit's record: a converted folder is an internal copy, never resumed from by name."""
     for name in os.listdir(checkpoint):
         src = os.path.join(checkpoint, name)
-        if name in skip or name == layout.CHECKPOINT_STATE or not os.path.isfile(src):
+        if name == layout.CHECKPOINT_STATE or not os.path.isfile(src):
             continue
         shutil.copy2(src, os.path.join(tmp, name))
 
 
 def _to_universal(checkpoint: str, tmp: str, model) -> None:
-    _copy_run_files(checkpoint, tmp, skip=set())
+    _copy_run_files(checkpoint, tmp)
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
            "--input_folder", os.path.join(checkpoint, DEEPSPEED_MODEL_FOLDER),
            "--output_folder", os.path.join(tmp, DEEPSPEED_MODEL_FOLDER),
@@ -95,7 +95,7 @@ def _to_plain(checkpoint: str, tmp: str, model) -> None:
         finally:
             os.remove(single)
 
-    _copy_run_files(checkpoint, tmp, skip=set())
+    _copy_run_files(checkpoint, tmp)
     weights = read_dcp(FSDP_MODEL_FOLDER)["model"]
     aliases = _tied_aliases(model)
     save_file({name: tensor.contiguous() for name, tensor in weights.items() if name not in aliases},

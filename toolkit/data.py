@@ -40,8 +40,37 @@ def pydoc_dataset() -> DatasetDict:
 
 def load_raw_datasets(args: DataArguments) -> DatasetDict:
     """A DatasetDict with 'train' and (unless there is none) 'validation', and the text column checked."""
-    if args.dataset_name == PYDOC:
-        raw = pydoc_dataset()
+    raw = load_splits(args, {PYDOC: pydoc_dataset})
+    check_text_column(raw, text_column(args))
+    return raw
+
+
+def check_text_column(raw: DatasetDict, column: str) -> None:
+    """Every split has ``column``, it holds strings, and none is null."""
+    for split_name, split in raw.items():
+        if column not in split.column_names:
+            raise ConfigError(
+                "text_column_name",
+                f"column {column!r} not in the {split_name} split; it has {split.column_names}",
+            )
+        feature = split.features[column]
+        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+            raise ConfigError("text_column_name", f"column {column!r} of the {split_name} split holds {feature}, not "
+                                                  "text; name the column that holds the text")
+        # Null texts would be tokenized as "" and dropped without a word: say how many, and where.
+        nulls = split.data.column(column).null_count
+        if nulls:
+            raise ConfigError("text_column_name", f"{nulls} of {len(split)} rows of the {split_name} split have no "
+                                                  f"text (null) in column {column!r}; remove or fill them")
+
+
+def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict:
+    """'train' and (unless there is none) 'validation' from a built-in set (``builtin``: name -> function), the Hub
+    or local files; ``max_train_samples`` / ``max_eval_samples`` applied. Columns are the caller's to check.
+    ``holdout(train, fraction) -> (train, validation)`` splits local files that come without a validation file
+    (default: the last ``validation_split_percentage`` percent, in file order)."""
+    if args.dataset_name in builtin:
+        raw = builtin[args.dataset_name]()
     elif args.dataset_name is not None:
         raw = load_dataset(args.dataset_name, args.dataset_config_name)
         if "validation" not in raw and args.validation_split_percentage > 0:
@@ -66,25 +95,13 @@ def load_raw_datasets(args: DataArguments) -> DatasetDict:
         except Exception as e:  # malformed json/csv: name the file, not a pyarrow internals trace
             raise ConfigError("train_file", f"cannot read {files}: {type(e).__name__}: {e}") from None
         if "validation" not in raw and args.validation_split_percentage > 0:
-            split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, shuffle=False)
-            raw = DatasetDict({"train": split["train"], "validation": split["test"]})
-
-    column = text_column(args)
-    for split_name, split in raw.items():
-        if column not in split.column_names:
-            raise ConfigError(
-                "text_column_name",
-                f"column {column!r} not in the {split_name} split; it has {split.column_names}",
-            )
-        feature = split.features[column]
-        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
-            raise ConfigError("text_column_name", f"column {column!r} of the {split_name} split holds {feature}, not "
-                                                  "text; name the column that holds the text")
-        # Null texts would be tokenized as "" and dropped without a word: say how many, and where.
-        nulls = split.data.column(column).null_count
-        if nulls:
-            raise ConfigError("text_column_name", f"{nulls} of {len(split)} rows of the {split_name} split have no "
-                                                  f"text (null) in column {column!r}; remove or fill them")
+            fraction = args.validation_split_percentage / 100
+            if holdout is None:
+                split = raw["train"].train_test_split(test_size=fraction, shuffle=False)
+                train, validation = split["train"], split["test"]
+            else:
+                train, validation = holdout(raw["train"], fraction)
+            raw = DatasetDict({"train": train, "validation": validation})
     if args.max_train_samples:
         raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
     if args.max_eval_samples and "validation" in raw:
@@ -164,12 +181,14 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
     """
     import numpy as np
 
-    if tokenized._indices is not None:  # a selected/shuffled view: make row i the table's row i
-        tokenized = tokenized.flatten_indices()
-    # Document lengths from the Arrow list offsets, read as numpy: no pyarrow.compute kernel, whose thread pool does
-    # not survive a fork (notebook_launcher forks a kernel that has packed before: the ranks hung here).
+    # Document lengths from the Arrow list offsets, read as numpy: no pyarrow.compute kernel (nor flatten_indices,
+    # which runs them), whose thread pool does not survive a fork (notebook_launcher forks a kernel that has packed
+    # before: the ranks hung here). A selected/shuffled view reads the table's lengths through its index column.
     lengths = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in
                               tokenized.data.column("input_ids").chunks] or [np.zeros(0, np.int64)])
+    if tokenized._indices is not None:
+        view = [chunk.to_numpy() for chunk in tokenized._indices.column(0).chunks]
+        lengths = lengths[np.concatenate(view).astype(np.int64)] if view else lengths[:0]
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # starts[i]: offset of document i
     n_blocks = int(starts[-1]) // block_size
 
@@ -192,11 +211,23 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
                          desc=f"pack into {block_size}-token rows", **map_kwargs)
 
 
+def pad_right(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences right-padded to the longest, and their attention mask (1 on real tokens)."""
+    length = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, :len(seq)] = 1
+    return ids, mask
+
+
 class CausalLMCollator:
     """Right-pads a list of ``{"input_ids": [...]}`` rows to the longest in the batch.
 
     Pad positions get attention_mask 0 and label -100, so they carry no loss and (with right padding and a causal
-    mask) do not change the logits of real tokens: a padded row trains exactly like the same row alone.
+    mask) do not change the logits of real tokens: a padded row trains exactly like the same row alone. Rows that
+    carry their own ``labels`` (chat SFT: -100 on the prompt) keep them; otherwise the labels are the input ids.
 
     ``num_targets`` (next-token targets) and ``num_tokens`` (non-pad tokens) are counted here, on the CPU, as plain
     ints: the loop normalises by the global batch's targets without a micro-step waiting for the device.
@@ -206,13 +237,11 @@ class CausalLMCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        length = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["input_ids"])
-            ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
-            mask[i, :n] = 1
+        ids, mask = pad_right([r["input_ids"] for r in rows], self.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
+        if "labels" in rows[0]:
+            labels = torch.full_like(ids, -100)
+            for i, r in enumerate(rows):
+                labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "num_targets": int(count_targets(labels)), "num_tokens": int(mask.sum())}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -219,7 +220,7 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universa
         ds["zero_force_ds_cpu_optimizer"] = False
 
 
-def check_activation_checkpointing(accelerator: Accelerator, gradient_checkpointing: bool) -> bool:
+def resolve_activation_checkpointing(accelerator: Accelerator, gradient_checkpointing: bool) -> bool:
     """Whether the model should use transformers' activation checkpointing: the recipe's field, or FSDP's own option
     (``fsdp_activation_checkpointing`` in the launch config), which is then handed over to transformers.
 
@@ -281,3 +282,15 @@ def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
             f"the launch config asks for {strategy} but the Accelerator runs {accelerator.distributed_type}; "
             "refusing to train with a different strategy than configured."
         )
+
+
+@contextmanager
+def plain_loading(accelerator: Accelerator):
+    """Load a model whole in this one process, also inside a ZeRO-3 launch (whose ``zero.Init`` would otherwise
+    partition it across ranks that are not loading it)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    with plugin.zero3_init_context_manager(enable=False):
+        yield

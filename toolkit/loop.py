@@ -35,12 +35,13 @@ from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.convert import UNIVERSAL, convert
 from toolkit.distributed import configure_deepspeed, strategy_name
 from toolkit.errors import TrainingStopped
-from toolkit.loss import count_targets, micro_step_loss, token_losses
+from toolkit.loss import micro_step_loss
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.resume import check_resume, order_record
+from toolkit.tasks import CausalLM
 
 
 @dataclass
@@ -121,24 +122,17 @@ def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Opti
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_dataloader) -> dict:
-    """Mean token loss and perplexity over the whole validation set.
+def evaluate(accelerator, model, eval_dataloader, task=None) -> dict:
+    """The task's metrics over the whole validation set (mean token loss and perplexity for a language model).
 
-    Per-row sums go through ``gather_for_metrics``, which drops the rows accelerate repeats to give every rank an
+    Per-row values go through ``gather_for_metrics``, which drops the rows accelerate repeats to give every rank an
     equal number of batches, so each validation row counts exactly once.
     """
+    task = task or CausalLM()
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    targets = torch.zeros((), dtype=torch.long, device=accelerator.device)
-    for batch in eval_dataloader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        row_loss, row_targets = token_losses(logits, batch["labels"])
-        row_loss, row_targets = accelerator.gather_for_metrics((row_loss, row_targets))
-        loss_sum += row_loss.double().sum()
-        targets += row_targets.sum()
+    rows = [accelerator.gather_for_metrics(task.eval_rows(model, batch)) for batch in eval_dataloader]
     model.train()
-    loss = (loss_sum / targets.clamp(min=1)).item()
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(targets.item())}
+    return task.eval_metrics(rows)
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -146,29 +140,18 @@ def _is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type.value == "DEEPSPEED"
 
 
-def _global_counts(accelerator, micro_batches: list[dict]) -> torch.Tensor:
+def _global_counts(accelerator, micro_batches: list[dict], task) -> torch.Tensor:
     """[target tokens, non-pad tokens] of the whole global batch, on the device: one all-reduce of two integers per
     step. The local counts come from the collator (``num_targets``, ``num_tokens``: counted on the CPU where the batch
     is built), so no micro-step waits for the device; a collator without them is counted on the device."""
     def counts(b):
         if "num_targets" in b:
             return b["num_targets"], b["num_tokens"]
-        return count_targets(b["labels"]), b["attention_mask"].sum()
+        return task.count_targets(b), b["attention_mask"].sum()
 
     local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))]
     local = torch.stack([torch.as_tensor(c, dtype=torch.long) for c in local]).to(accelerator.device, non_blocking=True)
     return accelerator.reduce(local, reduction="sum")
-
-
-def _row_losses(model, batch: dict, chunked: bool) -> torch.Tensor:
-    """Per-row summed token cross-entropy of a micro-batch: from the logits, or from the model's chunked loss.
-    ``use_cache=False``: a training forward has no use for the key/value cache transformers would otherwise build
-    (and Trainer turns it off too); the config, and so generation after export, keeps its own setting."""
-    if chunked:
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     labels=batch["labels"])["row_loss"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return token_losses(logits, batch["labels"])[0]
 
 
 def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | None:
@@ -200,19 +183,21 @@ def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
 def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
                skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None,
-               chunked_loss: bool = False) -> StepResult:
+               chunked_loss: bool = False, task=None) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
     ``data_parallel_size``: ranks that each take a different shard of the global batch (the gradient average
     divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
     ``chunked_loss``: the model computes its loss in chunks (``toolkit.model.enable_chunked_loss``).
+    ``task``: the loss of a row (``toolkit.tasks``; a causal LM by default).
     A non-finite gradient norm is never applied: the step is skipped (``skip_nonfinite``) or the run stops (except
     under DeepSpeed, whose engine steps before the norm is known: there the run stops after the step).
     """
+    task = task or CausalLM()
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
-    counts = _global_counts(accelerator, micro_batches)
+    counts = _global_counts(accelerator, micro_batches, task)
     global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm, skipped = None, False
@@ -224,10 +209,11 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
                     f"step {step}, micro-step {index}: accelerate's accumulation boundary "
                     f"(sync_gradients={accelerator.sync_gradients}) disagrees with ours (k={accumulation})"
                 )
-            row_loss = _row_losses(model, batch, chunked_loss)
-            micro_sum = row_loss.sum()
-            loss = micro_step_loss(micro_sum, count_targets(batch["labels"]), global_targets, data_parallel_size,
-                                   accumulation, loss_normalization)
+            micro_sum = task.row_losses(model, batch, chunked_loss).sum()
+            local_targets = (torch.as_tensor(batch["num_targets"]) if "num_targets" in batch
+                             else task.count_targets(batch))  # used by per_micro_batch only
+            loss = micro_step_loss(micro_sum, local_targets, global_targets, data_parallel_size, accumulation,
+                                   loss_normalization)
             accelerator.backward(loss)
             if after_backward is not None:
                 after_backward(index)
@@ -289,8 +275,7 @@ class LogWindow:
     def flush(self) -> dict:
         """Collective: the window's mean token loss, throughput, MFU and the peak memory of the busiest rank."""
         total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum"))
-        memory = self.accelerator.gather(torch.tensor([peak_memory_gb(self.accelerator.device)],
-                                                      device=self.accelerator.device))
+        memory = peak_memory_per_rank(self.accelerator)
         tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
         out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
                "tokens_per_s_per_device": tokens_per_s / world,
@@ -302,6 +287,11 @@ class LogWindow:
         self.targets = self.steps = 0
         self.throughput.reset()
         return out
+
+
+def peak_memory_per_rank(accelerator) -> torch.Tensor:
+    """Collective: every rank's peak memory so far, in GB (``toolkit.accounting.peak_memory_gb``)."""
+    return accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
 
 
 def _call(callbacks, event: str, **kwargs) -> None:
@@ -367,14 +357,16 @@ def checkpoint_record(accelerator, state: LoopState, order: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the loop
 def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
-          callbacks=None) -> dict:
+          callbacks=None, task=None) -> dict:
     """Train, evaluate, checkpoint and export. Returns a summary dict (also printed on the main process).
 
     ``callbacks``: objects with any of ``on_prepared(accelerator, model, optimizer)``,
     ``on_micro_step(accelerator, state, micro_step)``, ``on_step_end(accelerator, state, row)`` and
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
-    and to probe the trained model).
+    and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
+    LM by default).
     """
+    task = task or CausalLM()
     args = cfg.train
     world, accumulation, micro = accelerator.num_processes, args.gradient_accumulation_steps, \
         args.per_device_train_batch_size
@@ -426,14 +418,14 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         f"rows left out per epoch) | {total_steps} optimizer steps from step {state.step}"
     )
 
-    best_perplexity = None
+    best_name, better = task.best_metric  # e.g. ("perplexity", min)
+    best = None
 
     def evaluate_into(row: dict) -> None:
-        nonlocal best_perplexity
-        result = evaluate(accelerator, model, eval_dl)
+        nonlocal best
+        result = evaluate(accelerator, model, eval_dl, task)
         row.update(result)
-        if best_perplexity is None or result["perplexity"] < best_perplexity:
-            best_perplexity = result["perplexity"]
+        best = result[best_name] if best is None else better(best, result[best_name])
 
     if eval_dl is not None and args.eval_on_start and state.step == 0:
         row = {"step": 0, "epoch": 0.0, "tokens_seen": 0}
@@ -461,7 +453,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
                                 step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0)
+                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task)
             if state.finish_step(result, steps_per_epoch):
                 batches = None
             window.add(result)
@@ -503,9 +495,9 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         plot_run(args.output_dir)
     final_dir = layout.final_dir(args.output_dir)
     if args.save_final_model and not preempted:
-        ckpt.save_final(accelerator, model, tokenizer, final_dir)
+        ckpt.save_final(accelerator, model, tokenizer, final_dir, merge_lora=cfg.model.merge_lora)
     elapsed = time.time() - started
-    memory = accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
+    memory = peak_memory_per_rank(accelerator)
     tokens_per_s = (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0
     summary = {
         "steps": state.step,
@@ -517,7 +509,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         "steps_per_s": (state.step - start_step) / elapsed if elapsed > 0 else 0.0,
         "mfu": per_token * tokens_per_s / world / peak if peak else None,
         "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory],
-        "best_eval_perplexity": best_perplexity,
+        f"best_eval_{best_name}": best,
         "final_model": os.path.abspath(final_dir) if args.save_final_model and not preempted else None,
         "preempted": preempted,
         "world_size": world,

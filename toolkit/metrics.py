@@ -57,7 +57,8 @@ def write_summary(output_dir: str, summary: dict) -> str:
 
 def format_run_summary(summary: dict) -> str:
     """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
-    ppl = summary.get("best_eval_perplexity")
+    best = next(((key[len("best_eval_"):], value) for key, value in summary.items() if key.startswith("best_eval_")),
+                ("perplexity", None))
     lines = [
         "run summary",
         f"  {summary['steps']} optimizer steps, {summary['tokens_seen']:,} tokens in {summary['seconds']:.1f} s "
@@ -68,7 +69,7 @@ def format_run_summary(summary: dict) -> str:
                                                                                   "set peak_flops)")
         + f", peak memory per rank {summary.get('peak_memory_gb_per_rank', [])} GB",
         f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
-        f"  best eval perplexity: {ppl:.2f}" if ppl is not None else "  best eval perplexity: no evaluation",
+        f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
             "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
             if summary.get("preempted") else "  model: not saved (save_final_model false)"),
@@ -111,7 +112,8 @@ class MetricsLogger:
                     post["mfu"] = f"{100 * row['mfu']:.1f}%"
                 self.bar.set_postfix(**post)
             if "eval_loss" in row:
-                self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f} perplexity {row['perplexity']:.2f}")
+                shown = [f"{k} {row[k]:.4f}" for k in ("eval_loss", "perplexity", "accuracy", "macro_f1") if k in row]
+                self.bar.write(f"step {row['step']}: " + " ".join(shown))
 
     def advance(self, n: int = 1) -> None:
         self.bar.update(n)

@@ -1,9 +1,11 @@
-"""Loading the tokenizer and the causal LM: pretrained (``model_name_or_path``) or from a config (``config_name``)."""
+"""Loading the tokenizer and the model (a causal LM unless the task says otherwise): pretrained
+(``model_name_or_path``) or from a config (``config_name``)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoConfig, AutoTokenizer
 
 from toolkit.config import ModelArguments, max_positions
 from toolkit.errors import ConfigError
@@ -69,22 +71,24 @@ def load_tokenizer(args: ModelArguments, log=print):
     return tokenizer
 
 
-def load_model(args: ModelArguments, config=None):
+def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM"):
     """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config.
 
     In ``torch_dtype`` (float32 unless asked otherwise): transformers 5 loads a checkpoint in the dtype it was stored
     in, and most Hub releases are stored in bf16, so without this AdamW would update bf16 weights and small updates
     would round away (and ZeRO, which keeps fp32 shards, would disagree with DDP on the same model).
+    ``auto_class``: the transformers Auto class of the task (``toolkit.tasks``).
     """
+    auto = getattr(transformers, auto_class)
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
+        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
                                                     **_kw(args))
     # From a config there is no stored dtype: "auto" means the config's own (float32 unless it says otherwise).
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

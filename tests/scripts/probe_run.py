@@ -18,6 +18,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 import gpt2  # noqa: E402  the recipe itself, unchanged
 
+from toolkit.checkpoint import torch_optimizer  # noqa: E402
+
 PROBE_IDS = torch.arange(100, 124).view(2, 12)
 
 
@@ -81,9 +83,7 @@ def held_bytes(model, optimizer, deepspeed: bool) -> dict:
         return storage.nbytes()
 
     weights = sum(held(p) for p in model.parameters())
-    inner = optimizer
-    while hasattr(inner, "optimizer"):  # accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) torch's AdamW
-        inner = inner.optimizer
+    inner = torch_optimizer(optimizer)  # accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) torch's AdamW
     state = sum(held(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     if deepspeed:  # the fp32 master partitions DeepSpeed's AdamW steps on (its params, not the model's)
         state += sum(held(p) for g in inner.param_groups for p in g["params"])

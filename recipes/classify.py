@@ -1,0 +1,27 @@
+"""Sequence classification: a pretrained encoder (or any model with a ForSequenceClassification head) on labelled
+text; accuracy and macro-F1 on the validation split, gathered across ranks without duplicates.
+
+Data: a text column and a label column (class names or ids), from local files or the Hub, or ``dataset_name:
+stdlib-docstrings`` (docstrings of standard-library modules labelled by their module, built offline). Optional
+``class_weights`` (one per class, or ``balanced``). With ``use_peft: true`` it trains LoRA adapters and the head.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/classify.py --config recipes/configs/classify_minilm.yaml
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 recipes/classify.py --config recipes/configs/classify_minilm.yaml --use_peft true
+"""
+
+from toolkit.build import build
+from toolkit.config import cli, parse_args
+from toolkit.distributed import make_accelerator
+from toolkit.loop import train
+from toolkit.tasks import SequenceClassification
+
+
+def main(callbacks=None):
+    cfg = parse_args()  # bad fields stop here, before any process group, data or weights
+    accelerator = make_accelerator(cfg.train)
+    parts = build(cfg, accelerator, task=SequenceClassification())  # labels read before the head is sized
+    return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)
+
+
+if __name__ == "__main__":
+    cli(main)

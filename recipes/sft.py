@@ -1,0 +1,33 @@
+"""Chat supervised fine-tuning: the loss on the assistant's turns only (``toolkit.chat`` builds the label mask).
+
+Data: jsonl rows with ``messages`` (a list of {role, content}), or ``dataset_name: pydoc-chats`` (questions about
+Python answered from its reference docs, built offline). One chat per row, padded per micro-batch (no packing). The
+loss is normalised by the assistant tokens of the whole global batch, as for any recipe. With ``use_peft: true`` it
+trains LoRA adapters. It prints one answer before and one after fine-tuning.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml --use_peft true
+"""
+
+from toolkit.build import build
+from toolkit.chat import first_prompt, show_answer
+from toolkit.config import cli, parse_args
+from toolkit.distributed import make_accelerator
+from toolkit.loop import train
+from toolkit.tasks import ChatSFT
+
+
+def main(callbacks=None):
+    cfg = parse_args()  # bad fields stop here, before any process group, data or weights
+    accelerator = make_accelerator(cfg.train)
+    parts = build(cfg, accelerator, task=ChatSFT())  # template checked, chats tokenized with their masks, weights
+    prompt = first_prompt(parts.eval_dataset or parts.train_dataset)
+    show_answer(accelerator, cfg, parts.tokenizer, prompt, folder=None, when="before fine-tuning")
+    summary = train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)
+    if summary["final_model"]:
+        show_answer(accelerator, cfg, parts.tokenizer, prompt, folder=summary["final_model"], when="after fine-tuning")
+    return summary
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,196 @@
+"""Chat data for supervised fine-tuning: load ``messages`` rows, render them with the chat template, and label only
+what the assistant says.
+
+A row is ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (the conversational format of
+TRL and the Hub's chat datasets). The loss is on the assistant's turns only: every prompt token (system, user, the
+template's markers) is labelled -100; each assistant turn *and its end-of-turn token* are targets, so the model learns
+to stop. In a multi-turn chat every assistant turn is a target.
+
+How the turns are found, for any template: the chat is rendered as text once, and for each assistant turn i the
+template renders the conversation before it with the generation prompt (``messages[:i]``, what a user's inference
+call would send) and the conversation up to it (``messages[:i+1]``). Both must be prefixes of the whole rendering
+(templates that rewrite earlier turns, e.g. ones that drop past reasoning, are refused with the reason). The text is
+cut at those boundaries and each piece tokenized on its own: the prompt's tokens are exactly those an inference call
+gives the model, so training sees the same token boundary that generation starts from. A turn ends at the template's
+end-of-turn token (the tokenizer's EOS, e.g. ``<|im_end|>``); what the template writes after it (a newline) is
+formatting, not a target.
+
+One chat per row, truncated to ``block_size`` (no packing: a packed row would let a chat attend to the one before
+it). A chat whose assistant tokens all fall beyond ``block_size`` has nothing to learn and is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+
+from datasets import DatasetDict
+
+from toolkit import data
+from toolkit.config import DataArguments
+from toolkit.errors import ConfigError
+from toolkit.loss import IGNORE_INDEX
+
+MESSAGES = "messages"
+ROLES = ("system", "user", "assistant")
+PYDOC_CHATS = "pydoc-chats"  # the built-in offline set (toolkit.builtin_data.pydoc_chats)
+
+
+def messages_column(args: DataArguments) -> str:
+    return args.text_column_name or MESSAGES
+
+
+def set_chat_template(tokenizer, chat_template: str | None) -> None:
+    """The ``chat_template`` field (a Jinja string, or a file holding one) overrides the tokenizer's; a tokenizer
+    with neither is refused (before any weights load)."""
+    if chat_template:
+        if os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        elif "{%" not in chat_template and "{{" not in chat_template:
+            raise ConfigError("chat_template", f"{chat_template!r} is neither a file nor a Jinja template")
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("chat_template", f"the tokenizer {tokenizer.name_or_path!r} has no chat template; set "
+                                           "chat_template to a Jinja template (or a file holding one), e.g. the "
+                                           "ChatML template of an instruct model of the same family")
+
+
+def load_raw_chats(args: DataArguments) -> DatasetDict:
+    """The splits, with the messages column checked: present, a list of {role, content}."""
+    from toolkit.builtin_data import pydoc_chats
+
+    raw = data.load_splits(args, {PYDOC_CHATS: pydoc_chats})
+    column = messages_column(args)
+    for name, split in raw.items():
+        if column not in split.column_names:
+            raise ConfigError("text_column_name", f"column {column!r} (the chats) not in the {name} split; it has "
+                                                  f"{split.column_names}")
+        if len(split) and not _looks_like_messages(split[0][column]):
+            raise ConfigError("text_column_name", f"column {column!r} of the {name} split holds "
+                                                  f"{split.features[column]}, not chats (a list of {{role, content}})")
+    return raw
+
+
+def _looks_like_messages(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
+
+
+def check_messages(messages, where: str) -> None:
+    """Roles known, contents text, no assistant turn without a prompt before it, at least one assistant turn."""
+    if not _looks_like_messages(messages):
+        raise ConfigError("text_column_name", f"{where}: expected a list of {{role, content}}, got {messages!r:.200}")
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise ConfigError("text_column_name", f"{where}: unknown role {m['role']!r}; use {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ConfigError("text_column_name", f"{where}: a {m['role']} message has no text content")
+    if messages and messages[0]["role"] == "assistant":
+        raise ConfigError("text_column_name", f"{where}: the chat starts with an assistant turn; nothing prompts it")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError("text_column_name", f"{where}: no assistant turn, so nothing to learn; remove the row")
+
+
+def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character spans [start, end) of each assistant turn (its end-of-turn included)."""
+    full = _render(tokenizer, messages)
+    eos = tokenizer.eos_token
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1])
+        if not (upto.startswith(prompt) and full.startswith(upto)):
+            raise ConfigError("chat_template", "the chat template renders earlier turns differently once later ones "
+                                               "follow, so the assistant's tokens cannot be told from the prompt's; "
+                                               "use a template whose rendering of a chat starts with the rendering "
+                                               "of each of its beginnings")
+        end = len(upto)
+        if eos:
+            stop = upto.rfind(eos, len(prompt))
+            if stop >= 0:
+                end = stop + len(eos)
+        spans.append((len(prompt), end))
+    return full, spans
+
+
+def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``labels`` of one chat: labels are the ids on assistant turns, -100 elsewhere."""
+    full, spans = assistant_spans(tokenizer, messages)
+    ids, labels, at = [], [], 0
+    for start, end in spans:
+        for piece, target in ((full[at:start], False), (full[start:end], True)):
+            if piece:
+                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += piece_ids
+                labels += piece_ids if target else [IGNORE_INDEX] * len(piece_ids)
+        at = end
+    if full[at:]:
+        tail = tokenizer(full[at:], add_special_tokens=False)["input_ids"]
+        ids += tail
+        labels += [IGNORE_INDEX] * len(tail)
+    return ids, labels
+
+
+def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+    """Every chat tokenized with its label mask, truncated to ``block_size``; chats left without a target dropped."""
+    column = messages_column(args)
+
+    def tokenize(batch, indices):
+        out = {"input_ids": [], "labels": []}
+        for messages, index in zip(batch[column], indices):
+            check_messages(messages, f"row {index}")
+            ids, labels = tokenize_chat(tokenizer, messages)
+            out["input_ids"].append(ids[:block_size])
+            out["labels"].append(labels[:block_size])
+        return out
+
+    kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
+    tokenized = raw.map(tokenize, batched=True, with_indices=True, remove_columns=raw["train"].column_names,
+                        desc="render chats, mask prompts", **kwargs)
+    # position i predicts label i+1, so a row needs a target after its first token
+    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:]) for labels in b["labels"]],
+                            batched=True, desc="drop chats with no assistant token within block_size")
+    if len(kept["train"]) == 0:
+        raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
+                                        "raise block_size")
+    if "validation" in kept and len(kept["validation"]) == 0:
+        raise ConfigError("block_size", "no validation chat has an assistant token within block_size; raise "
+                                         "block_size, or validation_split_percentage: 0 to train without evaluation")
+    return kept
+
+
+def first_prompt(dataset) -> list[int]:
+    """The prompt tokens of a tokenized dataset's first chat: everything before its first assistant token."""
+    row = dataset[0]
+    first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+    return row["input_ids"][:first]
+
+
+def show_answer(accelerator, cfg, tokenizer, prompt_ids: list[int], folder: str | None, when: str,
+                max_new_tokens: int = 48) -> str | None:
+    """On the main process: load the model (the configured pretrained one, or the export in ``folder``) as a plain
+    single-process model and print its greedy answer to ``prompt_ids``. Other ranks return None at once."""
+    import torch
+
+    from toolkit.distributed import plain_loading
+    from toolkit.lora import load_exported
+    from toolkit.model import load_model
+
+    if not accelerator.is_main_process:
+        return None
+    with plain_loading(accelerator):
+        model = load_exported(folder, cfg.model) if folder else load_model(cfg.model)
+    model.eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    print(f"--- {when}: {tokenizer.decode(prompt_ids, skip_special_tokens=True).strip()[-200:]!r}\n{answer}",
+          flush=True)
+    return answer

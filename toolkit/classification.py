@@ -1,0 +1,182 @@
+"""Sequence classification: labelled text, the per-example loss (optionally class-weighted), accuracy and macro-F1.
+
+Labels come from a column of class names (strings) or ids (integers), or a ``ClassLabel``; the class names are those
+of the training split (sorted for strings), and a validation label the training split never shows is refused.
+Local files without a validation file are split *stratified* (each class keeps its share in both splits): a tail
+split of a file sorted by label would validate on one class only.
+
+The loss of one example is its cross-entropy times its class's weight (``class_weights``; 1 without). The loop
+divides the summed loss by the number of examples in the whole global batch, as it divides a language model's by
+its target tokens, so accumulation and world size do not change the objective. (torch's weighted *mean* divides by
+the sum of the batch's weights instead; over a global batch split into micro-batches that sum is the same, but the
+objective differs from batch to batch with the class mix. We keep the plain mean over examples.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from datasets import ClassLabel, DatasetDict, Value
+
+from toolkit import data
+from toolkit.config import DataArguments
+from toolkit.errors import ConfigError
+from toolkit.loss import IGNORE_INDEX
+
+STDLIB_DOCSTRINGS = "stdlib-docstrings"  # the built-in offline set (toolkit.builtin_data.stdlib_docstrings)
+
+
+def label_column(args: DataArguments) -> str:
+    return args.label_column_name or "label"
+
+
+def encode_labels(split, column: str, names: list[str] | None, split_name: str):
+    """``split`` with ``column`` as a ClassLabel, and the class names (``names``: those of the training split)."""
+    if column not in split.column_names:
+        raise ConfigError("label_column_name", f"column {column!r} not in the {split_name} split; it has "
+                                               f"{split.column_names}")
+    feature = split.features[column]
+    if isinstance(feature, ClassLabel):
+        if names is not None and feature.names != names:
+            raise ConfigError("label_column_name", f"the {split_name} split's classes {feature.names} are not the "
+                                                   f"training split's {names}")
+        return split, feature.names
+    if split.data.column(column).null_count:
+        raise ConfigError("label_column_name", f"some rows of the {split_name} split have no label (null) in "
+                                               f"column {column!r}; remove or fill them")
+    values = list(split[column])
+    if isinstance(feature, Value) and feature.dtype.startswith("int"):
+        if any(v < 0 for v in values):
+            raise ConfigError("label_column_name", f"label ids must be >= 0; the {split_name} split has "
+                                                   f"{min(values)}")
+        names = names or [str(i) for i in range(max(values) + 1)]
+        ids = values
+    elif isinstance(feature, Value) and feature.dtype in ("string", "large_string"):
+        names = names or sorted(set(values))
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ConfigError("label_column_name", f"the {split_name} split has labels the training split never "
+                                                   f"shows: {unknown[:5]}")
+        ids = [names.index(v) for v in set(values)]
+    else:
+        raise ConfigError("label_column_name", f"column {column!r} holds {feature}; labels must be class names "
+                                               "(text) or ids (integers)")
+    if len(names) < 2:
+        raise ConfigError("label_column_name", f"only one class ({names}) in column {column!r}; a classifier needs "
+                                               "two or more")
+    if max(ids, default=0) >= len(names):
+        raise ConfigError("label_column_name", f"the {split_name} split has label id {max(ids)}, beyond the "
+                                               f"training split's {len(names)} classes")
+    features = split.features.copy()
+    features[column] = ClassLabel(names=list(names))
+    by_name = {name: i for i, name in enumerate(names)}
+    integer_ids = feature.dtype.startswith("int")
+
+    def encode(batch):
+        return {column: batch[column] if integer_ids else [by_name[v] for v in batch[column]]}
+
+    return split.map(encode, batched=True, features=features, desc="encode labels"), list(names)
+
+
+def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
+    """The splits with the text column checked and the label column encoded; the class names."""
+    from toolkit.builtin_data import stdlib_docstrings
+
+    column = label_column(args)
+
+    def stratified(train, fraction):
+        train, _ = encode_labels(train, column, None, "train")
+        split = train.train_test_split(test_size=fraction, stratify_by_column=column, seed=0)
+        return split["train"], split["test"]
+
+    raw = data.load_splits(args, {STDLIB_DOCSTRINGS: stdlib_docstrings}, holdout=stratified)
+    data.check_text_column(raw, data.text_column(args))
+    train, names = encode_labels(raw["train"], column, None, "train")
+    out = {"train": train}
+    if "validation" in raw:
+        out["validation"], _ = encode_labels(raw["validation"], column, names, "validation")
+    return DatasetDict(out), names
+
+
+def resolve_class_weights(spec: list[str] | None, train, names: list[str]) -> torch.Tensor | None:
+    """None, the listed weights, or 'balanced' (n_rows / (n_classes x class rows), scikit-learn's)."""
+    if not spec:
+        return None
+    if spec == ["balanced"]:
+        counts = torch.bincount(torch.as_tensor(_labels(train)),
+                                minlength=len(names)).double()
+        if (counts == 0).any():
+            missing = [names[i] for i in torch.nonzero(counts == 0).flatten().tolist()]
+            raise ConfigError("class_weights", f"'balanced' needs every class in the training split; {missing} "
+                                               "have no rows")
+        return (counts.sum() / (len(names) * counts)).float()
+    if len(spec) != len(names):
+        raise ConfigError("class_weights", f"{len(spec)} weights for {len(names)} classes ({names})")
+    return torch.tensor([float(w) for w in spec])
+
+
+def _labels(split) -> list[int]:
+    column = next(name for name, feature in split.features.items() if isinstance(feature, ClassLabel))
+    return list(split[column])
+
+
+def configure_labels(config, names: list[str], pad_token_id: int | None) -> None:
+    """The classifier's size and label names on the model config (saved with the export), before the weights load.
+    Decoder models (GPT-2, Llama) classify from the last non-pad token, which they find through the pad id."""
+    config.num_labels = len(names)
+    config.id2label = dict(enumerate(names))
+    config.label2id = {name: i for i, name in enumerate(names)}
+    config.problem_type = "single_label_classification"
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = pad_token_id
+
+
+def tokenize_labelled(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+    """``input_ids`` (with the tokenizer's special tokens, truncated to ``block_size``) and ``labels``."""
+    text, label = data.text_column(args), label_column(args)
+
+    def tokenize(batch):
+        ids = tokenizer(batch[text], add_special_tokens=True, truncation=True, max_length=block_size,
+                        verbose=False)["input_ids"]
+        return {"input_ids": ids, "labels": batch[label]}
+
+    kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
+    return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize", **kwargs)
+
+
+class ClassificationCollator:
+    """Right-pads ``input_ids``; ``labels`` is one class id per row. ``num_targets`` (examples) and ``num_tokens``
+    are counted here, on the CPU, like the language-model collator's."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        ids, mask = data.pad_right([r["input_ids"] for r in rows], self.pad_token_id)
+        labels = torch.as_tensor([r["labels"] for r in rows], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "num_targets": int((labels != IGNORE_INDEX).sum()), "num_tokens": int(mask.sum())}
+
+
+def row_losses(logits: torch.Tensor, labels: torch.Tensor, class_weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-example cross-entropy in fp32, times the example's class weight."""
+    ce = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    if class_weights is not None:
+        ce = ce * class_weights.to(ce.device)[labels.clamp(min=0)]
+    return ce
+
+
+def scores(predictions: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Accuracy and macro-F1 (the unweighted mean of per-class F1 over the classes that occur in the labels or the
+    predictions, as scikit-learn's ``f1_score(average="macro")``)."""
+    keep = labels != IGNORE_INDEX
+    predictions, labels = predictions[keep], labels[keep]
+    if len(labels) == 0:
+        return {"accuracy": float("nan"), "macro_f1": float("nan")}
+    f1 = []
+    for c in torch.unique(torch.cat([labels, predictions])).tolist():
+        tp = int(((predictions == c) & (labels == c)).sum())
+        fp = int(((predictions == c) & (labels != c)).sum())
+        fn = int(((predictions != c) & (labels == c)).sum())
+        f1.append(2 * tp / (2 * tp + fp + fn))
+    return {"accuracy": float((predictions == labels).double().mean()), "macro_f1": sum(f1) / len(f1)}
