@@ -179,13 +179,18 @@ def show_answer(accelerator, cfg, tokenizer, prompt_ids: list[int], folder: str 
 
     from toolkit.distributed import plain_loading
     from toolkit.lora import load_exported
-    from toolkit.model import load_model
+    from toolkit.model import load_model, max_positions
 
     if not accelerator.is_main_process:
         return None
     with plain_loading(accelerator):
         model = load_exported(folder, cfg.model) if folder else load_model(cfg.model)
     model.eval()
+    positions = max_positions(model.config)  # a small model's context may end before max_new_tokens
+    if positions is not None:
+        max_new_tokens = min(max_new_tokens, positions - len(prompt_ids))
+    if max_new_tokens <= 0:
+        return None
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

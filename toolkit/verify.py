@@ -194,13 +194,18 @@ def _tail(path: str, lines: int = 40) -> str:
 
 
 def _load_final(out: str) -> tuple[dict, set[str]]:
-    """The exported weights as fp64, and the dtypes they were stored in (the dtype the run trained in)."""
+    """The exported weights as fp64, and the dtypes they were stored in (the dtype the run trained in). A LoRA run
+    (``use_peft``) exports its adapter: that is what is compared (the base weights do not train)."""
     from safetensors.torch import load_file
 
     final = layout.final_dir(out)
     index = os.path.join(final, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) else [
-        "model.safetensors"]
+    if os.path.isfile(os.path.join(final, "adapter_model.safetensors")):
+        files = ["adapter_model.safetensors"]
+    elif os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
     weights, dtypes = {}, set()
     for name in files:
         for key, tensor in load_file(os.path.join(final, name)).items():

@@ -1,0 +1,161 @@
+"""The chat SFT and classification recipes, and LoRA, through real multi-process launches (tiny models).
+
+- recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
+  normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat.
+- recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
+- LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-3 and FSDP2 equal the DDP ones; the base weights
+  come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import ROOT, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
+
+pytestmark = pytest.mark.slow
+
+SFT = os.path.join(ROOT, "recipes", "sft.py")
+CLASSIFY = os.path.join(ROOT, "recipes", "classify.py")
+GPT2 = os.path.join(ROOT, "recipes", "gpt2.py")
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
+           max_steps=3, logging_steps=1, seed=7, report_to="none", shuffle=True, per_device_eval_batch_size=3)
+ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", weight_decay=0.01,
+             adam_epsilon=1e-6, max_steps=4, save_steps=2, logging_steps=1, seed=7, report_to="none", shuffle=True,
+             per_device_eval_batch_size=3, packing=False, block_size=48)
+LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear",
+            merge_lora=True)
+
+
+def _run(script, out, cfg, world=1, config="ddp.yaml", micro=8, accum=1):
+    args = args_from({**cfg, "output_dir": out, "per_device_train_batch_size": micro,
+                      "gradient_accumulation_steps": accum})
+    return launch(args, num_processes=world, config=config, script=script)
+
+
+def _rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------------ chat SFT
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    from toolkit.builtin_data import pydoc_chats
+
+    raw = pydoc_chats()
+    d = tmp_path_factory.mktemp("chats")
+    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
+        with open(d / name, "w") as f:
+            for row in raw[split].select(range(n)):
+                f.write(json.dumps({"messages": row["messages"]}) + "\n")
+    (d / "template.jinja").write_text(TEMPLATE)
+    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
+            "chat_template": str(d / "template.jinja")}
+
+
+def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
+    cfg = {**SGD, **chats, "model_name_or_path": tiny_model, "packing": False, "block_size": 64}
+    one = _run(SFT, str(tmp_path / "one"), cfg)
+    two = _run(SFT, str(tmp_path / "two"), cfg, world=2, micro=2, accum=2)
+    diff = max_abs_diff(load_weights(str(tmp_path / "one" / "final")), load_weights(str(tmp_path / "two" / "final")))
+    assert diff <= 1e-6, diff
+    assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
+    evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
+    assert evals and all("perplexity" in r for r in evals)
+
+
+def test_sft_refuses_packing_before_any_weights_load(tmp_path, tiny_model, chats):
+    proc = launch(args_from({**SGD, **chats, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "p"),
+                             "packing": True}), num_processes=1, script=SFT, check=False)
+    assert proc.returncode == 2 and "packing" in proc.stderr and not os.path.exists(tmp_path / "p")
+
+
+# ------------------------------------------------------------------------------------------ classification
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    from toolkit.offline import save_tiny_bert
+
+    return save_tiny_bert(str(tmp_path_factory.mktemp("models") / "tiny-bert"))
+
+
+CLASSIFY_DATA = dict(dataset_name="stdlib-docstrings", max_train_samples=48, max_eval_samples=17, packing=False,
+                     block_size=64)
+
+
+def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(tmp_path, tiny_bert):
+    cfg = {**SGD, **CLASSIFY_DATA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "eval_on_start": True}
+    _run(CLASSIFY, str(tmp_path / "one"), cfg)
+    _run(CLASSIFY, str(tmp_path / "two"), cfg, world=2, micro=2, accum=2)
+    diff = max_abs_diff(load_weights(str(tmp_path / "one" / "final")), load_weights(str(tmp_path / "two" / "final")))
+    assert diff <= 1e-6, diff
+    for run in ("one", "two"):
+        evals = [r for r in _rows(str(tmp_path / run)) if "eval_loss" in r]
+        # 17 rows over 2 ranks in batches of 3: accelerate pads the last batch; gather_for_metrics drops the repeats
+        assert [r["eval_samples"] for r in evals] == [17, 17]
+        assert all(0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 for r in evals)
+    with open(tmp_path / "two" / "final" / "config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 6
+
+
+# ---------------------------------------------------------------------------------------------------- LoRA
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_model, padded_data):
+    """The same LoRA job under DDP, ZeRO-3 and FSDP2 (2 ranks x 2 x 2), and DDP resumed from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("lora")
+    cfg = {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
+    runs = {}
+    for name, config in (("ddp", "ddp.yaml"), ("zero3", "zero3.yaml"), ("fsdp", "fsdp.yaml")):
+        runs[name] = str(root / name)
+        _run(GPT2, runs[name], cfg, world=2, config=config, micro=2, accum=2)
+    runs["resumed"] = str(root / "resumed")
+    copy_checkpoint(runs["ddp"], 2)(runs["resumed"])
+    _run(GPT2, runs["resumed"], {**cfg, "resume_from_checkpoint": "latest"}, world=2, micro=2, accum=2)
+    return runs
+
+
+def _adapter(run):
+    from safetensors.torch import load_file
+
+    return {k: v.double() for k, v in load_file(os.path.join(run, "final", "adapter_model.safetensors")).items()}
+
+
+def test_lora_adapters_are_the_same_under_every_strategy(lora_runs):
+    ddp = _adapter(lora_runs["ddp"])
+    assert ddp and all("lora_" in k for k in ddp)
+    assert max(float(v.abs().max()) for k, v in ddp.items() if "lora_B" in k) > 0  # B starts at 0: it trained
+    for name in ("zero3", "fsdp"):
+        assert max_abs_diff(ddp, _adapter(lora_runs[name])) <= 1e-5, name
+
+
+def test_lora_leaves_the_base_weights_bit_identical(lora_runs, tiny_model):
+    base = load_weights(tiny_model)
+    trained = load_weights(os.path.join(lora_runs["ddp"], "checkpoints", "step-4"))
+    kept = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in trained.items()
+            if "lora_" not in k}
+    assert set(base) <= set(kept)
+    assert all(torch.equal(base[k], kept[k]) for k in base)
+
+
+def test_lora_merged_export_equals_base_plus_adapter(lora_runs, tiny_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(100, 124).view(2, 12)
+    final = os.path.join(lora_runs["ddp"], "final")
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), final).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "merged")).eval()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model).eval()(ids).logits
+    assert float((adapted - merged).abs().max()) <= 1e-5
+    assert float((adapted - plain).abs().max()) > 1e-4  # the adapter changed the model
+
+
+def test_lora_run_resumes_bit_identically(lora_runs):
+    assert max_abs_diff(_adapter(lora_runs["ddp"]), _adapter(lora_runs["resumed"])) == 0.0
