@@ -78,6 +78,7 @@ def count_model(model: str, lora_r: int | None = None) -> ModelCount:
                         if isinstance(m, torch.nn.Linear) and name != "lm_head" and "lm_head" not in name)
         trainable += sum(lora_r * (m.weight.shape[0] + m.weight.shape[1]) for name, m in net.named_modules()
                          if type(m).__name__ == "Conv1D")  # GPT-2's linear layers
+        params += trainable  # the adapters are weights too (held like the base's), and the only ones with state
     layers, width = model_shape(config)
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads,
