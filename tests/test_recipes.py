@@ -3,7 +3,7 @@
 - recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
   normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat.
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
-- LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-3 and FSDP2 equal the DDP ones; the base weights
+- LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-2, ZeRO-3 and FSDP2 equal the DDP ones; the base weights
   come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
 """
 
@@ -107,11 +107,12 @@ def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(tmp
 # ---------------------------------------------------------------------------------------------------- LoRA
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_model, padded_data):
-    """The same LoRA job under DDP, ZeRO-3 and FSDP2 (2 ranks x 2 x 2), and DDP resumed from its step-2 checkpoint."""
+    """The same LoRA job under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 ranks x 2 x 2), and DDP resumed from its step-2
+    checkpoint."""
     root = tmp_path_factory.mktemp("lora")
     cfg = {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
     runs = {}
-    for name, config in (("ddp", "ddp.yaml"), ("zero3", "zero3.yaml"), ("fsdp", "fsdp.yaml")):
+    for name, config in (("ddp", "ddp.yaml"), ("zero2", "zero2.yaml"), ("zero3", "zero3.yaml"), ("fsdp", "fsdp.yaml")):
         runs[name] = str(root / name)
         _run(GPT2, runs[name], cfg, world=2, config=config, micro=2, accum=2)
     runs["resumed"] = str(root / "resumed")
@@ -130,7 +131,7 @@ def test_lora_adapters_are_the_same_under_every_strategy(lora_runs):
     ddp = _adapter(lora_runs["ddp"])
     assert ddp and all("lora_" in k for k in ddp)
     assert max(float(v.abs().max()) for k, v in ddp.items() if "lora_B" in k) > 0  # B starts at 0: it trained
-    for name in ("zero3", "fsdp"):
+    for name in ("zero2", "zero3", "fsdp"):
         assert max_abs_diff(ddp, _adapter(lora_runs[name])) <= 1e-5, name
 
 

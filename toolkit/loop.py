@@ -294,6 +294,16 @@ def peak_memory_per_rank(accelerator) -> torch.Tensor:
     return accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
 
 
+def parallel_degrees(accelerator) -> str:
+    """'; dp_replicate 2 x dp_shard 2' when accelerate's ParallelismConfig splits the ranks (HSDP), else ''."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or config.total_size <= 1:
+        return ""
+    parts = [f"{name} {getattr(config, name + '_size')}" for name in ("dp_replicate", "dp_shard", "tp", "cp")
+             if getattr(config, name + "_size", 1) > 1]
+    return "; " + " x ".join(parts)
+
+
 def _call(callbacks, event: str, **kwargs) -> None:
     for cb in callbacks or ():
         fn = getattr(cb, event, None)
@@ -411,7 +421,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     tokens_at_start, start_step = state.tokens_seen, state.step  # a resumed run's rates count this attempt only
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
     accelerator.print(
-        f"world size {world} ({accelerator.distributed_type.value}) | micro batch {micro} | accumulation "
+        f"world size {world} ({accelerator.distributed_type.value}{parallel_degrees(accelerator)}) | micro batch "
+        f"{micro} | accumulation "
         f"{accumulation} | global batch {global_batch} sequences"
         + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else " (padded, variable length)")
         + f" | {steps_per_epoch} steps/epoch ({len(train_dataset) - steps_per_epoch * global_batch} "

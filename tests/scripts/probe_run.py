@@ -53,6 +53,8 @@ class Probe:
         record = {"per_micro_step": self.per_micro_step, "distributed_type": summary["distributed_type"],
                   "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
                   "model_type": type(model).__name__, "is_fsdp2": bool(getattr(accelerator, "is_fsdp2", False)),
+                  # how FSDP2 lays a weight over the mesh: ["S(0)"], or ["R", "S(0)"] (Replicate, Shard(0)) for HSDP
+                  "placements": [str(p) for p in getattr(next(model.parameters()), "placements", ())],
                   "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays,
                   "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED")}
         if summary["distributed_type"] == "DEEPSPEED":
