@@ -21,6 +21,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A 2-layer, 32-wide Llama (a family with a tensor-parallel plan) with the real GPT-2 BPE."""
+    from toolkit.offline import save_tiny_llama
+
+    return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
 def padded_data(tmp_path_factory) -> dict:
     """jsonl train/validation rows of very different lengths (3 to ~60 tokens), cut from CPython's docs."""
     from pydoc_data.topics import topics

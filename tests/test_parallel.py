@@ -1,6 +1,10 @@
-"""Beyond plain data parallel, through accelerate's ``ParallelismConfig``: HSDP (accelerate_configs/hsdp.yaml) on 4
-real gloo ranks, 2 replicas x 2 shards, trains like one process on the same global batch, exports full weights that
-``from_pretrained`` loads, and resumes from its checkpoint."""
+"""Beyond plain data parallel, through accelerate's ``ParallelismConfig``:
+
+- HSDP (accelerate_configs/hsdp.yaml) on 4 real gloo ranks, 2 replicas x 2 shards, trains like one process on the
+  same global batch, exports full weights that ``from_pretrained`` loads, and resumes from its checkpoint;
+- tensor parallelism (accelerate_configs/tp.yaml) on 2 ranks, a tiny Llama split by its TP plan, trains like one
+  process (both ranks take the same rows), exports a plain model; what these versions cannot do is refused.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import json
 import os
 
 import pytest
-from helpers import Runs, copy_checkpoint, load_weights, max_abs_diff
+import yaml
+from helpers import CONFIGS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +51,52 @@ def test_hsdp_exports_full_weights_and_resumes(runs):
     resumed = runs.get("hsdp_resumed", "hsdp.yaml", 4, 2, 1, {"resume_from_checkpoint": "latest"},
                        prepare=copy_checkpoint(hsdp, 2))
     assert max_abs_diff(load_weights(os.path.join(hsdp, "final")), load_weights(os.path.join(resumed, "final"))) == 0.0
+
+
+# ------------------------------------------------------------------------------------------- tensor parallel
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory, tiny_llama, padded_data):
+    common = {key: value for key, value in COMMON.items() if key != "save_steps"}  # TP checkpoints: refused
+    return Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, common)
+
+
+def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
+    """Both ranks of the TP group take the same rows (data-parallel degree 1): the global batch is 1 x 8, and the
+    loss is normalised once, not per replica."""
+    from transformers import AutoModelForCausalLM
+
+    reference = tp_runs.get("one", None, 1, 8, 1, {})
+    tp = tp_runs.get("tp", "tp.yaml", 2, 8, 1, {})
+    assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(tp, "final"))) <= 1e-6
+    rows = [json.loads(line) for line in open(os.path.join(tp, "metrics.jsonl"))]
+    want = [json.loads(line) for line in open(os.path.join(reference, "metrics.jsonl"))]
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in want]  # each row counted once
+    assert [round(r["loss"], 5) for r in rows if "loss" in r] == [round(r["loss"], 5) for r in want if "loss" in r]
+    for rank in range(2):
+        assert _probe(tp, rank)["placements"] == ["S(0)"]  # a weight of the TP plan, split over the 2 ranks
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(tp, "final"))  # a plain model: no distributed_config
+    assert getattr(model.config, "distributed_config", None) is None
+
+
+@pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp", "checkpoints"])
+def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data, case):
+    """Refused before the weights load, naming the field: a model without a TP plan (GPT-2), FSDP sharding with TP
+    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), checkpoints of a TP run."""
+    config, world, model, extra = "tp.yaml", 2, tiny_llama, {}
+    if case == "no_plan":
+        model, words = tiny_model, "parallelism_config_tp_size: a gpt2 model has no tensor-parallel plan"
+    elif case == "dp_shard_x_tp":
+        spec = yaml.safe_load(open(os.path.join(CONFIGS, "tp.yaml")))
+        spec["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
+        spec["num_processes"] = world = 4
+        config = str(tmp_path / "dp_shard_tp.yaml")
+        yaml.safe_dump(spec, open(config, "w"))
+        words = "parallelism_config_tp_size: tensor parallelism (tp_size 2) with data parallelism"
+    else:
+        extra, words = {"save_steps": 1}, "save_steps: checkpoints of a tensor-parallel run are not supported"
+    cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": model,
+           "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **extra}
+    proc = launch(args_from({k: v for k, v in cfg.items() if v is not None}), num_processes=world, config=config,
+                  check=False)
+    assert proc.returncode == 1 and f"config error: {words}" in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "final")

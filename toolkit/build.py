@@ -19,7 +19,13 @@ from typing import Any
 
 from toolkit import data, layout, lora
 from toolkit.config import RunConfig
-from toolkit.distributed import check_chunked_loss_strategy, resolve_activation_checkpointing
+from toolkit.distributed import (
+    check_chunked_loss_strategy,
+    check_tensor_parallel_checkpoints,
+    data_parallel_size,
+    resolve_activation_checkpointing,
+    tensor_parallel_size,
+)
 from toolkit.model import (
     check_chunked_loss,
     disable_dropout,
@@ -86,13 +92,15 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
     checkpointing = cfg.train.gradient_checkpointing
     if accelerator is not None:  # checked here too so that it stops before the weights load
         check_chunked_loss_strategy(accelerator, cfg.train.loss_chunk_size)
+        check_tensor_parallel_checkpoints(accelerator, cfg.train)
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
-                                 accelerator.num_processes, cfg.train.gradient_accumulation_steps)
+                                 data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
         resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
         if resume_from is not None:
             check_resume(resume_from, cfg, order_record(cfg, lm["train"]), accelerator)  # raises, or it can load
-    model = load_model(cfg.model, model_config, auto_class=task.auto_class)
+    tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
+    model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")
     # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing

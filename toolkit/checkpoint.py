@@ -159,7 +159,17 @@ def full_state_dict(accelerator: Accelerator, model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    if _is_tensor_parallel(accelerator):
+        # accelerate returns the model's own state dict, TP shards (DTensors) as they are; gathering one is
+        # collective, so every rank gathers every tensor (save_pretrained on the main process alone would hang).
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in accelerator.unwrap_model(model).state_dict().items()}
     return accelerator.get_state_dict(model)
+
+
+def _is_tensor_parallel(accelerator: Accelerator) -> bool:
+    config = getattr(accelerator, "parallelism_config", None)
+    return config is not None and config.tp_size > 1
 
 
 def _realias_tied(state_dict: dict, model) -> dict:
@@ -205,7 +215,14 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora
                 if tokenizer is not None:
                     tokenizer.save_pretrained(os.path.join(tmp, lora.MERGED))
         else:
-            unwrapped.save_pretrained(tmp, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
+            # A tensor-parallel model's config carries transformers' distributed_config: save_pretrained would then
+            # wait in a barrier for the other ranks (only this one saves: hang), and from_pretrained of the export
+            # would try to split it again. The weights are gathered already; the export is a plain model.
+            distributed, unwrapped.config.distributed_config = getattr(unwrapped.config, "distributed_config", None), None
+            try:
+                unwrapped.save_pretrained(tmp, state_dict=_realias_tied(state_dict, unwrapped), safe_serialization=True)
+            finally:
+                unwrapped.config.distributed_config = distributed
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         layout.fsync_tree(tmp)

@@ -358,11 +358,60 @@ class RunConfig:
             raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
+        self._continue_elastic_restart()
         self._check_output_dir()
         positions = max_positions(self.model.read_model_config())
         if positions is not None and self.data.block_size is not None and self.data.block_size > positions:
             raise ConfigError("block_size",
                               f"{self.data.block_size} exceeds the model's {positions} positions; use <= {positions}")
+
+    # Elastic restarts (torchrun / accelerate launch with --max_restarts K): when a rank dies, torch elastic restarts
+    # every rank with the same command line and TORCHELASTIC_RESTART_COUNT > 0. Such a restart continues the attempt
+    # before it: an unset resume_from_checkpoint means 'latest' when output_dir holds a checkpoint, and the files the
+    # earlier attempt left are not "an earlier run" (no refusal). Only when output_dir/config.yaml, written when that
+    # attempt started, is this same config: if the first attempt was refused because output_dir held another run,
+    # the restart is refused the same way instead of quietly continuing that run.
+    def _continue_elastic_restart(self) -> None:
+        args = self.train
+        self.elastic_restart = False
+        if layout.elastic_max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torch 2.13's agent shares its rendezvous store with the ranks' process group, across attempts, and the
+            # group's keys carry no attempt number: a restarted rank may read the dead attempt's addresses (measured
+            # with gloo: "Gloo connectFullMesh failed ... Connection refused", or a hang until the store timeout; 4
+            # of 8 restarts under c10d, 2 of 3 under static). c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+            # each attempt its own store (10 of 10 restarts fine); static always shares it (pytorch #135712).
+            raise ConfigError(
+                "max_restarts",
+                "elastic restarts need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exported before "
+                "the launcher; otherwise a restarted rank connects to the dead attempt's addresses and hangs or fails "
+                "(torch 2.13, pytorch #135712)",
+            )
+        restart = layout.elastic_restart_count()
+        if restart <= 0 or args.resume_from_checkpoint is not None or not self._config_written_by_this_job():
+            return
+        self.elastic_restart = True  # _check_output_dir lets this restart use the earlier attempt's files
+        checkpoint = layout.latest_checkpoint(args.output_dir)
+        if checkpoint is not None:
+            args.resume_from_checkpoint = layout.LATEST
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, like accelerator.print
+            what = (f"resuming from {layout.LATEST} ({checkpoint})" if checkpoint else
+                    "no checkpoint yet: starting over")
+            print(f"elastic restart {restart}: resume_from_checkpoint unset, {what}", file=sys.stderr, flush=True)
+
+    def _config_written_by_this_job(self) -> bool:
+        path = layout.path(self.train.output_dir, layout.CONFIG)
+        try:
+            with open(path) as f:
+                written = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            return False
+        mine = self.as_dict()
+        if not isinstance(written, dict):
+            return False
+        # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal
+        written.pop("resume_from_checkpoint", None)
+        mine.pop("resume_from_checkpoint", None)
+        return written == mine
 
     def _check_output_dir(self) -> None:
         """Never start over an earlier run's files by accident; never promise a resume that has nothing to load."""
@@ -371,6 +420,8 @@ class RunConfig:
             raise ConfigError("resume_from_checkpoint",
                               f"'latest' but {layout.checkpoints_dir(args.output_dir)} holds no checkpoint")
         if args.resume_from_checkpoint is not None or args.overwrite_output_dir:
+            return
+        if getattr(self, "elastic_restart", False):  # the earlier attempt's files (_continue_elastic_restart)
             return
         if layout.has_final_model(args.output_dir):
             raise ConfigError(

@@ -55,6 +55,14 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_parallel_sizes() -> dict:
+    """The ``ParallelismConfig`` sizes ``accelerate launch`` set (its ``parallelism_config`` section), or {}."""
+    if not _env_true("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return {}
+    return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+            for name in ("dp_replicate", "dp_shard", "tp", "cp")}
+
+
 def cpu_shim_enabled() -> bool:
     """``TOOLKIT_CPU_SHIM=0`` turns the shim off, to see what accelerate does on its own (the tests use it to prove
     that ``check_world`` stops the silent fallback)."""
@@ -63,7 +71,8 @@ def cpu_shim_enabled() -> bool:
 
 def _prepare_cpu_state(strategy: str) -> dict:
     """Set up accelerate's shared state for a CPU-only host; returns extra Accelerator kwargs."""
-    if strategy == "ddp":
+    tensor_parallel = launched_parallel_sizes().get("tp", 1) > 1
+    if strategy == "ddp" and not tensor_parallel:
         return {"cpu": True}
     if _env_true("ACCELERATE_USE_CPU"):
         raise ConfigError(
@@ -77,7 +86,9 @@ def _prepare_cpu_state(strategy: str) -> dict:
     if strategy == "deepspeed":
         _skip_deepspeed_shm_build()
     state = PartialState(backend="gloo")
-    if strategy == "fsdp":
+    if strategy == "fsdp" or tensor_parallel:
+        # accelerate accepts FSDP and ParallelismConfig (TP) only on a multi-device state; cpu=True gives MULTI_CPU,
+        # which it refuses ("ParallelismConfig is only compatible with DistributedType.FSDP (version 2) or ...").
         state.distributed_type = DistributedType.MULTI_GPU
     return {}
 
@@ -118,6 +129,7 @@ def make_accelerator(args: TrainArgs, **kwargs) -> Accelerator:
         **kwargs,
     )
     check_world(accelerator, strategy)
+    check_parallelism(accelerator)
     atexit.register(_destroy_process_group)
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
@@ -254,6 +266,53 @@ def check_chunked_loss_strategy(accelerator: Accelerator, loss_chunk_size: int) 
         raise ConfigError("loss_chunk_size", "is not supported under ZeRO-3 (each chunk all-gathers lm_head, and "
                                              "ranks with different lengths would run different numbers of chunks); "
                                              "use FSDP (fsdp.yaml), ZeRO-2 or DDP, or loss_chunk_size: 0")
+
+
+def data_parallel_size(accelerator: Accelerator) -> int:
+    """Ranks that take different rows of a global batch: dp_replicate x dp_shard under a ParallelismConfig (the
+    ranks of one tensor-parallel group take the same rows), otherwise every process."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None:
+        return accelerator.num_processes
+    return config.dp_replicate_size * config.dp_shard_size
+
+
+def tensor_parallel_size(accelerator: Accelerator) -> int:
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.tp_size if config is not None else 1
+
+
+def check_parallelism(accelerator: Accelerator) -> None:
+    """Refuse, before the weights load, the ParallelismConfig combinations these versions cannot run."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None:
+        return
+    if config.tp_size > 1 and config.dp_shard_size * config.dp_replicate_size > 1:
+        # accelerate 1.16's _prepare_tp imports ReplicateParallel from transformers.integrations.tensor_parallel,
+        # which transformers 5.24 no longer has (measured: ImportError); via transformers' own DistributedConfig the
+        # TP mesh refuses a world larger than tp_size ("The parallel mesh requires 2 processes, but world_size is 4").
+        raise ConfigError("parallelism_config_tp_size", f"tensor parallelism (tp_size {config.tp_size}) with data "
+                                                        f"parallelism (dp_shard_size {config.dp_shard_size}, "
+                                                        f"dp_replicate_size {config.dp_replicate_size}): dp_shard x tp "
+                                                        "fails with accelerate 1.16 + transformers 5.24 (ImportError: "
+                                                        "ReplicateParallel) and dp_replicate x tp is untested here; "
+                                                        "use tp alone (tp.yaml), or HSDP/FSDP without tp")
+    if config.cp_size > 1:
+        raise ConfigError("parallelism_config_cp_size", "context parallelism is not supported by the toolkit yet")
+
+
+def check_tensor_parallel_checkpoints(accelerator: Accelerator, args: TrainArgs) -> None:
+    """Checkpoints of a tensor-parallel run are refused before the weights load: accelerate 1.16's ``save_state``
+    fails on the TP shards (DTensors: "Attempted to access the data pointer on an invalid python storage", measured).
+    The final export works (the toolkit gathers the shards itself)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or config.tp_size <= 1:
+        return
+    for name in ("save_steps", "resume_from_checkpoint"):
+        if getattr(args, name):
+            raise ConfigError(name, "checkpoints of a tensor-parallel run are not supported yet (accelerate 1.16's "
+                                    "save_state fails on TP shards); unset it, or train with ddp/fsdp/zero "
+                                    "configs, which checkpoint and resume")
 
 
 def strategy_name(accelerator: Accelerator) -> str:

@@ -33,7 +33,7 @@ from toolkit import layout
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, peak_memory_gb
 from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.convert import UNIVERSAL, convert
-from toolkit.distributed import configure_deepspeed, strategy_name
+from toolkit.distributed import configure_deepspeed, data_parallel_size, strategy_name
 from toolkit.errors import TrainingStopped
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
@@ -140,7 +140,7 @@ def _is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type.value == "DEEPSPEED"
 
 
-def _global_counts(accelerator, micro_batches: list[dict], task) -> torch.Tensor:
+def _global_counts(accelerator, micro_batches: list[dict], task, data_parallel_size: int) -> torch.Tensor:
     """[target tokens, non-pad tokens] of the whole global batch, on the device: one all-reduce of two integers per
     step. The local counts come from the collator (``num_targets``, ``num_tokens``: counted on the CPU where the batch
     is built), so no micro-step waits for the device; a collator without them is counted on the device."""
@@ -151,7 +151,13 @@ def _global_counts(accelerator, micro_batches: list[dict], task) -> torch.Tensor
 
     local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))]
     local = torch.stack([torch.as_tensor(c, dtype=torch.long) for c in local]).to(accelerator.device, non_blocking=True)
-    return accelerator.reduce(local, reduction="sum")
+    # The ranks of a tensor-parallel group hold the same rows: each row is counted once per replica.
+    return accelerator.reduce(local, reduction="sum") // _replicas(accelerator, data_parallel_size)
+
+
+def _replicas(accelerator, data_parallel_size: int) -> int:
+    """How many ranks take the same rows (the tensor-parallel degree; 1 without TP)."""
+    return accelerator.num_processes // data_parallel_size
 
 
 def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | None:
@@ -197,7 +203,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     task = task or CausalLM()
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
-    counts = _global_counts(accelerator, micro_batches, task)
+    counts = _global_counts(accelerator, micro_batches, task, data_parallel_size)
     global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm, skipped = None, False
@@ -255,8 +261,9 @@ class LogWindow:
     """Training loss, throughput, MFU and peak memory since the last logged step. The loss is reduced over ranks only
     when logged (``toolkit.accounting`` says how MFU is counted)."""
 
-    def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None):
+    def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None, replicas: int = 1):
         self.accelerator = accelerator
+        self.replicas = replicas  # ranks holding the same rows (tensor parallel): their losses are the same rows
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         self.targets = 0
@@ -274,7 +281,7 @@ class LogWindow:
 
     def flush(self) -> dict:
         """Collective: the window's mean token loss, throughput, MFU and the peak memory of the busiest rank."""
-        total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum"))
+        total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum")) / self.replicas
         memory = peak_memory_per_rank(self.accelerator)
         tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
         out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
@@ -380,11 +387,12 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     args = cfg.train
     world, accumulation, micro = accelerator.num_processes, args.gradient_accumulation_steps, \
         args.per_device_train_batch_size
+    dp = data_parallel_size(accelerator)  # ranks that take different rows (under tensor parallelism: fewer than world)
     started = time.time()
 
     # --- the order, the loaders, the optimizer; prepared for the strategy
-    require_one_global_batch(len(train_dataset), micro, world, accumulation)
-    sampler = GlobalBatchSampler(len(train_dataset), micro, world, accumulation, seed=args.seed, shuffle=args.shuffle)
+    require_one_global_batch(len(train_dataset), micro, dp, accumulation)
+    sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
     global_batch, steps_per_epoch = sampler.global_batch_size, sampler.steps_per_epoch
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
@@ -451,7 +459,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     mean_row = (sum(len(r) for r in train_dataset[:256]["input_ids"]) / min(len(train_dataset), 256))
     per_token = flops_per_token(n_params, layers, width, tokens_per_row or mean_row)
     peak = peak_flops(accelerator.device, accelerator.mixed_precision, args.peak_flops)
-    window = LogWindow(accelerator, per_token, peak)
+    window = LogWindow(accelerator, per_token, peak, replicas=world // dp)
     preemption = Preemption(accelerator)
     preempted = False
     batches = None
@@ -462,7 +470,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                 batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
             micro_batches = [next(batches) for _ in range(accumulation)]
             result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
-                                step=state.step, data_parallel_size=world, max_grad_norm=args.max_grad_norm,
+                                step=state.step, data_parallel_size=dp, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
                                 after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task)
             if state.finish_step(result, steps_per_epoch):

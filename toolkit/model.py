@@ -71,15 +71,18 @@ def load_tokenizer(args: ModelArguments, log=print):
     return tokenizer
 
 
-def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM"):
+def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM", tp_size: int = 1):
     """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config.
 
     In ``torch_dtype`` (float32 unless asked otherwise): transformers 5 loads a checkpoint in the dtype it was stored
     in, and most Hub releases are stored in bf16, so without this AdamW would update bf16 weights and small updates
     would round away (and ZeRO, which keeps fp32 shards, would disagree with DDP on the same model).
-    ``auto_class``: the transformers Auto class of the task (``toolkit.tasks``).
+    ``auto_class``: the transformers Auto class of the task (``toolkit.tasks``). ``tp_size`` > 1: the weights load
+    split over the tensor-parallel ranks by the model's own TP plan (transformers' ``DistributedConfig``).
     """
     auto = getattr(transformers, auto_class)
+    if tp_size > 1:
+        return _load_tensor_parallel(args, config, auto, tp_size)
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
@@ -89,6 +92,21 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
     return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+
+
+def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
+    from transformers.distributed import DistributedConfig
+
+    if not args.model_name_or_path:
+        raise ConfigError("model_name_or_path", "tensor parallelism loads pretrained weights split by the model's TP "
+                                                "plan; save the model first (save_pretrained) and name its folder")
+    if not (getattr(config, "base_model_tp_plan", None)):
+        raise ConfigError("parallelism_config_tp_size", f"a {config.model_type} model has no tensor-parallel plan in "
+                                                        "transformers (Llama, Mistral, Qwen and most recent decoder "
+                                                        "models have one); use tp_size 1 (ddp/fsdp/zero configs)")
+    dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
+    return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
+                                distributed_config=DistributedConfig(tp_size=tp_size), **_kw(args))
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -275,7 +275,28 @@ def save_tiny_bert(path, hidden_size=32, num_hidden_layers=2, num_attention_head
     return path
 
 
-__all__ += ["minilm_path", "save_minilm", "save_tiny_bert"]
+__all__ += ["minilm_path", "save_minilm", "save_tiny_bert", "save_tiny_llama"]
+
+
+def save_tiny_llama(path, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=64, max_position_embeddings=64, seed=0) -> str:
+    """A randomly initialised tiny Llama (grouped-query attention, untied head) with OpenAI's GPT-2 BPE, written into
+    ``path``: a model family with a tensor-parallel plan (``tp.yaml``), for tests. Returns ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = gpt2_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
 def save_minilm(path) -> str:

@@ -105,7 +105,9 @@ def full_weights(accelerator, model) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return {n: p.detach() for n, p in accelerator.unwrap_model(model).named_parameters()}
+    # DDP: whole tensors; tensor parallel: DTensor shards, gathered (collective)
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in accelerator.unwrap_model(model).named_parameters()}
 
 
 def weights_fingerprint(accelerator, model) -> str:
