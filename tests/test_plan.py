@@ -52,6 +52,10 @@ def test_lora_and_checkpointing_shrink_what_they_should(llama7b):
     assert full["low"] < full["expected"] < full["high"] and recompute["expected"] < full["expected"] / 5
     rows = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=2, checkpointing=True)}
     assert rows["HSDP"]["model_states"] > rows["ZeRO-3"]["model_states"] and rows["DDP"]["fits"] == "yes"
+    assert "TP" not in rows  # TP runs within one node, without data parallelism (tp.yaml)
+    one_node = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=1)}
+    assert one_node["TP"]["model_states"] == one_node["FSDP2"]["model_states"]
+    assert one_node["TP"]["activations"]["expected"] < one_node["FSDP2"]["activations"]["expected"] / 2
 
 
 def test_the_command(llama7b):

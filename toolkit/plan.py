@@ -21,6 +21,8 @@ With D data-parallel devices:
     ZeRO-3     (weights + gradients + optimizer) / D      FSDP2 the same
     ZeRO-3 + offload: optimizer state (and fp32 master weights) in CPU memory; the device holds weights + gradients / D
     HSDP       everything / (devices per node): sharded within a node, replicated across nodes
+    TP         everything / (devices per node), one node (tp.yaml: TP with data parallelism is refused); activations
+               inside attention and the MLP / t too
 
 With LoRA (``--lora-r``) the base weights are frozen (weights only, sharded like the weights); the adapters (r x
 (in + out) per linear layer of every block) carry the 16 bytes.
@@ -113,15 +115,20 @@ def model_states_per_device(m: ModelCount, strategy: str, devices: int, per_node
         return {"weights": w / devices, "gradients": g / devices, "optimizer": 0.0, "cpu": o / devices}
     if strategy == "HSDP":
         return {"weights": w / per_node, "gradients": g / per_node, "optimizer": o / per_node}
+    if strategy == "TP":  # split over the devices of one node (the planned layers: nearly every parameter)
+        return {"weights": w / per_node, "gradients": g / per_node, "optimizer": o / per_node}
     raise ValueError(strategy)
 
 
-def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkpointing: bool) -> dict:
-    """Activation bytes of one micro batch on one device: low / expected / high."""
+def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkpointing: bool,
+                     tp: int = 1) -> dict:
+    """Activation bytes of one micro batch on one device: low / expected / high. With tensor parallelism over ``tp``
+    ranks, what lives inside attention and the MLP splits t ways, the layer's inputs and norms do not (the same
+    paper: 10 s b h + 24 s b h / t + 5 a s^2 b / t)."""
     b, s, h, a, L, V = micro, seq, m.width, m.heads, m.layers, m.vocab
     scale = 1 if precision in ("bf16", "fp16") else 2  # the formula counts 16-bit activations
-    linear = 34 * s * b * h
-    quadratic = 5 * a * s * s * b
+    linear = 10 * s * b * h + 24 * s * b * h / tp
+    quadratic = 5 * a * s * s * b / tp
     per_layer = {"low": linear, "expected": linear + quadratic / 2, "high": linear + quadratic}
     logits = b * s * V * 8
     out = {}
@@ -138,7 +145,8 @@ STRATEGIES = (  # name, accelerate_configs/ file
     ("ZeRO-3", "zero3.yaml"),
     ("ZeRO-3 + offload", "zero3_offload.yaml"),
     ("FSDP2", "fsdp.yaml"),
-    ("HSDP", "not shipped yet (issue 17)"),
+    ("HSDP", "hsdp.yaml"),
+    ("TP", "tp.yaml"),
 )
 
 
@@ -148,15 +156,16 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
     act = activation_bytes(m, micro, seq, precision, checkpointing)
     rows = []
     for name, config in STRATEGIES:
-        if name == "HSDP" and nodes == 1:
+        if (name == "HSDP" and nodes == 1) or (name == "TP" and nodes > 1):  # TP: within a node, without dp (tp.yaml)
             continue
         states = model_states_per_device(m, name, devices, gpus, precision)
+        row_act = activation_bytes(m, micro, seq, precision, checkpointing, tp=gpus) if name == "TP" else act
         on_device = sum(v for k, v in states.items() if k != "cpu")
-        total = {case: on_device + a for case, a in act.items()}
+        total = {case: on_device + a for case, a in row_act.items()}
         fits = "yes" if total["high"] <= HEADROOM * gpu_memory else (
             "maybe" if total["expected"] <= HEADROOM * gpu_memory else "no")
         rows.append({"strategy": name, "config": config, **states, "model_states": on_device,
-                     "activations": act, "total": total, "fits": fits})
+                     "activations": row_act, "total": total, "fits": fits})
     return rows
 
 
