@@ -7,9 +7,14 @@ Modules, one job each (dependencies point down this list; ``tests/test_imports.p
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
   order         the global sample order (independent of world size and accumulation)
   loss          token-sum loss normalised over the accumulated global batch
-  model         tokenizer and model loading, disable_dropout
+  distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees
+  model         tokenizer and model loading (tensor-parallel too), disable_dropout
+  lora          LoRA through peft: wrap, adapter and merged export, loading an export back
+  builtin_data  offline sets: pydoc-chats (chat SFT), stdlib-docstrings (classification)
+  chat          chat data: the chat template, the assistant-only label mask
+  classification  labels, class weights, per-example loss, accuracy and macro-F1
+  tasks         what a recipe trains (causal LM, chat SFT, classification): data, model class, row loss, metrics
   build         everything a run trains on, from a config (recipes and the notebook share it)
-  distributed   the Accelerator, and the CPU shim for DeepSpeed/FSDP on gloo
   resume        what a checkpoint records about the sample order; refuses a resume that would change it
   preemption    SIGTERM -> every rank finishes the step, saves a checkpoint and stops
   checkpoint    save_state checkpoints, rotation, resume, final export
