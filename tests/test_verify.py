@@ -86,3 +86,27 @@ def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
                          check=True).stdout.split()
     assert out[0].startswith(str(site)), out  # the installed copy, not the checkout
     assert out[1] == str(site / "toolkit" / "recipes" / "gpt2.py") and os.path.isfile(out[1])
+
+
+@pytest.mark.slow
+def test_verify_accepts_the_sft_recipe_with_lora(tmp_path, tiny_model):
+    """``--recipe recipes/sft.py`` with LoRA under FSDP2: verify compares the exported adapters (the base is frozen)."""
+    import json as _json
+
+    from toolkit.builtin_data import pydoc_chats
+
+    rows = pydoc_chats()["train"].select(range(24))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(_json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    recipe_args = args_from({"model_name_or_path": tiny_model, "train_file": str(data), "validation_split_percentage": 0,
+                             "chat_template": template, "packing": False, "block_size": 64, "seed": 7,
+                             "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "use_peft": True,
+                             "lora_r": 4, "lora_dropout": 0.0, "lora_target_modules": "all-linear"})
+    cmd = [sys.executable, "-m", "toolkit", "verify", "--config_file", os.path.join(CONFIGS, "fsdp.yaml"),
+           "--num_processes", "2", "--work_dir", str(tmp_path / "verify"), "--checks", "sgd",
+           "--recipe", os.path.join(ROOT, "recipes", "sft.py"), *recipe_args]
+    proc = run(cmd, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "recipes/sft.py" in proc.stdout and "tolerance 1e-06: PASS" in proc.stdout
