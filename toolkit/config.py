@@ -379,7 +379,7 @@ class RunConfig:
             # group's keys carry no attempt number: a restarted rank may read the dead attempt's addresses (measured
             # with gloo: "Gloo connectFullMesh failed ... Connection refused", or a hang until the store timeout; 4
             # of 8 restarts under c10d, 2 of 3 under static). c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
-            # each attempt its own store (10 of 10 restarts fine); static always shares it (pytorch #135712).
+            # each attempt its own store (11 of 11 restarts fine); static always shares it (pytorch #135712).
             raise ConfigError(
                 "max_restarts",
                 "elastic restarts need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exported before "

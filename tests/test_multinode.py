@@ -1,0 +1,202 @@
+"""Multi-node on one box, and elastic restarts, with real processes on loopback (127.0.0.1 only).
+
+- Two machines: two ``accelerate launch --num_machines 2 --machine_rank 0|1`` processes with one rank each, started
+  together (static rendezvous, the shipped configs unchanged: only command-line overrides), under DDP and ZeRO-3;
+  each machine sees a world of 2, and the job ends with the weights of the single-machine 2-rank run (SGD, 1e-6).
+- Elastic: ``torchrun --max_restarts 1 --rdzv_backend c10d``; rank 1 is SIGKILLed after step 2 of the first attempt
+  (tests/scripts/elastic_run.py); the restart resumes from the latest checkpoint on its own (toolkit.config) and ends
+  with the weights of the uninterrupted run.
+- Without a process: what an elastic restart does to the config (resume 'latest', no refusal of its own files, an
+  earlier different run still refused) and the refusal of restarts on a store shared across attempts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import CONFIGS, ROOT, SCRIPTS, Runs, args_from, free_port, load_weights, max_abs_diff, subprocess_env
+
+from toolkit import layout
+from toolkit.config import ConfigError, parse_args, write_config
+
+COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
+              per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+              lr_scheduler_type="constant", weight_decay=0, max_steps=3)
+MICRO, ACCUM = 2, 2
+TIMEOUT = 420  # seconds for a whole multi-process job (about 20-50 s here, on 2 shared cores)
+ELASTIC_ENV = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, padded_data):
+    return Runs(tmp_path_factory.mktemp("multinode"), tiny_model, padded_data, COMMON)
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> str:
+    """The same job on one machine: 2 ranks under DDP (tested equal to ZeRO-3 and one process in test_strategies)."""
+    return runs.get("one-machine", "ddp.yaml", world=2, micro=MICRO, accum=ACCUM, extra={})
+
+
+def _job_args(runs, out: str, **extra) -> list[str]:
+    return args_from({**runs.common, **runs.data, "model_name_or_path": runs.model, "output_dir": out,
+                      "per_device_train_batch_size": MICRO, "gradient_accumulation_steps": ACCUM, **extra})
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[str], timeout: int) -> list[str]:
+    """Wait for every process (bounded); on a timeout or a failure kill them all. Returns each one's output."""
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):  # one failed: the other would wait for it forever
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=60)
+    outputs = []
+    for log in logs:
+        with open(log, errors="replace") as f:
+            outputs.append(f.read())
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes} (timeout {timeout} s)\n" + "\n=====\n".join(
+        o[-5000:] for o in outputs)
+    return outputs
+
+
+# ------------------------------------------------------------------------------ two machines on loopback
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
+def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_path, config):
+    out = str(tmp_path / "two-machines")
+    port = free_port()
+    procs, logs = [], []
+    started = time.time()
+    for machine in (0, 1):
+        logs.append(str(tmp_path / f"machine{machine}.log"))
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+               "--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--num_processes", "2", os.path.join(SCRIPTS, "probe_run.py"),
+               *_job_args(runs, out)]
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT))
+    outputs = _wait_all(procs, logs, TIMEOUT)
+    took = time.time() - started
+
+    kind = "DEEPSPEED" if config.startswith("zero") else "MULTI_CPU"
+    for machine, output in enumerate(outputs):  # accelerator.print: each machine's local main process
+        assert f"world size 2 ({kind}) | micro batch {MICRO}" in output, f"machine {machine}:\n{output[-3000:]}"
+    probes = []
+    for rank in (0, 1):  # what each rank really ran (tests/scripts/probe_run.py)
+        with open(os.path.join(out, "probe", f"comm_rank{rank}.json")) as f:
+            probes.append(json.load(f))
+    assert [p["num_processes"] for p in probes] == [2, 2] and [p["process_index"] for p in probes] == [0, 1]
+    assert probes[0]["weights_sha"] == probes[1]["weights_sha"]  # both machines end with the same full weights
+    if kind == "DEEPSPEED":
+        assert [p["zero_stage"] for p in probes] == [3, 3]
+    diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
+    print(f"two machines ({config}): max |dw| vs one machine {diff:.1e}, {took:.0f} s")
+    assert diff <= 1e-6
+
+
+# ------------------------------------------------------------------------------ elastic restarts
+@pytest.mark.slow
+def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(runs, reference, tmp_path):
+    out = str(tmp_path / "elastic")
+    port = free_port()
+    env = subprocess_env()
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a store per attempt (see toolkit.config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+           "--monitor_interval", "0.5", os.path.join(SCRIPTS, "elastic_run.py"),
+           *_job_args(runs, out, save_steps=1)]
+    log = str(tmp_path / "torchrun.log")
+    started = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    (output,) = _wait_all([proc], [log], TIMEOUT)
+    took = time.time() - started
+
+    assert "elastic_run: rank 1 kills itself after step 2" in output
+    assert "exitcode: -9" in output  # the agent saw the SIGKILL and restarted the group
+    assert output.count("elastic restart 1: resume_from_checkpoint unset, resuming from latest") == 1, output[-4000:]
+    assert "resuming from " in output and "3 optimizer steps from step 1" in output  # step-2's save never completed
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-3"
+    diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
+    print(f"elastic restart: max |dw| vs uninterrupted {diff:.1e}, {took:.0f} s")
+    assert diff <= 1e-6
+
+
+# ------------------------------------------------------------------------------ the config side, no processes
+@pytest.fixture
+def restart(monkeypatch):
+    """``restart(n, shared_store=False)``: from now on, be a rank that torch elastic started for attempt ``n``."""
+    for name in ELASTIC_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    def become(count: int, shared_store: bool = False) -> None:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
+
+    return become
+
+
+def _argv(tiny_model, padded_data, out, **extra) -> list[str]:
+    return args_from({**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": out, **extra})
+
+
+def _first_attempt(argv, out, checkpoint: bool) -> None:
+    """What a first attempt leaves when it dies: config.yaml, metrics.jsonl and maybe a checkpoint."""
+    os.makedirs(out, exist_ok=True)
+    write_config(parse_args(argv), layout.path(out, layout.CONFIG))
+    with open(layout.path(out, layout.METRICS), "w") as f:
+        f.write('{"step": 1}\n')
+    if checkpoint:
+        os.makedirs(layout.step_dir(out, 1))
+
+
+def test_elastic_restart_resumes_latest_of_its_own_attempt(tiny_model, padded_data, tmp_path, restart, capfd):
+    out = str(tmp_path / "run")
+    argv = _argv(tiny_model, padded_data, out)
+    _first_attempt(argv, out, checkpoint=True)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):  # a plain relaunch is refused, as before
+        parse_args(argv)
+    restart(1)
+    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
+    assert "elastic restart 1: resume_from_checkpoint unset, resuming from latest" in capfd.readouterr().err
+    restart(2)  # the second restart reads the config.yaml the first one wrote (resume_from_checkpoint: latest)
+    cfg = parse_args(argv)
+    write_config(cfg, layout.path(out, layout.CONFIG))
+    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
+
+
+def test_elastic_restart_before_any_checkpoint_starts_over(tiny_model, padded_data, tmp_path, restart):
+    out = str(tmp_path / "run")
+    argv = _argv(tiny_model, padded_data, out)
+    _first_attempt(argv, out, checkpoint=False)
+    with pytest.raises(ConfigError, match="holds the metrics.jsonl of an earlier run"):
+        parse_args(argv)
+    restart(1)
+    assert parse_args(argv).train.resume_from_checkpoint is None  # its own metrics.jsonl is no "earlier run"
+
+
+def test_elastic_restart_still_refuses_another_run(tiny_model, padded_data, tmp_path, restart):
+    # The first attempt was refused because output_dir held another run (here: another learning rate); the restart
+    # must not quietly continue that run.
+    out = str(tmp_path / "run")
+    _first_attempt(_argv(tiny_model, padded_data, out, learning_rate=0.1), out, checkpoint=True)
+    restart(1)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        parse_args(_argv(tiny_model, padded_data, out))
+
+
+def test_restarts_on_a_store_shared_across_attempts_are_refused(tiny_model, padded_data, tmp_path, restart):
+    restart(0, shared_store=True)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        parse_args(_argv(tiny_model, padded_data, str(tmp_path / "run")))
