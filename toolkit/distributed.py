@@ -257,6 +257,36 @@ def resolve_activation_checkpointing(accelerator: Accelerator, gradient_checkpoi
     return gradient_checkpointing or from_launch_config
 
 
+def keep_embeddings_out_of_fsdp_units(accelerator: Accelerator, model) -> None:
+    """Under FSDP2, wrap only the model's ``_no_split_modules`` classes that do not hold its input or output embedding.
+
+    accelerate shards every ``_no_split_modules`` class, then carves the input embedding into a unit of its own.
+    For BERT, ``_no_split_modules`` names ``BertEmbeddings``, the parent of the word embeddings, whose weight is a
+    DTensor by then, and ``fully_shard`` fails on it (measured, accelerate 1.16: ``TypeError: Invariant
+    encountered: value was None``, for every BERT-family classifier, with or without LoRA). Leaving those parent
+    classes out gives the embedding its own unit, as for decoder models; the rest of the parent joins the root
+    unit. A class list the user set in the launch config (``fsdp_transformer_layer_cls_to_wrap``) is kept as is.
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 2 or plugin.transformer_cls_names_to_wrap is not None:
+        return
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = plugin.auto_wrap_policy
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
+        return
+    embeddings = [getattr(model, name, lambda: None)() for name in ("get_input_embeddings", "get_output_embeddings")]
+    embeddings = [e for e in embeddings if e is not None]
+    holders = set()  # class names of every module above an embedding
+    for name, module in model.named_modules():
+        if any(module is e for e in embeddings):
+            parts = name.split(".")
+            holders |= {type(model.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts))}
+    names = [n for n in (getattr(model, "_no_split_modules", None) or []) if n not in holders
+             and any(type(m).__name__ == n for m in model.modules())]
+    plugin.transformer_cls_names_to_wrap = sorted(names)
+
+
 def check_chunked_loss_strategy(accelerator: Accelerator, loss_chunk_size: int) -> None:
     """ZeRO-3 gathers lm_head's weight collectively at every call; the chunked loss calls it once per chunk, and the
     number of chunks follows each rank's own padded length: ranks would wait on each other's all-gathers forever

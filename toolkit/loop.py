@@ -33,7 +33,12 @@ from toolkit import layout
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, peak_memory_gb
 from toolkit.config import RunConfig, TrainArgs, write_config
 from toolkit.convert import UNIVERSAL, convert
-from toolkit.distributed import configure_deepspeed, data_parallel_size, strategy_name
+from toolkit.distributed import (
+    configure_deepspeed,
+    data_parallel_size,
+    keep_embeddings_out_of_fsdp_units,
+    strategy_name,
+)
 from toolkit.errors import TrainingStopped
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
@@ -409,6 +414,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     order = order_record(cfg, train_dataset)  # fixed for the run: hashed once, written into every checkpoint
     plan = _plan_resume(accelerator, cfg, order, model)
     configure_deepspeed(accelerator, args, load_universal=plan is not None and plan.conversion == UNIVERSAL)
+    keep_embeddings_out_of_fsdp_units(accelerator, model)
     if eval_dl is not None:
         model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
                                                                              scheduler)
