@@ -128,3 +128,20 @@ def test_padding_carries_no_loss():
     sums, counts = token_losses(logits, batch["labels"])
     alone, n = token_losses(logits[1:, :2], batch["labels"][1:, :2])
     assert counts.tolist() == [3, 1] and torch.allclose(sums[1], alone[0]) and int(n) == 1
+
+
+def test_fast_encoder_gives_the_tokenizers_ids_and_falls_back_when_it_would_not(tok):
+    # The tokenize map calls the Rust backend directly (1.67x, bench/data_prep.py) only where that is the same thing
+    # as tokenizer(texts): the texts here include a special token's text, accents, CJK, empty and long strings.
+    from toolkit.data import PROBE_TEXTS, token_encoder
+
+    texts = PROBE_TEXTS + list(pydoc_dataset()["validation"]["text"])
+    encode, how = token_encoder(tok)
+    assert how == "backend"
+    assert encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    # tokenizer() turns a backend's truncation off per call; calling the backend directly would truncate.
+    truncating = gpt2_tokenizer()
+    truncating.backend_tokenizer.enable_truncation(8)
+    encode, how = token_encoder(truncating)
+    assert how == "tokenizer"
+    assert encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
