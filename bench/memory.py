@@ -5,7 +5,8 @@
 One process, a GPT-2 shape built from a config (vocab 50257: at micro 8 x 1024 positions its fp32 logits alone are
 1.6 GB, and their gradient as much again), AdamW, toolkit's ``train_step``. Each setting runs in a fresh process
 (peak RSS, ``ru_maxrss``, is per process) after a warm-up step; on a GPU the same script reports
-``torch.cuda.max_memory_allocated``. Writes ``bench/results/memory.json`` and ``.md``.
+``torch.cuda.max_memory_allocated``. Writes ``bench/results/memory.json``, ``.md`` and ``.png``;
+``python bench/memory.py --plot-only`` redraws the PNG from the JSON without running anything.
 """
 
 from __future__ import annotations
@@ -71,6 +72,32 @@ def run_one(name: str, opts) -> dict:
             "loss": float(result.loss_sum) / max(result.targets, 1)}
 
 
+def plot(rows: list[dict], job: dict) -> str:
+    """Peak memory and step time per setting, as bars beside each other: ``bench/results/memory.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["setting"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((axes[0], "peak_gb", "peak memory (GB)"), (axes[1], "step_s", "step time (s)")):
+        values = [r[key] for r in rows]
+        ax.barh(range(len(names)), values, color=["C0"] + ["C1"] * (len(names) - 1))
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v / values[0]:.2f}x", va="center", fontsize=8)
+        ax.set_yticks(range(len(names)), names if ax is axes[0] else [""] * len(names), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(values) * 1.2)
+        ax.set_xlabel(label)
+    fig.suptitle(f"GPT-2 {job['layers']}x{job['width']}, vocab 50257, micro batch {job['micro']} x {job['seq']}, "
+                 "AdamW, one process", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(RESULTS, "memory.png")
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -80,8 +107,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--plot-only", action="store_true", help="redraw memory.png from bench/results/memory.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.plot_only:
+        with open(os.path.join(RESULTS, "memory.json")) as f:
+            saved = json.load(f)
+        print(plot(saved["rows"], saved["job"]))
+        return
     if opts.one:
         print("RESULT " + json.dumps(run_one(opts.one, opts)))
         return
@@ -100,10 +133,11 @@ def main() -> None:
                      f"{r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "memory.json"), "w") as f:
-        json.dump({"job": vars(opts), "rows": rows}, f, indent=2)
+        json.dump({"job": {k: v for k, v in vars(opts).items() if k != "plot_only"}, "rows": rows}, f, indent=2)
     with open(os.path.join(RESULTS, "memory.md"), "w") as f:
         f.write("\n".join(table) + "\n")
     print("\n".join(table))
+    plot(rows, vars(opts))
 
 
 if __name__ == "__main__":
