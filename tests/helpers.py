@@ -136,6 +136,24 @@ def max_abs_diff(a: dict, b: dict) -> float:
 RESULT_TAG = "QUICKSTART_RESULT "
 
 
+def read_probes(out: str) -> list[dict]:
+    """What tests/scripts/probe_run.py recorded on each of a 2-rank run's ranks."""
+    return [json.load(open(os.path.join(out, "probe", f"comm_rank{r}.json"))) for r in (0, 1)]
+
+
+def assert_plan_matches_held_bytes(ranks: list[dict], model: str, strategy_name: str, lora_r: int | None) -> None:
+    """``toolkit plan``'s per-device weights and optimizer state against the bytes each rank held (probe_run.py's
+    ``held_bytes``, storage by storage): each within 3%."""
+    from toolkit.plan import count_model, model_states_per_device
+
+    states = model_states_per_device(count_model(model, lora_r=lora_r), strategy_name, devices=2, per_node=2,
+                                     precision="fp32")
+    for rank in ranks:
+        for part in ("weights", "optimizer"):
+            held = rank["held_bytes"][part]
+            assert abs(held - states[part]) <= 0.03 * states[part], (rank["process_index"], part, held, states[part])
+
+
 def _texts(nb) -> str:
     out = []
     for cell in nb.cells:

@@ -14,13 +14,24 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
+from helpers import (
+    ROOT,
+    SCRIPTS,
+    args_from,
+    assert_plan_matches_held_bytes,
+    copy_checkpoint,
+    launch,
+    load_weights,
+    max_abs_diff,
+    read_probes,
+)
 
 pytestmark = pytest.mark.slow
 
 SFT = os.path.join(ROOT, "recipes", "sft.py")
 CLASSIFY = os.path.join(ROOT, "recipes", "classify.py")
 GPT2 = os.path.join(ROOT, "recipes", "gpt2.py")
+PROBE = os.path.join(SCRIPTS, "probe_run.py")  # recipes/gpt2.py with a callback that records each rank's state
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
@@ -118,14 +129,14 @@ def test_classifier_lora_under_fsdp_equals_ddp(tmp_path, tiny_bert):
 # ---------------------------------------------------------------------------------------------------- LoRA
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_model, padded_data):
-    """The same LoRA job under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 ranks x 2 x 2), and DDP resumed from its step-2
-    checkpoint."""
+    """The same LoRA job under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 ranks x 2 x 2; through probe_run.py, which records
+    the bytes each rank holds), and DDP resumed from its step-2 checkpoint."""
     root = tmp_path_factory.mktemp("lora")
     cfg = {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
     runs = {}
     for name, config in (("ddp", "ddp.yaml"), ("zero2", "zero2.yaml"), ("zero3", "zero3.yaml"), ("fsdp", "fsdp.yaml")):
         runs[name] = str(root / name)
-        _run(GPT2, runs[name], cfg, world=2, config=config, micro=2, accum=2)
+        _run(PROBE, runs[name], cfg, world=2, config=config, micro=2, accum=2)
     runs["resumed"] = str(root / "resumed")
     copy_checkpoint(runs["ddp"], 2)(runs["resumed"])
     _run(GPT2, runs["resumed"], {**cfg, "resume_from_checkpoint": "latest"}, world=2, micro=2, accum=2)
@@ -144,6 +155,13 @@ def test_lora_adapters_are_the_same_under_every_strategy(lora_runs):
     assert max(float(v.abs().max()) for k, v in ddp.items() if "lora_B" in k) > 0  # B starts at 0: it trained
     for name in ("zero2", "zero3", "fsdp"):
         assert max_abs_diff(ddp, _adapter(lora_runs[name])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("strategy, name", [("ddp", "DDP"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3"), ("fsdp", "FSDP2")])
+def test_plan_predicts_the_lora_states_each_rank_holds(lora_runs, tiny_model, strategy, name):
+    # With LoRA (r=4 on every linear layer) the optimizer state is the adapters' alone: a few KB against MBs of
+    # weights, so each part is compared on its own (test_strategies.py has the full fine-tuning case).
+    assert_plan_matches_held_bytes(read_probes(lora_runs[strategy]), tiny_model, name, lora_r=4)
 
 
 def test_lora_leaves_the_base_weights_bit_identical(lora_runs, tiny_model):

@@ -14,7 +14,19 @@ import shutil
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, SCRIPTS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff, tree_hash
+from helpers import (
+    CONFIGS,
+    SCRIPTS,
+    Runs,
+    args_from,
+    assert_plan_matches_held_bytes,
+    copy_checkpoint,
+    launch,
+    load_weights,
+    max_abs_diff,
+    read_probes,
+    tree_hash,
+)
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
 
@@ -26,7 +38,6 @@ SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
 ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
              weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 ADAMW_TOLERANCE = 1e-5
-LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
 # The logged grad norm is the global one, not a shard's (which would be ~1/sqrt(2) of it, 29% off). Measured here:
 # at step 1 (identical weights) the fp32 norms differ by <= 3.3e-6 relative (another summation order); later steps add
 # the AdamW runs' own drift (<= 1.4e-4 by step 3 under ZeRO, 7e-5 under FSDP, 1e-7 under DDP).
@@ -64,7 +75,7 @@ def final(out):
 
 
 def probes(out):
-    return [json.load(open(os.path.join(out, "probe", f"comm_rank{r}.json"))) for r in (0, 1)]
+    return read_probes(out)
 
 
 def metrics(out):
@@ -241,22 +252,13 @@ def test_memory_switch_the_strategy_cannot_honour_is_refused(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("strategy, name", [("ddp", "DDP"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3"), ("fsdp", "FSDP2")])
-def test_plan_predicts_the_model_states_each_rank_holds(runs, tiny_model, strategy, name, lora):
+def test_plan_predicts_the_model_states_each_rank_holds(runs, tiny_model, strategy, name):
     """``toolkit plan``'s per-device weights and optimizer state (fp32 AdamW: ZeRO-2 keeps a master copy, ZeRO-3's is
     the weights' partition, torch keeps none) against the bytes each of the 2 ranks holds after the run's last step,
-    storage by storage (tests/scripts/probe_run.py): each within 3%. With LoRA (r=4 on every linear layer) the
-    optimizer state is the adapters' alone: a few KB against MBs of weights, so it is compared on its own."""
-    from toolkit.plan import count_model, model_states_per_device
-
-    states = model_states_per_device(count_model(tiny_model, lora_r=4 if lora else None), name, devices=2,
-                                     per_node=2, precision="fp32")
-    extra = {**ADAMW, **LORA} if lora else ADAMW
-    for rank in probes(runs.strategy(strategy, "adamw_lora" if lora else "adamw", extra)):
-        for part in ("weights", "optimizer"):
-            held = rank["held_bytes"][part]
-            assert held == pytest.approx(states[part], rel=0.03), (rank["process_index"], part, held, states[part])
+    storage by storage (tests/scripts/probe_run.py): each within 3%. The LoRA case reads the LoRA runs of
+    tests/test_recipes.py."""
+    assert_plan_matches_held_bytes(probes(runs.strategy(strategy, "adamw", ADAMW)), tiny_model, name, lora_r=None)
 
 
 @pytest.mark.slow
