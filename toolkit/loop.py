@@ -98,6 +98,7 @@ class StepResult:
     tokens: int  # non-pad input tokens of the whole global batch
     grad_norm: float | None  # global pre-clip gradient norm
     skipped: bool = False  # the norm was not finite and the optimizer step was not applied
+    stop_requested: bool = False  # some rank was asked to stop (SIGTERM) before this step began
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
@@ -145,19 +146,22 @@ def _is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type.value == "DEEPSPEED"
 
 
-def _global_counts(accelerator, micro_batches: list[dict], task, data_parallel_size: int) -> torch.Tensor:
-    """[target tokens, non-pad tokens] of the whole global batch, on the device: one all-reduce of two integers per
-    step. The local counts come from the collator (``num_targets``, ``num_tokens``: counted on the CPU where the batch
-    is built), so no micro-step waits for the device; a collator without them is counted on the device."""
+def _global_counts(accelerator, micro_batches: list[dict], task, data_parallel_size: int,
+                   stop_flag: bool = False) -> torch.Tensor:
+    """[target tokens, non-pad tokens, ranks asked to stop] of the whole global batch, on the device: the step's one
+    all-reduce, of three integers. The local counts come from the collator (``num_targets``, ``num_tokens``: counted
+    on the CPU where the batch is built), so no micro-step waits for the device; a collator without them is counted
+    on the device. The stop flag rides along so that preemption costs no collective (and no host read) of its own."""
     def counts(b):
         if "num_targets" in b:
             return b["num_targets"], b["num_tokens"]
         return task.count_targets(b), b["attention_mask"].sum()
 
-    local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))]
+    local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))] + [int(stop_flag)]
     local = torch.stack([torch.as_tensor(c, dtype=torch.long) for c in local]).to(accelerator.device, non_blocking=True)
+    total = accelerator.reduce(local, reduction="sum")
     # The ranks of a tensor-parallel group hold the same rows: each row is counted once per replica.
-    return accelerator.reduce(local, reduction="sum") // _replicas(accelerator, data_parallel_size)
+    return torch.cat([total[:2] // _replicas(accelerator, data_parallel_size), total[2:]])
 
 
 def _replicas(accelerator, data_parallel_size: int) -> int:
@@ -173,14 +177,13 @@ def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | N
     return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
 
 
-def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int]:
+def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int, int]:
     """The step's one host-device synchronisation: the grad norm (needed before the optimizer applies the step, to
     refuse a non-finite one) and the global counts, read together."""
     if norm is None:
-        targets, tokens = counts.tolist()
-        return None, targets, tokens
+        return (None, *counts.tolist())
     values = torch.cat([norm.detach().reshape(1).to(torch.float64), counts.to(torch.float64)]).tolist()
-    return values[0], int(values[1]), int(values[2])
+    return values[0], int(values[1]), int(values[2]), int(values[3])
 
 
 def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
@@ -194,7 +197,7 @@ def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
 def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
                skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None,
-               chunked_loss: bool = False, task=None) -> StepResult:
+               chunked_loss: bool = False, task=None, stop_flag: bool = False) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
@@ -202,13 +205,14 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
     ``chunked_loss``: the model computes its loss in chunks (``toolkit.model.enable_chunked_loss``).
     ``task``: the loss of a row (``toolkit.tasks``; a causal LM by default).
+    ``stop_flag``: this rank was asked to stop; summed with the counts, returned as ``stop_requested`` on every rank.
     A non-finite gradient norm is never applied: the step is skipped (``skip_nonfinite``) or the run stops (except
     under DeepSpeed, whose engine steps before the norm is known: there the run stops after the step).
     """
     task = task or CausalLM()
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
-    counts = _global_counts(accelerator, micro_batches, task, data_parallel_size)
+    counts = _global_counts(accelerator, micro_batches, task, data_parallel_size, stop_flag)
     global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm, skipped = None, False
@@ -232,7 +236,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             if engine is not None and engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"step {step}: DeepSpeed's accumulation boundary drifted from ours")
             if boundary:
-                grad_norm, targets, global_tokens = _to_host(_clip_and_norm(accelerator, model, max_grad_norm), counts)
+                grad_norm, targets, global_tokens, stopping = _to_host(_clip_and_norm(accelerator, model, max_grad_norm),
+                                                                       counts)
                 stop = _nonfinite(grad_norm, step + 1)  # the norm is the same on every rank
                 if stop is not None and not skip_nonfinite:
                     raise stop
@@ -250,7 +255,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             raise stop
         if engine.global_steps != step + 1:
             raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
-    return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped)
+    return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped,
+                      stop_requested=stopping > 0)
 
 
 # ------------------------------------------------------------------------------------------- between steps
@@ -466,7 +472,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     per_token = flops_per_token(n_params, layers, width, tokens_per_row or mean_row)
     peak = peak_flops(accelerator.device, accelerator.mixed_precision, args.peak_flops)
     window = LogWindow(accelerator, per_token, peak, replicas=world // dp)
-    preemption = Preemption(accelerator)
+    preemption = Preemption()
     preempted = False
     batches = None
     model.train()
@@ -478,7 +484,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
                                 step=state.step, data_parallel_size=dp, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task)
+                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
+                                stop_flag=preemption.received is not None)
             if state.finish_step(result, steps_per_epoch):
                 batches = None
             window.add(result)
@@ -502,7 +509,9 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                 logger.log(row)
             _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
                   row=row if (logged or evaluated) else None)
-            preempted = state.step < total_steps and preemption.stop_requested()
+            # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
+            # after the next one (the flag is sent with the counts, before the step's first backward).
+            preempted = state.step < total_steps and result.stop_requested
             if (args.save_steps and state.step % args.save_steps == 0) or preempted:
                 record = checkpoint_record(accelerator, state, order)
                 ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, record=record,
