@@ -3,6 +3,7 @@ like the plain run, and must really do what it says (here: the layers are recomp
 
 import copy
 
+import pytest
 import torch
 
 from toolkit.loss import token_losses
@@ -60,6 +61,27 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients():
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
     assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
     assert "forward" not in chunked.state_dict() and chunked.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_chunked_loss_runs_the_same_number_of_chunks_for_every_length():
+    """Under ZeRO-3 every call of the head all-gathers its weight, so a rank with shorter rows must still make as many
+    calls as the longest micro-batch needs: the chunks past its data are empty, and the sums do not change."""
+    from toolkit.loss import chunked_token_losses
+
+    model = _tiny_gpt2().eval()
+    head, calls = model.get_output_embeddings(), []
+    head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    ids = torch.randint(0, 97, (2, 5))
+    hidden = model.base_model(input_ids=ids).last_hidden_state
+    want, targets = chunked_token_losses(hidden, head, ids, chunk_size=4)
+    assert calls == [4, 4, 2]
+    calls.clear()
+    got, got_targets = chunked_token_losses(hidden, head, ids, chunk_size=4, num_chunks=6)  # room for 2 x 12
+    assert calls == [4, 4, 2, 0, 0, 0] and torch.equal(got, want) and torch.equal(got_targets, targets)
+    got.sum().backward()  # the empty chunks recompute (and, under ZeRO-3, gather) in the backward pass too
+    assert calls[6:] == [0, 0, 0, 2, 4, 4]  # last chunk first: the same order on every rank
+    with pytest.raises(ValueError, match="needs 3 chunks of 4, more than the 2"):
+        chunked_token_losses(hidden, head, ids, chunk_size=4, num_chunks=2)
 
 
 def test_chunked_loss_is_refused_for_a_model_it_cannot_reproduce():

@@ -216,13 +216,15 @@ def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
 
 # Memory switches train like the plain run. Activation checkpointing recomputes each layer in the backward pass
 # (with the forward's RNG state: dropout is on in these runs); the chunked loss computes the same token losses 24
-# positions at a time (rows are ~48 long: chunks split rows; under ZeRO-3 it is refused, see
-# distributed.check_chunked_loss_strategy). FSDP's own fsdp_activation_checkpointing is handed to transformers
-# (distributed.resolve_activation_checkpointing). The memory each saves is measured in bench/memory.py.
+# positions at a time (rows are ~48 long: chunks split rows; every rank runs the same number of chunks, which ZeRO-3's
+# gathers of lm_head need: without it ranks of other lengths hung). FSDP's own fsdp_activation_checkpointing is
+# handed to transformers (distributed.resolve_activation_checkpointing). The memory each saves is measured in
+# bench/memory.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, switch", [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"),
                                               ("fsdp", "fsdp_activation_checkpointing"), ("ddp", "loss_chunk_size"),
-                                              ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size")])
+                                              ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size"),
+                                              ("zero3", "loss_chunk_size")])
 def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strategy, switch):
     plain = runs.strategy(strategy, "sgd", SGD)
     if switch == "fsdp_activation_checkpointing":  # FSDP's own, honoured from the launch config (applied in prepare)
@@ -235,16 +237,11 @@ def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strate
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-6)
 
 
-@pytest.mark.parametrize("what", ["checkpointing asked twice", "chunked loss under ZeRO-3"])
-def test_memory_switch_the_strategy_cannot_honour_is_refused(tmp_path, tiny_model, padded_data, what):
-    if what == "checkpointing asked twice":
-        config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
-        extra, words = {"gradient_checkpointing": True}, ("gradient_checkpointing: the launch config already sets "
-                                                         "fsdp_activation_checkpointing")
-    else:  # each chunk all-gathers lm_head; ranks with other lengths would run other chunk counts: a hang
-        config, extra, words = "zero3.yaml", {"loss_chunk_size": 16}, "loss_chunk_size: is not supported under ZeRO-3"
+def test_checkpointing_asked_twice_is_refused(tmp_path, tiny_model, padded_data):
+    config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
+    words = "gradient_checkpointing: the launch config already sets fsdp_activation_checkpointing"
     cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, **extra}
+           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "gradient_checkpointing": True}
     proc = launch(args_from(cfg), config=config, check=False)
     assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
     assert f"config error: {words}" in proc.stderr

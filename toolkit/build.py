@@ -20,7 +20,6 @@ from typing import Any
 from toolkit import data, layout, lora
 from toolkit.config import RunConfig
 from toolkit.distributed import (
-    check_chunked_loss_strategy,
     check_tensor_parallel_checkpoints,
     data_parallel_size,
     resolve_activation_checkpointing,
@@ -91,7 +90,6 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
 
     checkpointing = cfg.train.gradient_checkpointing
     if accelerator is not None:  # checked here too so that it stops before the weights load
-        check_chunked_loss_strategy(accelerator, cfg.train.loss_chunk_size)
         check_tensor_parallel_checkpoints(accelerator, cfg.train)
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
@@ -106,7 +104,8 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
     # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing
     # wraps its layers), then LoRA around them, then dropout off everywhere, LoRA's dropout included.
     if cfg.train.loss_chunk_size:
-        enable_chunked_loss(model, cfg.train.loss_chunk_size)
+        enable_chunked_loss(model, cfg.train.loss_chunk_size,
+                            max_positions=cfg.train.per_device_train_batch_size * block_size)
         log(f"loss_chunk_size: the training loss is computed {cfg.train.loss_chunk_size} positions at a time")
     if checkpointing:
         enable_activation_checkpointing(model)

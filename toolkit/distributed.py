@@ -287,17 +287,6 @@ def keep_embeddings_out_of_fsdp_units(accelerator: Accelerator, model) -> None:
     plugin.transformer_cls_names_to_wrap = sorted(names)
 
 
-def check_chunked_loss_strategy(accelerator: Accelerator, loss_chunk_size: int) -> None:
-    """ZeRO-3 gathers lm_head's weight collectively at every call; the chunked loss calls it once per chunk, and the
-    number of chunks follows each rank's own padded length: ranks would wait on each other's all-gathers forever
-    (measured: a hang)."""
-    if loss_chunk_size and accelerator.distributed_type == DistributedType.DEEPSPEED \
-            and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise ConfigError("loss_chunk_size", "is not supported under ZeRO-3 (each chunk all-gathers lm_head, and "
-                                             "ranks with different lengths would run different numbers of chunks); "
-                                             "use FSDP (fsdp.yaml), ZeRO-2 or DDP, or loss_chunk_size: 0")
-
-
 def data_parallel_size(accelerator: Accelerator) -> int:
     """Ranks that take different rows of a global batch: dp_replicate x dp_shard under a ParallelismConfig (the
     ranks of one tensor-parallel group take the same rows), otherwise every process."""

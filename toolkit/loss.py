@@ -57,7 +57,7 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
 
 def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                         chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int, num_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_losses`` of ``head(hidden)`` without ever holding the logits of the whole micro-batch.
 
     The (batch x seq) positions are taken ``chunk_size`` at a time: project to the vocabulary, cross-entropy in fp32,
@@ -65,6 +65,11 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     hidden states and recomputes its logits in the backward pass: peak logits memory is one chunk's
     (chunk_size x vocab x 4 bytes, and as much again for their gradient) instead of batch x seq x vocab x 4
     (4 x 1024 x 151936 fp32 = 2.5 GB). ``head`` is called as a module, so ZeRO-3 / FSDP gather its weight as usual.
+
+    ``num_chunks``: call ``head`` at least this many times, the chunks past the data empty. Under ZeRO-3 each call
+    all-gathers the head's weight (and its recompute in the backward pass gathers it again), so every rank must make
+    the same number of calls whatever its micro-batch's padded length: the caller passes the count for the longest
+    possible micro-batch (rows x block_size).
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -73,7 +78,11 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     flat_hidden, flat_targets = hidden.reshape(batch * seq, -1), targets.reshape(-1)
     rows = torch.arange(batch, device=labels.device).repeat_interleave(seq)
     row_loss = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
-    for start in range(0, batch * seq, chunk_size):
+    chunks = max(num_chunks, -(-batch * seq // chunk_size))
+    if chunks > num_chunks > 0:
+        raise ValueError(f"a micro-batch of {batch} x {seq} positions needs {chunks} chunks of {chunk_size}, more than "
+                         f"the {num_chunks} every rank was told to run")
+    for start in range(0, chunks * chunk_size, chunk_size):
         part = slice(start, start + chunk_size)
         ce = checkpoint(_chunk_cross_entropy, flat_hidden[part], flat_targets[part], head, use_reentrant=False)
         row_loss = row_loss.index_add(0, rows[part], ce)
