@@ -3,7 +3,8 @@
 - HSDP (accelerate_configs/hsdp.yaml) on 4 real gloo ranks, 2 replicas x 2 shards, trains like one process on the
   same global batch, exports full weights that ``from_pretrained`` loads, and resumes from its checkpoint;
 - tensor parallelism (accelerate_configs/tp.yaml) on 2 ranks, a tiny Llama split by its TP plan, trains like one
-  process (both ranks take the same rows), exports a plain model; what these versions cannot do is refused.
+  process (both ranks take the same rows), exports a plain model, and resumes from its checkpoint exactly; what these
+  versions cannot do is refused.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def test_hsdp_exports_full_weights_and_resumes(runs):
 # ------------------------------------------------------------------------------------------- tensor parallel
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory, tiny_llama, padded_data):
-    common = {key: value for key, value in COMMON.items() if key != "save_steps"}  # TP checkpoints: refused
-    return Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, common)
+    return Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, COMMON)  # save_steps 2: the TP run checkpoints
 
 
 def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
@@ -78,24 +78,59 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
     assert getattr(model.config, "distributed_config", None) is None
 
 
-@pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp", "checkpoints"])
+def test_tensor_parallel_checkpoint_resumes_exactly(tp_runs):
+    """A TP run's step-2 checkpoint (weights and optimizer state as torch.distributed.checkpoint folders of the
+    shards, the rest from accelerate's save_state), resumed on the same layout, ends bit-identical to the run that
+    went on. AdamW with clipping and decay: the moments of both ranks' shards must come back (without them: 1.5e-2)."""
+    adamw = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
+             "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
+    tp = tp_runs.get("tp_adamw", "tp.yaml", 2, 8, 1, adamw)
+    step2 = os.path.join(tp, "checkpoints", "step-2")
+    assert {"pytorch_model_tp", "optimizer_tp", "scheduler.bin", "random_states_1.pkl"} <= set(os.listdir(step2))
+    assert json.load(open(os.path.join(step2, "toolkit_state.json")))["strategy"] == "tp"
+    resumed = tp_runs.get("tp_adamw_resumed", "tp.yaml", 2, 8, 1, {**adamw, "resume_from_checkpoint": "latest"},
+                          prepare=copy_checkpoint(tp, 2))
+    assert max_abs_diff(load_weights(os.path.join(tp, "final")), load_weights(os.path.join(resumed, "final"))) == 0.0
+    rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
+    want = {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(tp, "metrics.jsonl"))) if "loss" in r}
+    assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [(3, want[3]), (4, want[4])]
+
+
+@pytest.mark.parametrize("wrote, world, strategy, ranks, field", [
+    ("tp", 2, "ddp", 2, "resume_from_checkpoint"),
+    ("tp", 2, "tp", 4, "parallelism_config_tp_size"),
+    ("ddp", 2, "tp", 2, "resume_from_checkpoint"),
+])
+def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, strategy, ranks, field):
+    """A TP checkpoint loads only under TP with its tp_size (and no other strategy's under TP): refused before the
+    weights load, naming the field and the launch that resumes it (the same check refused a real TP checkpoint under
+    ddp.yaml before its weights loaded)."""
+    from toolkit.errors import ConfigError
+    from toolkit.resume import load_plan
+
+    assert load_plan("ck", {"strategy": "tp", "loop": {"world_size": 2}}, "tp", 2) is None
+    with pytest.raises(ConfigError) as e:
+        load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
+    config = "tp.yaml --num_processes 2 --parallelism_config_tp_size 2" if wrote == "tp" else "ddp.yaml"
+    assert e.value.field_name == field and f"--config_file accelerate_configs/{config} <recipe>" in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp"])
 def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data, case):
     """Refused before the weights load, naming the field: a model without a TP plan (GPT-2), FSDP sharding with TP
-    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), checkpoints of a TP run."""
-    config, world, model, extra = "tp.yaml", 2, tiny_llama, {}
+    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel)."""
+    config, world, model = "tp.yaml", 2, tiny_llama
     if case == "no_plan":
         model, words = tiny_model, "parallelism_config_tp_size: a gpt2 model has no tensor-parallel plan"
-    elif case == "dp_shard_x_tp":
+    else:
         spec = yaml.safe_load(open(os.path.join(CONFIGS, "tp.yaml")))
         spec["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
         spec["num_processes"] = world = 4
         config = str(tmp_path / "dp_shard_tp.yaml")
         yaml.safe_dump(spec, open(config, "w"))
         words = "parallelism_config_tp_size: tensor parallelism (tp_size 2) with data parallelism"
-    else:
-        extra, words = {"save_steps": 1}, "save_steps: checkpoints of a tensor-parallel run are not supported"
     cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": model,
-           "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, **extra}
+           "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
     proc = launch(args_from({k: v for k, v in cfg.items() if v is not None}), num_processes=world, config=config,
                   check=False)
     assert proc.returncode == 1 and f"config error: {words}" in proc.stderr, proc.stderr[-3000:]

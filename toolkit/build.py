@@ -20,7 +20,6 @@ from typing import Any
 from toolkit import data, layout, lora
 from toolkit.config import RunConfig
 from toolkit.distributed import (
-    check_tensor_parallel_checkpoints,
     data_parallel_size,
     resolve_activation_checkpointing,
     tensor_parallel_size,
@@ -90,7 +89,6 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
 
     checkpointing = cfg.train.gradient_checkpointing
     if accelerator is not None:  # checked here too so that it stops before the weights load
-        check_tensor_parallel_checkpoints(accelerator, cfg.train)
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)

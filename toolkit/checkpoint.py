@@ -8,6 +8,10 @@ so a killed export never leaves a ``final/`` that reads as a finished run. The l
 position in the epoch, token counters) and what the sample order depends on are written beside accelerate's files as
 ``toolkit_state.json``: JSON, because accelerate unpickles the objects given to ``register_for_checkpointing``
 (``weights_only=False``), so a checkpoint folder from elsewhere could run code.
+
+Under tensor parallelism the weights and the optimizer state are written with ``torch.distributed.checkpoint``
+instead (``TP_MODEL_FOLDER``, ``TP_OPTIMIZER_FOLDER``; see ``_save_tensor_parallel``); everything else is still
+``save_state``'s.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 
 from accelerate import Accelerator
 
 from toolkit import layout
 from toolkit.distributed import has_accelerator
+
+# torch.distributed.checkpoint folders of a tensor-parallel checkpoint, laid out as accelerate's FSDP ones
+# ({"model": ...} and {"optimizer": ...}, FQN-keyed)
+TP_MODEL_FOLDER, TP_OPTIMIZER_FOLDER = "pytorch_model_tp", "optimizer_tp"
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
@@ -32,7 +41,10 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    if _is_tensor_parallel(accelerator):
+        _save_tensor_parallel(accelerator, tmp)
+    else:
+        accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
@@ -73,7 +85,8 @@ def rotate_checkpoints(output_dir: str, limit: int | None, keep: set) -> None:
 
 
 def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=None, universal: bool = False) -> None:
-    """``accelerator.load_state`` (collective), made exact under FSDP1 and for ZeRO-3 universal checkpoints.
+    """``accelerator.load_state`` (collective), made exact under FSDP1 and for ZeRO-3 universal checkpoints; under
+    tensor parallelism the weights and optimizer state come from DCP instead (``_load_tensor_parallel``).
 
     accelerate loads an FSDP1 sharded optimizer checkpoint *into the shape of the current optimizer state*
     (``FSDP.optim_state_dict`` as the DCP template). A freshly built AdamW has no state until its first step, so the
@@ -87,6 +100,9 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
     groups' own values, which the recipe fixes, are put back, and each group's learning rate is the one the
     restored ``scheduler`` gives it.
     """
+    if _is_tensor_parallel(accelerator):
+        _load_tensor_parallel(accelerator, path)
+        return
     if _is_fsdp1(accelerator):
         _materialise_optimizer_state(getattr(optimizer, "optimizer", optimizer))
     own = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
@@ -96,6 +112,56 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
             group.update(values)
             group["lr"] = lr
         _unshare_step_counters(optimizer)
+
+
+@contextmanager
+def _without_model_and_optimizer(accelerator: Accelerator):
+    """``save_state`` / ``load_state`` of everything but the model and the optimizer: the scheduler, the samplers,
+    each rank's RNG states and accelerate's step counter, in accelerate's own files. Yields the prepared model and
+    optimizer (accelerate takes them from these two lists; there is no option to leave them out)."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    if len(models) != 1 or len(optimizers) != 1:
+        raise RuntimeError(f"a tensor-parallel checkpoint holds one model and one optimizer; accelerate prepared "
+                           f"{len(models)} and {len(optimizers)}")
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield models[0], torch_optimizer(optimizers[0])
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def _save_tensor_parallel(accelerator: Accelerator, folder: str) -> None:
+    """A tensor-parallel run's checkpoint (collective). accelerate 1.16's ``save_state`` fails on the TP shards:
+    outside FSDP and DeepSpeed it writes ``model.safetensors`` from the main process, and
+    ``clean_state_dict_for_safetensors`` asks every tensor for its storage's data pointer, which a DTensor does not
+    have ("Attempted to access the data pointer on an invalid python storage", measured). Its other parts work,
+    but ``optimizer.bin`` would hold the main process's shards only (the other ranks' moments lost, silently), as a
+    torch-format ``pytorch_model.bin`` would. So the weights and the optimizer state go through
+    torch.distributed.checkpoint (every rank writes its shards; ``get_state_dict`` keys them by name and handles
+    DTensors), and ``save_state`` writes the rest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    with _without_model_and_optimizer(accelerator) as (model, optimizer):
+        weights, optim = get_state_dict(model, optimizer)
+        dcp.save({"model": weights}, checkpoint_id=os.path.join(folder, TP_MODEL_FOLDER))
+        dcp.save({"optimizer": optim}, checkpoint_id=os.path.join(folder, TP_OPTIMIZER_FOLDER))
+        accelerator.save_state(folder)
+
+
+def _load_tensor_parallel(accelerator: Accelerator, folder: str) -> None:
+    """Load what ``_save_tensor_parallel`` wrote (collective), into the same TP layout (``toolkit.resume`` refuses
+    another). ``get_state_dict`` gives the template DCP reads into, and creates a fresh optimizer's state first (a
+    step at lr 0), so that the saved moments have somewhere to go (see ``load_checkpoint`` on FSDP1)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with _without_model_and_optimizer(accelerator) as (model, optimizer):
+        weights, optim = get_state_dict(model, optimizer)
+        dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, TP_MODEL_FOLDER))
+        dcp.load({"optimizer": optim}, checkpoint_id=os.path.join(folder, TP_OPTIMIZER_FOLDER))
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+        accelerator.load_state(folder)
 
 
 def torch_optimizer(optimizer):

@@ -320,22 +320,11 @@ def check_parallelism(accelerator: Accelerator) -> None:
         raise ConfigError("parallelism_config_cp_size", "context parallelism is not supported by the toolkit yet")
 
 
-def check_tensor_parallel_checkpoints(accelerator: Accelerator, args: TrainArgs) -> None:
-    """Checkpoints of a tensor-parallel run are refused before the weights load: accelerate 1.16's ``save_state``
-    fails on the TP shards (DTensors: "Attempted to access the data pointer on an invalid python storage", measured).
-    The final export works (the toolkit gathers the shards itself)."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or config.tp_size <= 1:
-        return
-    for name in ("save_steps", "resume_from_checkpoint"):
-        if getattr(args, name):
-            raise ConfigError(name, "checkpoints of a tensor-parallel run are not supported yet (accelerate 1.16's "
-                                    "save_state fails on TP shards); unset it, or train with ddp/fsdp/zero "
-                                    "configs, which checkpoint and resume")
-
-
 def strategy_name(accelerator: Accelerator) -> str:
-    """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2' or 'deepspeed-zero<stage>'."""
+    """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2', 'deepspeed-zero<stage>' or 'tp'
+    (tensor parallel, which runs alone here (``check_parallelism``): its tp_size is its world size)."""
+    if tensor_parallel_size(accelerator) > 1:
+        return "tp"
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
         return f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 
 from toolkit import convert, layout
-from toolkit.distributed import strategy_name
+from toolkit.distributed import data_parallel_size, strategy_name
 from toolkit.errors import ConfigError
 
 # order key -> the config field a user changes to change it
@@ -56,9 +56,11 @@ def order_record(cfg, train_dataset) -> dict:
 # ../shared/notes/next-capabilities.md): plain weights + optimizer files load under single/ddp on any world size;
 # FSDP2's DCP checkpoint reshards onto any world size under FSDP2; a DeepSpeed checkpoint loads on its own world size
 # as written and on any other through DeepSpeed's universal format (toolkit.convert); FSDP2's converts to the plain
-# files for single/ddp (toolkit.convert); FSDP1's loads on the same world only.
+# files for single/ddp (toolkit.convert); FSDP1's loads on the same world only; a tensor-parallel one (DCP folders of
+# its TP shards, toolkit.checkpoint) under TP with the same tp_size (its world size: TP runs alone here) only:
+# another tp_size is untested, and refused.
 LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml", "fsdp2": "fsdp.yaml",
-                 "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml"}
+                 "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml", "tp": "tp.yaml"}
 PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
 ANY_WORLD_VIA_UNIVERSAL = {"deepspeed-zero2", "deepspeed-zero3"}
 
@@ -76,12 +78,22 @@ def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -
         return convert.PLAIN
     config = LAUNCH_CONFIG.get(wrote, "<its launch config>")
     same_world = "" if wrote in PORTABLE or wrote in ANY_WORLD_VIA_UNIVERSAL else f" --num_processes {world}"
+    field_name = "resume_from_checkpoint"
+    if wrote == "tp":
+        same_world += f" --parallelism_config_tp_size {world}"
+        if strategy == "tp":  # tensor parallel again, on another tp_size
+            field_name = "parallelism_config_tp_size"
     raise ConfigError(
-        "resume_from_checkpoint",
-        f"{checkpoint} was written by {world} rank(s) under {wrote}; this launch is {strategy} with "
-        f"{num_processes} rank(s), which cannot load that format. Resume it as it was written: accelerate launch "
+        field_name,
+        f"{checkpoint} was written by {world} rank(s) under {wrote}{_tp_size(wrote, world)}; this launch is "
+        f"{strategy} with {num_processes} rank(s){_tp_size(strategy, num_processes)}, which cannot load that format. "
+        "Resume it as it was written: accelerate launch "
         f"--config_file accelerate_configs/{config}{same_world} <recipe> ... --resume_from_checkpoint {checkpoint}",
     )
+
+
+def _tp_size(strategy: str, world: int) -> str:
+    return f" (tp_size {world})" if strategy == "tp" else ""
 
 
 def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, str | None]:
@@ -102,17 +114,17 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
                 f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
                 f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
             )
-    num_processes = accelerator.num_processes
-    plan = load_plan(checkpoint, saved, strategy_name(accelerator), num_processes)
+    plan = load_plan(checkpoint, saved, strategy_name(accelerator), accelerator.num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
-    global_batch = num_processes * micro * accumulation
+    ranks = data_parallel_size(accelerator)  # the ranks of a tensor-parallel group take the same rows
+    global_batch = ranks * micro * accumulation
     saved_batch = saved["loop"]["global_batch_size"]
     if saved_batch != global_batch:
         # Step s covers rows [s*B, (s+1)*B) of the epoch's order: another B would skip or repeat rows.
         raise ConfigError(
             "per_device_train_batch_size",
             f"the checkpoint {checkpoint} was written with a global batch of {saved_batch} rows, "
-            f"this run has {global_batch} ({num_processes} ranks x {micro} x {accumulation} accumulation); keep "
+            f"this run has {global_batch} ({ranks} ranks x {micro} x {accumulation} accumulation); keep "
             "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
         )
     return saved, plan
