@@ -5,8 +5,11 @@
 One process, a GPT-2 shape built from a config (vocab 50257: at micro 8 x 1024 positions its fp32 logits alone are
 1.6 GB, and their gradient as much again), AdamW, toolkit's ``train_step``. Each setting runs in a fresh process
 (peak RSS, ``ru_maxrss``, is per process) after a warm-up step; on a GPU the same script reports
-``torch.cuda.max_memory_allocated``. Writes ``bench/results/memory.json``, ``.md`` and ``.png``;
-``python bench/memory.py --plot-only`` redraws the PNG from the JSON without running anything.
+``torch.cuda.max_memory_allocated``. On a CPU the settings run with glibc's defaults; the last row is the plain run
+with freed memory kept for reuse (``cpu_memory_reuse``, toolkit/host_memory.py: faster steps, a fragmented heap kept
+at its peak), which ``train`` applies to a CPU run without a memory switch unless told otherwise. Writes
+``bench/results/memory.json``, ``.md`` and ``.png``; ``python bench/memory.py --plot-only`` redraws the PNG from the
+JSON without running anything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ SETTINGS = {
     "loss_chunk_size": {"loss_chunk_size": True},
     "both": {"gradient_checkpointing": True, "loss_chunk_size": True},
     "bf16 mixed precision": {"mixed_precision": "bf16"},
+    "plain + cpu_memory_reuse": {"cpu_memory_reuse": True},
 }
 
 
@@ -42,6 +46,10 @@ def run_one(name: str, opts) -> dict:
     from toolkit.model import enable_activation_checkpointing, enable_chunked_loss
 
     setting = SETTINGS[name]
+    if setting.get("cpu_memory_reuse") and not torch.cuda.is_available():
+        from toolkit.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # as toolkit.loop.train does on a CPU
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=opts.layers, n_embd=opts.width, n_head=max(1, opts.width // 64),
                                        n_positions=opts.seq, vocab_size=50257))

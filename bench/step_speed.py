@@ -2,16 +2,22 @@
 
     python bench/step_speed.py [--rounds 3 --steps 4 --layers 4 --width 256 --seq 256 --micro 4 --accum 2]
 
-The same job for all three: a GPT-2 shape (vocab 50257) built from a config with one seed, the same packed pydoc
-rows, micro batch x accumulation x sequence, the same AdamW implementation (``--optim``: adamw_torch, torch's
-foreach kernel, or adamw_torch_fused, Trainer's default since 4.x; lr 1e-4), clipping at 1.0, fp32, one process. Each
-(system, round) runs in a fresh process, the systems interleaved round by round so that a slow moment of the machine
-hits all of them; one warm-up step, then ``--steps`` timed optimizer steps. Reported: the median step time of each
-system over all rounds, and the ratios toolkit / bare and toolkit / Trainer. Across processes the machine's noise is
-+-10% here, so toolkit and the bare loop also run paired in one process, alternating step by step
-(``--paired-steps``): their ratio is the precise figure. Writes ``bench/results/step_speed_<optim>.json``, ``.md``
-and ``.png``. Trainer gets ``model.loss_type = "ForCausalLM"``: without it transformers 5.24 divides GPT-2's summed
-loss by the wrong count.
+The same job for all: a GPT-2 shape (vocab 50257) built from a config with one seed, the same packed pydoc rows,
+micro batch x accumulation x sequence, the same AdamW implementation (``--optim``: adamw_torch, torch's foreach kernel,
+or adamw_torch_fused, Trainer's default since 4.x; lr 1e-4), clipping at 1.0, fp32, one process.
+
+Across processes, each system as a user runs it: ``toolkit`` keeps freed host memory for reuse as ``train`` does on a
+CPU (``toolkit/host_memory.py``), ``bare`` and ``trainer`` run with glibc's defaults, and ``toolkit_glibc`` is the
+toolkit without that setting. Each (system, round) runs in a fresh process, the systems interleaved round by round so
+that a slow moment of the machine hits all of them; one warm-up step, then ``--steps`` timed optimizer steps.
+Reported: each system's median step time over all rounds and the ratios to the toolkit.
+
+In one process, the step itself (``--paired-steps``, all with freed memory kept, which also removes most of the
+noise): toolkit and the bare loop on two copies of the model, alternating step by step; and toolkit and ``Trainer``,
+the toolkit's step run from Trainer's own ``on_step_begin``/``on_step_end`` callbacks (alternately before and after
+Trainer's timed step) with Trainer's accelerator. Writes ``bench/results/step_speed_<optim>.json``, ``.md`` and
+``.png``. Trainer gets ``model.loss_type = "ForCausalLM"``: without it transformers 5.24 divides GPT-2's summed loss by
+the wrong count.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-SYSTEMS = ("toolkit", "bare", "trainer")
+SYSTEMS = ("toolkit", "toolkit_glibc", "bare", "trainer")
 
 
 def _setup(opts):
@@ -68,14 +74,31 @@ def bare_step(accelerator, model, optimizer, scheduler, micro) -> None:
             optimizer.zero_grad()
 
 
+def _trainer(model, rows, collator, opts, steps: int, callback):
+    """Trainer on the same job: steps + 1 optimizer steps (the first a warm-up), no logging or saving."""
+    from transformers import Trainer, TrainingArguments
+
+    model.loss_type = "ForCausalLM"
+    targs = TrainingArguments(output_dir=os.path.join(opts.workdir, "trainer"), per_device_train_batch_size=opts.micro,
+                              gradient_accumulation_steps=opts.accum, max_steps=steps + 1, learning_rate=1e-4,
+                              max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
+                              report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
+                              remove_unused_columns=False, optim=opts.optim, weight_decay=0.0)
+    return Trainer(model=model, args=targs, train_dataset=rows, data_collator=collator, callbacks=[callback])
+
+
 def run_one(system: str, opts) -> list[float]:
     """In this (fresh) process: the step times of one system."""
     import torch
 
-    model, rows, collator = _setup(opts)
+    model, rows, collator = _setup(opts)  # puts the repository on sys.path
+    if system == "toolkit":
+        from toolkit.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # as toolkit.loop.train does on a CPU (cpu_memory_reuse)
     times = []
     if system == "trainer":
-        from transformers import Trainer, TrainerCallback, TrainingArguments
+        from transformers import TrainerCallback
 
         class Clock(TrainerCallback):
             def on_step_begin(self, *a, **k):
@@ -84,13 +107,7 @@ def run_one(system: str, opts) -> list[float]:
             def on_step_end(self, *a, **k):
                 times.append(time.perf_counter() - self.t)
 
-        model.loss_type = "ForCausalLM"
-        targs = TrainingArguments(output_dir=os.path.join(opts.workdir, "trainer"), per_device_train_batch_size=opts.micro,
-                                  gradient_accumulation_steps=opts.accum, max_steps=opts.steps + 1, learning_rate=1e-4,
-                                  max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
-                                  report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
-                                  remove_unused_columns=False, optim=opts.optim, weight_decay=0.0)
-        Trainer(model=model, args=targs, train_dataset=rows, data_collator=collator, callbacks=[Clock()]).train()
+        _trainer(model, rows, collator, opts, opts.steps, Clock()).train()
         return times[1:]
 
     from accelerate import Accelerator
@@ -107,7 +124,7 @@ def run_one(system: str, opts) -> list[float]:
     for step in range(opts.steps + 1):
         micro = batches[step * opts.accum:(step + 1) * opts.accum]
         started = time.perf_counter()
-        if system == "toolkit":
+        if system.startswith("toolkit"):
             from toolkit.loop import train_step
 
             train_step(accelerator, model, optimizer, scheduler, micro, step=step, data_parallel_size=1,
@@ -119,9 +136,8 @@ def run_one(system: str, opts) -> list[float]:
 
 
 def paired(opts) -> dict:
-    """toolkit and the bare loop in one process, two copies of the same model, alternating step by step (who goes
-    first alternates too): the machine's slow moments hit both, so their ratio is far less noisy than across
-    processes. Trainer cannot be stepped from outside, so it only runs in the interleaved processes."""
+    """The step itself, in one process with freed memory kept (so that which step lands on fresh pages does not decide
+    the ratio): toolkit against the bare loop, then toolkit against Trainer. Who goes first alternates step by step."""
     import copy
 
     import torch
@@ -129,34 +145,81 @@ def paired(opts) -> dict:
     from accelerate.utils import GradientAccumulationPlugin
 
     model, rows, collator = _setup(opts)  # puts the repository on sys.path
+    from toolkit.host_memory import keep_freed_memory
     from toolkit.loop import train_step
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
-        num_steps=opts.accum, sync_with_dataloader=False))
+    keep_freed_memory()
+    trainer_model, bare_model = copy.deepcopy(model), copy.deepcopy(model)
     fused = True if opts.optim == "adamw_torch_fused" else None
-    parts = {}
-    for name, m in (("toolkit", model), ("bare", copy.deepcopy(model))):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
-        parts[name] = accelerator.prepare(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
     batches = _micro_batches(rows, collator, opts.micro)
     per_step = len(batches) // opts.accum
 
-    def toolkit_step(step, micro):
-        m, opt, sched = parts["toolkit"]
-        train_step(accelerator, m, opt, sched, micro, step=step, data_parallel_size=1, max_grad_norm=1.0)
+    def micro_of(step):
+        return batches[(step % per_step) * opts.accum:(step % per_step + 1) * opts.accum]
 
-    def bare(step, micro):
-        bare_step(accelerator, *parts["bare"], micro)
+    def prepared(accelerator, m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+        return accelerator.prepare(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
 
-    times = {"toolkit": [], "bare": []}
+    def toolkit_step(accelerator, parts, step):
+        accelerator.step = 0  # accelerate's micro-step counter: k micro-steps from a boundary
+        started = time.perf_counter()
+        train_step(accelerator, *parts, micro_of(step), step=step, data_parallel_size=1, max_grad_norm=1.0)
+        return time.perf_counter() - started
+
+    # toolkit vs bare: one accelerator, two copies of the model.
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=opts.accum, sync_with_dataloader=False))
+    toolkit_parts, bare_parts = prepared(accelerator, model), prepared(accelerator, bare_model)
+    times = {"toolkit": [], "bare": [], "toolkit_in_trainer": [], "trainer": []}
     for step in range(opts.paired_steps + 1):
-        micro = batches[(step % per_step) * opts.accum:(step % per_step + 1) * opts.accum]
-        order = (("toolkit", toolkit_step), ("bare", bare))
-        for name, fn in order if step % 2 else order[::-1]:
-            started = time.perf_counter()
-            fn(step, micro)
+        for name in ("toolkit", "bare") if step % 2 else ("bare", "toolkit"):
+            if name == "toolkit":
+                took = toolkit_step(accelerator, toolkit_parts, step)
+            else:
+                accelerator.step = 0
+                started = time.perf_counter()
+                bare_step(accelerator, *bare_parts, micro_of(step))
+                took = time.perf_counter() - started
             if step:  # the first is a warm-up
-                times[name].append(time.perf_counter() - started)
+                times[name].append(took)
+
+    # toolkit vs Trainer: Trainer runs its own loop; the toolkit's step runs from its callbacks, on Trainer's
+    # accelerator. Trainer sets accelerate's accumulation count to 1 and flags the boundary itself; the toolkit's step
+    # asks accelerate for the boundary, so while it runs the count is k and the end of Trainer's loader is no boundary.
+    from transformers import TrainerCallback
+
+    class Alternate(TrainerCallback):
+        step = 0
+
+        def toolkit(self):
+            gradient_state = trainer.accelerator.gradient_state
+            trainers = gradient_state.plugin_kwargs
+            gradient_state.plugin_kwargs = {**trainers, "num_steps": opts.accum, "sync_with_dataloader": False}
+            took = toolkit_step(trainer.accelerator, self.parts, self.step)
+            gradient_state.plugin_kwargs = trainers
+            if self.step:
+                times["toolkit_in_trainer"].append(took)
+
+        def on_train_begin(self, *args, **kwargs):
+            self.parts = prepared(trainer.accelerator, trainer_model_for_toolkit)
+            self.parts[0].train()
+
+        def on_step_begin(self, *args, **kwargs):
+            if self.step % 2 and self.step <= opts.paired_steps:
+                self.toolkit()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            if self.step:
+                times["trainer"].append(time.perf_counter() - self.started)
+            if not self.step % 2 and self.step <= opts.paired_steps:
+                self.toolkit()
+            self.step += 1
+
+    trainer_model_for_toolkit = copy.deepcopy(trainer_model)
+    trainer = _trainer(trainer_model, rows, collator, opts, opts.paired_steps, Alternate())
+    trainer.train()
     return times
 
 
@@ -165,10 +228,12 @@ def write_results(results: dict, opts, pair: dict | None = None) -> None:
     out = {"job": vars(opts) | {"workdir": None}, "step_times": results, "median_step_s": medians}
     if pair:
         out["paired_step_times"] = pair
-        out["paired_toolkit_over_bare"] = statistics.median(pair["toolkit"]) / statistics.median(pair["bare"])
+        med = {k: statistics.median(v) for k, v in pair.items()}
+        out["paired_toolkit_over_bare"] = med["toolkit"] / med["bare"]
+        out["paired_trainer_over_toolkit"] = med["trainer"] / med["toolkit_in_trainer"]
     if "toolkit" in medians:
-        out["toolkit_over_bare"] = medians["toolkit"] / medians["bare"] if "bare" in medians else None
-        out["trainer_over_toolkit"] = medians["trainer"] / medians["toolkit"] if "trainer" in medians else None
+        for other in ("bare", "trainer", "toolkit_glibc"):
+            out[f"{other}_over_toolkit"] = medians[other] / medians["toolkit"] if other in medians else None
     os.makedirs(RESULTS, exist_ok=True)
     name = f"step_speed_{opts.optim}"
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
@@ -177,11 +242,12 @@ def write_results(results: dict, opts, pair: dict | None = None) -> None:
     lines = ["| system | median optimizer step | tokens/s | vs toolkit |", "| --- | --- | --- | --- |"]
     for s, m in medians.items():
         lines.append(f"| {s} | {m:.3f} s | {tokens / m:,.0f} | {m / medians['toolkit']:.3f}x |")
+    if pair:
+        lines.append(f"\nIn one process, freed memory kept, alternating step by step ({len(pair['toolkit'])} steps "
+                     f"each): toolkit / bare = {out['paired_toolkit_over_bare']:.3f}, Trainer / toolkit = "
+                     f"{out['paired_trainer_over_toolkit']:.3f}")
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    if pair:
-        lines.append(f"\nIn one process, alternating step by step ({len(pair['toolkit'])} steps each): toolkit / bare = "
-                     f"{out['paired_toolkit_over_bare']:.3f}")
     print("\n".join(lines))
     print(json.dumps({k: v for k, v in out.items() if k.endswith("bare") or k.endswith("toolkit")}))
     import matplotlib
@@ -209,7 +275,7 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
-    parser.add_argument("--paired-steps", type=int, default=20, help="steps of the in-process toolkit/bare pairing")
+    parser.add_argument("--paired-steps", type=int, default=20, help="steps of each in-process pairing")
     parser.add_argument("--workdir", default="/tmp/toolkit-bench")
     parser.add_argument("--one", choices=SYSTEMS + ("paired",), help=argparse.SUPPRESS)  # the child mode
     opts = parser.parse_args()
