@@ -43,7 +43,7 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     assert kept["applied"] and not default["applied"]
     # glibc's default maps each logits-sized block afresh: ~100,000 pages faulted in per step (measured 300,000 for
     # three). Kept: a third of that (the heap still grows where an aligned block does not fit a freed one, until it
-    # plateaus; bench/step_speed.py measures the step: 2.13 s -> 1.27 s).
+    # plateaus; bench/step_speed.py measures the step: 2.07 s -> 1.36 s).
     assert default["faults"] > 3 * 75_000, default
     assert kept["faults"] < default["faults"] / 2, (default, kept)
 
