@@ -43,10 +43,10 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     default, kept = _faults("default"), _faults("kept")
     assert kept["applied"] and not default["applied"]
     # glibc's default maps each logits-sized block afresh: ~100,000 pages faulted in per step (measured 305,000 for
-    # three). Kept, once the heap has grown to its plateau: none (measured 0 or 1; bench/step_speed.py measures the
-    # step: 2.07 s -> 1.36 s).
+    # three). Kept, once the heap has grown to its plateau: none in 25 of 30 runs, one block's 25,000 at most
+    # (bench/step_speed.py measures the step: 2.07 s -> 1.36 s).
     assert default["faults"] > 3 * 75_000, default
-    assert kept["faults"] < default["faults"] / 100, (default, kept)
+    assert kept["faults"] < default["faults"] / 5, (default, kept)
 
 
 def test_memory_reuse_is_on_by_default_unless_a_memory_switch_asks_for_less_memory():
