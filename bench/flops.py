@@ -21,7 +21,9 @@ of this process, all threads, of the step over those of the GEMM), which other p
 The sweep (``--no-sweep`` to skip; ``--sweep`` picks settings by name) changes one setting of the toolkit step at a
 time and runs it alternately with the unchanged toolkit step (``--sweep-steps`` pairs after a warm-up): threads,
 optimizer, dropout, GELU kernel, batch shape, and the helpful ones together. Reported: each setting's step FLOP/s as a
-share of the GEMM rate, and its wall and CPU time per token against the unchanged step's. Writes
+share of the GEMM rate, and its wall and CPU time per token against the unchanged step's. The process keeps freed
+memory for reuse as ``train`` does on a CPU (``toolkit/host_memory.py``; ``--glibc-malloc`` leaves glibc's defaults),
+for every system alike. Writes
 ``bench/results/flops.json``, ``.md`` and ``.png``.
 """
 
@@ -167,8 +169,9 @@ def main_comparison(opts, accelerator, sizes) -> dict:
     base = build_model({})
     steps = {"bare": Step("bare", copy.deepcopy(base), {}, accelerator, opts.batch, opts.seq),
              "toolkit": Step("toolkit", base, {}, accelerator, opts.batch, opts.seq)}
-    for s in steps.values():  # warm-up: allocator, optimizer state
-        s()
+    for _ in range(3):  # warm-up: optimizer state, and the kept heap growing to its plateau (a few steps)
+        for s in steps.values():
+            s()
     rounds = []
     for r in range(opts.rounds):
         before = gemm_rate(sizes)
@@ -265,7 +268,9 @@ def write_results(main: dict, sw: dict | None, opts) -> None:
     tokens = opts.batch * opts.seq
     lines = [f"GPT-2 124M, fp32, {opts.batch} x {opts.seq} tokens per step, {torch.get_num_threads()} threads; "
              f"{main['flops_per_step'] / 1e12:.3f} TFLOP per step (6N + 12 L d T); fp32 GEMM (torch.mm, "
-             f"{opts.gemm}): {mm(gemm, 1e-9, '{:.0f}')} GFLOP/s; {opts.rounds} rounds, median (min-max). The CPU-time "
+             f"{opts.gemm}): {mm(gemm, 1e-9, '{:.0f}')} GFLOP/s; {opts.rounds} rounds, median (min-max); freed memory "
+             f"{'returned to the kernel (glibc defaults)' if getattr(opts, 'glibc_malloc', False) else 'kept for reuse'}"
+             " for both systems. The CPU-time "
              "column divides FLOPs per CPU second of the step by those of the GEMM (other processes' load "
              "distorts it less); best: the fastest step over the fastest GEMM of the run.", "",
              "| system | step time, s | tokens/s | GFLOP/s | share of GEMM rate | share, by CPU time | share, best "
@@ -324,6 +329,8 @@ def main() -> None:
     parser.add_argument("--sweep-steps", type=int, default=2, help="pairs (setting, unchanged) per sweep setting")
     parser.add_argument("--sweep", default=None, help="comma-separated substrings of the sweep settings to run")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--glibc-malloc", action="store_true",
+                        help="leave glibc's allocator as it is (by default freed memory is kept, as train does on a CPU)")
     parser.add_argument("--from-json", action="store_true",
                         help="rewrite the .md and .png from bench/results/flops.json without running")
     opts = parser.parse_args()
@@ -338,6 +345,10 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sizes = [int(x) for x in opts.gemm.split(",")]
+    if not opts.glibc_malloc:
+        from toolkit.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # as toolkit.loop.train does on a CPU: no fresh zero-filled pages per step, for both systems
     accelerator = make_accelerator()
     main_result = main_comparison(opts, accelerator, sizes)
     sw = None if opts.no_sweep else sweep(opts, accelerator, sizes)
