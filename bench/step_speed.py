@@ -149,7 +149,8 @@ def paired(opts) -> dict:
     from toolkit.loop import train_step
 
     keep_freed_memory()
-    trainer_model, bare_model = copy.deepcopy(model), copy.deepcopy(model)
+    # Four copies of the same weights: toolkit and bare, then Trainer and the toolkit beside it.
+    bare_model, trainer_model, toolkit_beside_trainer = (copy.deepcopy(model) for _ in range(3))
     fused = True if opts.optim == "adamw_torch_fused" else None
     batches = _micro_batches(rows, collator, opts.micro)
     per_step = len(batches) // opts.accum
@@ -161,11 +162,15 @@ def paired(opts) -> dict:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
         return accelerator.prepare(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
 
-    def toolkit_step(accelerator, parts, step):
+    def timed(accelerator, step_fn, *args) -> float:
         accelerator.step = 0  # accelerate's micro-step counter: k micro-steps from a boundary
         started = time.perf_counter()
-        train_step(accelerator, *parts, micro_of(step), step=step, data_parallel_size=1, max_grad_norm=1.0)
+        step_fn(accelerator, *args)
         return time.perf_counter() - started
+
+    def toolkit_step(accelerator, parts, step):
+        return timed(accelerator, lambda acc: train_step(acc, *parts, micro_of(step), step=step, data_parallel_size=1,
+                                                         max_grad_norm=1.0))
 
     # toolkit vs bare: one accelerator, two copies of the model.
     accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -177,10 +182,7 @@ def paired(opts) -> dict:
             if name == "toolkit":
                 took = toolkit_step(accelerator, toolkit_parts, step)
             else:
-                accelerator.step = 0
-                started = time.perf_counter()
-                bare_step(accelerator, *bare_parts, micro_of(step))
-                took = time.perf_counter() - started
+                took = timed(accelerator, bare_step, *bare_parts, micro_of(step))
             if step:  # the first is a warm-up
                 times[name].append(took)
 
@@ -202,7 +204,7 @@ def paired(opts) -> dict:
                 times["toolkit_in_trainer"].append(took)
 
         def on_train_begin(self, *args, **kwargs):
-            self.parts = prepared(trainer.accelerator, trainer_model_for_toolkit)
+            self.parts = prepared(trainer.accelerator, toolkit_beside_trainer)
             self.parts[0].train()
 
         def on_step_begin(self, *args, **kwargs):
@@ -217,7 +219,6 @@ def paired(opts) -> dict:
                 self.toolkit()
             self.step += 1
 
-    trainer_model_for_toolkit = copy.deepcopy(trainer_model)
     trainer = _trainer(trainer_model, rows, collator, opts, opts.paired_steps, Alternate())
     trainer.train()
     return times
