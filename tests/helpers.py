@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), from /proc. torch elastic starts each rank in a session of
+    its own, so a process-group kill of the launcher never reaches them: a test that kills "the job" must find them."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped (a zombie has finished: nobody may reap it in a container whose init does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL a launcher and every process below it as one event, as a node failure does: first each is frozen
+    (SIGSTOP, repeated until no new process appears), then all are killed; no rank runs a line after the freeze."""
+    frozen: list[int] = []
+    while new := [p for p in [pid, *descendants(pid)] if p not in frozen]:
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        frozen += new
+    for p in frozen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:

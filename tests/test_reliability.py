@@ -15,7 +15,19 @@ import sys
 import time
 
 import pytest
-from helpers import CONFIGS, ROOT, args_from, free_port, launch, load_weights, max_abs_diff, subprocess_env
+from helpers import (
+    CONFIGS,
+    ROOT,
+    alive,
+    args_from,
+    descendants,
+    free_port,
+    kill_job,
+    launch,
+    load_weights,
+    max_abs_diff,
+    subprocess_env,
+)
 
 from toolkit import layout
 
@@ -63,17 +75,19 @@ def test_sigterm_to_a_plain_process_saves_and_exits_zero(tmp_path, tiny_model, p
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, tiny_model, padded_data):
+def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(tmp_path, tiny_model, padded_data):
     # 60 steps of a 6-step epoch: long enough that the signal lands mid-run, across epoch boundaries.
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 60}
     straight = str(tmp_path / "straight")
     launch(args_from({**cfg, "output_dir": straight}))
 
+    def launcher(output_dir: str) -> list[str]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
+                "--num_processes", "2", "--main_process_port", str(free_port()),
+                os.path.join(ROOT, "recipes", "gpt2.py"), *args_from({**cfg, "output_dir": output_dir})]
+
     out = str(tmp_path / "preempted")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, "recipes", "gpt2.py"),
-           *args_from({**cfg, "output_dir": out})]
-    output, returncode = _signal_after_3_steps(cmd, out)
+    output, returncode = _signal_after_3_steps(launcher(out), out)
     # torch elastic forwards SIGTERM to the ranks (which save and exit 0) and then exits 128 + SIGTERM itself: the
     # convention schedulers requeue on.
     assert returncode == 128 + signal.SIGTERM, output[-4000:]
@@ -86,6 +100,30 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(tmp_path, tiny_model
     launch(args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}))
     assert max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final"))) <= 1e-6
     assert _steps_logged(out) == list(range(1, 61))
+
+    # The launcher SIGKILLed alone (no signal reaches the ranks: torch elastic gives each a session of its own). The
+    # orphaned ranks see their parent change, finish the step, save and exit, instead of training on into output_dir.
+    lost = str(tmp_path / "launcher-killed")
+    proc = subprocess.Popen(launcher(lost), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while len(_steps_logged(lost)) < 3 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        ranks = descendants(proc.pid)
+        assert proc.poll() is None and len(ranks) >= 2, "the run ended before its launcher could be killed"
+        proc.kill()
+        output, _ = proc.communicate(timeout=120)  # the ranks hold the pipe: EOF once both have exited
+    finally:
+        kill_job(proc.pid)
+    assert not any(alive(p) for p in ranks)
+    stopped = max(_steps_logged(lost))
+    assert 3 <= stopped < 60
+    assert f"launcher gone: saved checkpoint step-{stopped}" in output, output[-4000:]
+    assert open(os.path.join(lost, "checkpoints", "latest")).read() == f"step-{stopped}"
+    assert not os.path.exists(os.path.join(lost, "final"))
+    launch(args_from({**cfg, "output_dir": lost, "resume_from_checkpoint": "latest"}))
+    assert max_abs_diff(load_weights(os.path.join(lost, "final")), load_weights(os.path.join(straight, "final"))) <= 1e-6
 
 
 @pytest.mark.slow
@@ -151,8 +189,8 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml", "fsdp.yaml"])
 def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
-    """SIGKILL to the whole job (launcher and ranks) once a few steps are logged and a checkpoint save is under way
-    (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
+    """SIGKILL to the whole job (launcher and ranks, frozen first so that none runs on) once a few steps are logged and
+    a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
     loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
     with exactly the weights of the uninterrupted run."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 9, "save_steps": 1,
@@ -173,12 +211,12 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, pad
                "--num_processes", "2", "--main_process_port", str(free_port()),
                os.path.join(ROOT, "recipes", "gpt2.py"), *args_from({**cfg, "output_dir": out})]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while not (len(_steps_logged(out)) >= 3 and saving(out)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.002)
         assert proc.poll() is None, "the run ended before it could be killed"
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
         proc.wait(timeout=30)
         killed_at = max(_steps_logged(out))
         assert not os.path.exists(os.path.join(out, "final"))

@@ -501,7 +501,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                                 step=state.step, data_parallel_size=dp, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
                                 after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
-                                stop_flag=preemption.received is not None)
+                                stop_flag=preemption.requested())
             if state.finish_step(result, steps_per_epoch):
                 batches = None
             window.add(result)
@@ -533,8 +533,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                 ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, record=record,
                                      protect=resume_from)
             if preempted:
-                accelerator.print(f"SIGTERM: saved checkpoint step-{state.step}; relaunch with resume_from_checkpoint: "
-                                  "latest to continue", flush=True)
+                accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
+                                  "resume_from_checkpoint: latest to continue", flush=True)
                 break
     finally:
         preemption.restore()
