@@ -55,7 +55,7 @@ def measure(path: str, batch_rows: int | None, cache_dir: str) -> dict:
     seconds = time.time() - started
     return {"mode": "one batch (before)" if batch_rows is None else f"{data.PACK_BATCH_ROWS}-row batches (now)",
             "documents": len(raw["train"]), "blocks": len(packed["train"]), "tokens": len(packed["train"]) * 1024,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "seconds": round(seconds, 1)}
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "seconds": round(seconds, 1)}
 
 
 def main() -> None:

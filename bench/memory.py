@@ -73,9 +73,9 @@ def run_one(name: str, opts) -> dict:
                             max_grad_norm=1.0, chunked_loss=bool(setting.get("loss_chunk_size")))
         times.append(time.perf_counter() - started)
     if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 1e9
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return {"setting": name, "peak_gb": round(peak, 3), "step_s": round(statistics.median(times[1:]), 3),
             "loss": float(result.loss_sum) / max(result.targets, 1)}
 

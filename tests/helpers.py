@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "gpt2.py")
@@ -69,6 +70,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def wait_until_gone(pids: list[int], timeout: float) -> bool:
+    """True once none of ``pids`` is alive (bounded: False after ``timeout`` seconds)."""
+    deadline = time.time() + timeout
+    while any(alive(p) for p in pids):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def kill_job(pid: int) -> None:

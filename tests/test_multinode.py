@@ -3,11 +3,12 @@
 - Two machines: two ``accelerate launch --num_machines 2 --machine_rank 0|1`` processes with one rank each, started
   together (static rendezvous, the shipped configs unchanged: only command-line overrides), under DDP and ZeRO-3;
   each machine sees a world of 2, and the job ends with the weights of the single-machine 2-rank run (SGD, 1e-6).
-- Elastic: ``torchrun --max_restarts 1 --rdzv_backend c10d``; rank 1 is SIGKILLed after step 2 of the first attempt
+- Elastic: ``torchrun --max_restarts 1 --rdzv_backend c10d`` (torch's defaults: the agent's store shared with the
+  ranks); rank 1 is SIGKILLed after step 2 of the first attempt
   (tests/scripts/elastic_run.py); the restart resumes from the latest checkpoint on its own (toolkit.config) and ends
   with the weights of the uninterrupted run.
 - Without a process: what an elastic restart does to the config (resume 'latest', no refusal of its own files, an
-  earlier different run still refused) and the refusal of restarts on a store shared across attempts.
+  earlier different run still refused) and the refusal of restarts across machines on a store shared across attempts.
 """
 
 import json
@@ -27,7 +28,8 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=
               lr_scheduler_type="constant", weight_decay=0, max_steps=3)
 MICRO, ACCUM = 2, 2
 TIMEOUT = 420  # seconds for a whole multi-process job (about 20-50 s here, on 2 shared cores)
-ELASTIC_ENV = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+ELASTIC_ENV = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+               "GROUP_WORLD_SIZE")
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +108,24 @@ def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_pa
 
 # ------------------------------------------------------------------------------ elastic restarts
 @pytest.mark.slow
-def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(runs, reference, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun-c10d", "accelerate-static"])
+def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(runs, reference, tmp_path, launcher):
+    """torchrun's c10d rendezvous (the issue's) and ``accelerate launch --max_restarts`` on a shipped config (static
+    rendezvous), both with torch's defaults: the agent's store is shared with the ranks across attempts, and
+    toolkit.distributed gives each attempt's process group a key space of its own."""
     out = str(tmp_path / "elastic")
     port = free_port()
     env = subprocess_env()
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a store per attempt (see toolkit.config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-           "--monitor_interval", "0.5", os.path.join(SCRIPTS, "elastic_run.py"),
-           *_job_args(runs, out, save_steps=1)]
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    if launcher == "torchrun-c10d":
+        head = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                "--monitor_interval", "0.5"]
+    else:
+        head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
+                "--num_processes", "2", "--main_process_port", str(port), "--max_restarts", "1",
+                "--monitor_interval", "0.5"]
+    cmd = [*head, os.path.join(SCRIPTS, "elastic_run.py"), *_job_args(runs, out, save_steps=1)]
     log = str(tmp_path / "torchrun.log")
     started = time.time()
     with open(log, "w") as f:
@@ -139,10 +150,11 @@ def restart(monkeypatch):
     for name in ELASTIC_ENV:
         monkeypatch.delenv(name, raising=False)
 
-    def become(count: int, shared_store: bool = False) -> None:
+    def become(count: int, shared_store: bool = False, machines: int = 1) -> None:
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
+        monkeypatch.setenv("GROUP_WORLD_SIZE", str(machines))
 
     return become
 
@@ -196,7 +208,10 @@ def test_elastic_restart_still_refuses_another_run(tiny_model, padded_data, tmp_
         parse_args(_argv(tiny_model, padded_data, out))
 
 
-def test_restarts_on_a_store_shared_across_attempts_are_refused(tiny_model, padded_data, tmp_path, restart):
-    restart(0, shared_store=True)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+def test_restarts_across_machines_on_a_store_shared_across_attempts_are_refused(tiny_model, padded_data, tmp_path,
+                                                                                 restart):
+    restart(0, shared_store=True)  # one machine: the ranks' process group takes a key space per attempt
+    parse_args(_argv(tiny_model, padded_data, str(tmp_path / "one")))
+    restart(0, shared_store=True, machines=2)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
     with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        parse_args(_argv(tiny_model, padded_data, str(tmp_path / "run")))
+        parse_args(_argv(tiny_model, padded_data, str(tmp_path / "two")))

@@ -115,13 +115,17 @@ def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, stra
     assert e.value.field_name == field and f"--config_file accelerate_configs/{config} <recipe>" in str(e.value)
 
 
-@pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp"])
+@pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp", "uneven_heads"])
 def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data, case):
     """Refused before the weights load, naming the field: a model without a TP plan (GPT-2), FSDP sharding with TP
-    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel)."""
-    config, world, model = "tp.yaml", 2, tiny_llama
+    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), a tp_size that splits heads."""
+    config, world, model, extra = "tp.yaml", 2, tiny_llama, ()
     if case == "no_plan":
         model, words = tiny_model, "parallelism_config_tp_size: a gpt2 model has no tensor-parallel plan"
+    elif case == "uneven_heads":  # the tiny Llama has 4 heads and 2 KV heads
+        world, extra = 3, ("--parallelism_config_tp_size", "3")
+        words = ("parallelism_config_tp_size: tp_size 3 does not divide this llama model's heads "
+                 "(num_attention_heads 4, num_key_value_heads 2)")
     else:
         spec = yaml.safe_load(open(os.path.join(CONFIGS, "tp.yaml")))
         spec["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
@@ -132,6 +136,6 @@ def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data,
     cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": model,
            "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
     proc = launch(args_from({k: v for k, v in cfg.items() if v is not None}), num_processes=world, config=config,
-                  check=False)
+                  check=False, launcher_args=extra)
     assert proc.returncode == 1 and f"config error: {words}" in proc.stderr, proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "final")

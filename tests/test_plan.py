@@ -52,10 +52,28 @@ def test_lora_and_checkpointing_shrink_what_they_should(llama7b):
     assert full["low"] < full["expected"] < full["high"] and recompute["expected"] < full["expected"] / 5
     rows = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=2, checkpointing=True)}
     assert rows["HSDP"]["model_states"] > rows["ZeRO-3"]["model_states"] and rows["DDP"]["fits"] == "yes"
-    assert "TP" not in rows  # TP runs within one node, without data parallelism (tp.yaml)
+    assert "--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8" in rows["HSDP"]["config"]
+    # TP runs within one node, without data parallelism (tp.yaml): shown, never proposed across nodes
+    assert rows["TP"]["config"] is None and rows["TP"]["fits"] == rows["TP"]["fits_other"] == "n/a"
+    # both activation figures, the one asked for first
+    assert rows["DDP"]["activations"] == recompute and rows["DDP"]["activations_other"] == full
     one_node = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=1)}
-    assert one_node["TP"]["model_states"] == one_node["FSDP2"]["model_states"]
+    assert one_node["TP"]["model_states"] == one_node["FSDP2"]["model_states"] == one_node["HSDP"]["model_states"]
     assert one_node["TP"]["activations"]["expected"] < one_node["FSDP2"]["activations"]["expected"] / 2
+    assert one_node["TP"]["config"].endswith("tp.yaml --parallelism_config_tp_size 8 --num_processes 8")
+
+
+def test_a_classifier_is_counted_as_a_classifier(tmp_path):
+    """The config's own architecture is built (a BERT classifier, not BertLMHeadModel): its logits are num_labels
+    wide, not vocab wide."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=6, architectures=["BertForSequenceClassification"])
+    config.save_pretrained(tmp_path)
+    m = count_model(str(tmp_path))
+    assert m.params == sum(p.numel() for p in BertForSequenceClassification(config).parameters())
+    assert m.vocab == 6
 
 
 def test_the_command(llama7b):
@@ -63,7 +81,17 @@ def test_the_command(llama7b):
                            "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()}
+    lines = {line[:17].strip(): line for line in proc.stdout.splitlines() if line.split()}  # the strategy column
     assert "6.74 B parameters" in proc.stdout
-    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-2:] == ["no", "ddp.yaml"]
-    assert "zero3.yaml" in proc.stdout and "fsdp.yaml" in proc.stdout
+    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-6:] == ["no", "no", "accelerate", "launch",
+                                                                      "--config_file", "accelerate_configs/ddp.yaml"]
+    assert "accelerate_configs/zero3.yaml" in lines["ZeRO-3"] and "accelerate_configs/fsdp.yaml" in lines["FSDP2"]
+    assert "accelerate_configs/zero2.yaml --zero_stage 1" in lines["ZeRO-1"]
+    assert "accelerate_configs/hsdp.yaml" in lines["HSDP"] and "accelerate_configs/tp.yaml" in lines["TP"]
+
+
+def test_a_model_that_is_not_there_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", str(tmp_path / "missing"), "--gpus", "8",
+                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("plan error: --model ") and "Traceback" not in proc.stderr

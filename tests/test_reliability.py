@@ -18,7 +18,6 @@ import pytest
 from helpers import (
     CONFIGS,
     ROOT,
-    alive,
     args_from,
     descendants,
     free_port,
@@ -27,6 +26,7 @@ from helpers import (
     load_weights,
     max_abs_diff,
     subprocess_env,
+    wait_until_gone,
 )
 
 from toolkit import layout
@@ -104,8 +104,9 @@ def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(tmp_path, ti
     # The launcher SIGKILLed alone (no signal reaches the ranks: torch elastic gives each a session of its own). The
     # orphaned ranks see their parent change, finish the step, save and exit, instead of training on into output_dir.
     lost = str(tmp_path / "launcher-killed")
-    proc = subprocess.Popen(launcher(lost), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(launcher(lost), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    ranks: list[int] = []
     try:
         deadline = time.time() + 120
         while len(_steps_logged(lost)) < 3 and time.time() < deadline and proc.poll() is None:
@@ -113,10 +114,11 @@ def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(tmp_path, ti
         ranks = descendants(proc.pid)
         assert proc.poll() is None and len(ranks) >= 2, "the run ended before its launcher could be killed"
         proc.kill()
-        output, _ = proc.communicate(timeout=120)  # the ranks hold the pipe: EOF once both have exited
+        output, _ = proc.communicate(timeout=120)  # the ranks hold the pipe: EOF once both have closed it
+        assert wait_until_gone(ranks, timeout=30), "a rank outlived its launcher"
     finally:
-        kill_job(proc.pid)
-    assert not any(alive(p) for p in ranks)
+        for pid in ranks:  # never leave an orphan training behind a failed assertion
+            kill_job(pid)
     stopped = max(_steps_logged(lost))
     assert 3 <= stopped < 60
     assert f"launcher gone: saved checkpoint step-{stopped}" in output, output[-4000:]

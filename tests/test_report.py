@@ -148,4 +148,12 @@ def test_report_on_real_runs(quickstart, tmp_path):
     assert 0.05 < s["peak_memory_gb"] < 20 and s["mfu"] is None
     summary = json.load(open(os.path.join(launch, "summary.json")))
     assert len(summary["peak_memory_gb_per_rank"]) == 2 and summary["mfu"] is None
+    assert summary["data_parallel_size"] == 2
+    assert s["peak_memory_gb_per_rank"] == summary["peak_memory_gb_per_rank"]
     assert "| peak memory, busiest rank (GB) |" in proc.stdout
+    per_rank = next(line for line in lines if line.startswith("| peak memory per rank (GB) |"))
+    assert len(per_rank.split("|")[3].split()) == 2  # the 2-rank run: one figure per rank
+    rows = [json.loads(line) for line in open(os.path.join(launch, "metrics.jsonl"))]
+    logged = [r for r in rows if "loss" in r]
+    assert all(len(r["peak_memory_gb_per_rank"]) == 2 and max(r["peak_memory_gb_per_rank"]) == pytest.approx(
+        r["peak_memory_gb"], abs=1e-3) for r in logged)

@@ -49,6 +49,17 @@ def test_verify_catches_per_micro_batch_averaging(tmp_path, tiny_model, padded_d
     assert "tolerance 1e-06: FAIL" in proc.stdout and proc.stdout.rstrip().endswith("FAIL")
 
 
+@pytest.mark.slow
+def test_verify_tensor_parallel_uses_the_data_parallel_degree(tmp_path, tiny_llama, padded_data):
+    """Under tp.yaml both ranks take the same rows: the reference's batch is micro x accumulation x 1, not x 2
+    (with the process count it trained on twice the rows and FAILed)."""
+    proc = verify(tmp_path, tiny_llama, padded_data, "--checks", "sgd", config="tp.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("2 processes (data-parallel degree 1) x micro batch 2 x accumulation 2 vs 1 process x micro batch 4"
+            in proc.stdout)
+    assert "tolerance 1e-06: PASS" in proc.stdout
+
+
 def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
     proc = verify(tmp_path, tiny_model, padded_data, "--num_processes", "1")
     assert proc.returncode == 2 and "config error: num_processes" in proc.stderr

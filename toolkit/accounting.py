@@ -69,7 +69,8 @@ def peak_flops(device: torch.device, mixed_precision: str, override: float | Non
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory so far: allocated device memory on a GPU, resident set size (RSS) on a CPU."""
+    """This process's peak memory so far, in GB (10^9 bytes, the unit of ``toolkit plan`` and of device datasheets):
+    allocated device memory on a GPU, resident set size (RSS) on a CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux

@@ -382,17 +382,18 @@ class RunConfig:
     def _continue_elastic_restart(self) -> None:
         args = self.train
         self.elastic_restart = False
-        if layout.elastic_max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torch 2.13's agent shares its rendezvous store with the ranks' process group, across attempts, and the
-            # group's keys carry no attempt number: a restarted rank may read the dead attempt's addresses (measured
-            # with gloo: "Gloo connectFullMesh failed ... Connection refused", or a hang until the store timeout; 4
-            # of 8 restarts under c10d, 2 of 3 under static). c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
-            # each attempt its own store (11 of 11 restarts fine); static always shares it (pytorch #135712).
+        if (layout.elastic_max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                and _int_env("GROUP_WORLD_SIZE", 1) > 1):
+            # The agent shares its rendezvous store with the ranks, across attempts (pytorch #135712). On one machine
+            # the ranks start their process group under a prefix of the attempt (toolkit.distributed
+            # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
+            # restarts its workers for a joining node does not count it), so there each attempt needs a store of
+            # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (11 of 11 restarts fine here).
             raise ConfigError(
                 "max_restarts",
-                "elastic restarts need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 exported before "
-                "the launcher; otherwise a restarted rank connects to the dead attempt's addresses and hangs or fails "
-                "(torch 2.13, pytorch #135712)",
+                "elastic restarts across machines need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "exported before the launcher on every machine; otherwise a restarted rank can connect to the dead "
+                "attempt's addresses and hang or fail (torch 2.13, pytorch #135712)",
             )
         restart = layout.elastic_restart_count()
         if restart <= 0 or args.resume_from_checkpoint is not None or not self._config_written_by_this_job():
@@ -607,3 +608,10 @@ def _exit_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default

@@ -104,9 +104,37 @@ def _skip_deepspeed_shm_build() -> None:
         pass
 
 
+def _process_group_per_elastic_attempt() -> None:
+    """Under torch elastic with restarts, start the process group in a key space of this attempt's own.
+
+    torch 2.13's agent shares its rendezvous store with the ranks (``TORCHELASTIC_USE_AGENT_STORE``: always under a
+    static rendezvous, under c10d unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), the same store across attempts,
+    and ``init_process_group`` writes its keys (gloo/NCCL addresses, barrier counters) with no attempt in their names
+    (``torch.distributed.rendezvous``: "We create a new TCPStore for every retry so no need to add prefix", which is
+    not so for the shared store; pytorch #135712). A restarted rank could read the dead attempt's addresses: measured
+    here, 4 of 8 restarts under c10d and 2 of 3 under static failed ("Gloo connectFullMesh failed ... Connection
+    refused") or hung. The same group, initialised by us before accelerate (which, like DeepSpeed, keeps a group that
+    already exists), on ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt.
+    The restart count is the agent's; on one machine every rank has the same. Across machines an agent that restarts
+    its workers for a joining node does not count it, so there restarts keep needing a store per attempt
+    (``toolkit.config`` refuses them without)."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or layout.elastic_max_restarts() <= 0
+            or not torch.distributed.is_available() or torch.distributed.is_initialized()):
+        return
+    from datetime import timedelta
+
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(minutes=10))
+    attempt = torch.distributed.PrefixStore(f"toolkit-attempt-{layout.elastic_restart_count()}", store)
+    # backend None: gloo for CPU tensors and, where CUDA is, NCCL for GPU ones (what accelerate and DeepSpeed pick).
+    torch.distributed.init_process_group(backend=None, store=attempt, rank=int(os.environ["RANK"]),
+                                         world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def make_accelerator(args: TrainArgs, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     strategy = launched_strategy()
+    _process_group_per_elastic_attempt()
     _check_accumulation_env(args)
     _check_mixed_precision(kwargs.get("mixed_precision"))
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)

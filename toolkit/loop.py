@@ -292,14 +292,15 @@ class LogWindow:
         self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
 
     def flush(self) -> dict:
-        """Collective: the window's mean token loss, throughput, MFU and the peak memory of the busiest rank."""
+        """Collective: the window's mean token loss, throughput, MFU and the peak memory of every rank."""
         total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum")) / self.replicas
         memory = peak_memory_per_rank(self.accelerator)
         tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
         out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
                "tokens_per_s_per_device": tokens_per_s / world,
                "steps_per_s": self.steps / max(self.throughput.seconds(), 1e-9),
-               "peak_memory_gb": float(memory.max())}
+               "peak_memory_gb": float(memory.max()),
+               "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory.tolist()]}
         if self.peak_flops:
             out["mfu"] = self.flops_per_token * tokens_per_s / world / self.peak_flops
         self.loss.zero_()
@@ -563,6 +564,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         "final_model": os.path.abspath(final_dir) if args.save_final_model and not preempted else None,
         "preempted": preempted,
         "world_size": world,
+        "data_parallel_size": dp,  # ranks taking other rows: world / tp_size
         "distributed_type": accelerator.distributed_type.value,
     }
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even

@@ -107,7 +107,10 @@ class MetricsLogger:
                 self.accelerator.log(scalars, step=row["step"])
             if "loss" in row:
                 post = {"loss": f"{row['loss']:.4f}", "lr": f"{row.get('lr', 0):.2e}",
-                        "tok_s": f"{row.get('tokens_per_s', 0):.0f}", "mem": f"{row.get('peak_memory_gb', 0):.2f}G"}
+                        "tok_s": f"{row.get('tokens_per_s', 0):.0f}",
+                        "tok_s_dev": f"{row.get('tokens_per_s_per_device', 0):.0f}",
+                        "steps_s": f"{row.get('steps_per_s', 0):.3g}",
+                        "mem": f"{row.get('peak_memory_gb', 0):.2f}GB"}
                 if row.get("mfu") is not None:
                     post["mfu"] = f"{100 * row['mfu']:.1f}%"
                 self.bar.set_postfix(**post)

@@ -104,6 +104,15 @@ def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
         raise ConfigError("parallelism_config_tp_size", f"a {config.model_type} model has no tensor-parallel plan in "
                                                         "transformers (Llama, Mistral, Qwen and most recent decoder "
                                                         "models have one); use tp_size 1 (ddp/fsdp/zero configs)")
+    # The plan splits q/k/v/o by output rows, whole heads per rank: a split head fails deep inside the first forward
+    # with a shape error (SmolLM2-135M: 9 heads and 3 KV heads take tp_size 3, not 2).
+    heads = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
+    uneven = {name: n for name, n in heads.items() if isinstance(n, int) and n % tp_size}
+    if uneven:
+        counts = ", ".join(f"{name} {n}" for name, n in heads.items() if isinstance(n, int))
+        raise ConfigError("parallelism_config_tp_size", f"tp_size {tp_size} does not divide this {config.model_type} "
+                                                        f"model's heads ({counts}): pick a tp_size that divides each "
+                                                        "(with --num_processes equal to it)")
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
                                 distributed_config=DistributedConfig(tp_size=tp_size), **_kw(args))

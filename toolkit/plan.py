@@ -20,9 +20,10 @@ With D data-parallel devices:
     ZeRO-2     (gradients + optimizer) / D
     ZeRO-3     (weights + gradients + optimizer) / D      FSDP2 the same
     ZeRO-3 + offload: optimizer state (and fp32 master weights) in CPU memory; the device holds weights + gradients / D
-    HSDP       everything / (devices per node): sharded within a node, replicated across nodes
-    TP         everything / (devices per node), one node (tp.yaml: TP with data parallelism is refused); activations
-               inside attention and the MLP / t too
+    HSDP       everything / (devices per node): sharded within a node, replicated across nodes (on one node:
+               FSDP2's figures, with dp_replicate_size 1)
+    TP         everything / (devices per node), one node only (tp.yaml: TP with data parallelism is refused);
+               activations inside attention and the MLP / t too
 
 With LoRA (``--lora-r``) the base weights are frozen (weights only, sharded like the weights); the adapters (r x
 (in + out) per linear layer of every block) carry the 16 bytes.
@@ -36,7 +37,7 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
 
 plus the logits of the whole micro batch, b s V x (4 fp32 + 4 fp32 gradient) bytes (x 0.5 / 1 / 1.5), which
 ``loss_chunk_size`` removes. With ``--gradient-checkpointing`` each layer keeps only its input (2 s b h) and one
-layer's activations are alive again during its recompute. A strategy fits when model states + high activations are
+layer's activations are alive again during its recompute; both are printed, the run asked for first. A strategy fits when model states + high activations are
 below 90% of the device's memory (CUDA context and fragmentation take the rest); "maybe" when only the expected do.
 """
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 GB = 1e9
@@ -64,14 +66,14 @@ class ModelCount:
 def count_model(model: str, lora_r: int | None = None) -> ModelCount:
     """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from toolkit.accounting import model_shape
 
     source = os.path.dirname(model) if model.endswith(".json") else model
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config)
+        net = _build(config)
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
     trainable = params
     if lora_r:
@@ -83,8 +85,27 @@ def count_model(model: str, lora_r: int | None = None) -> ModelCount:
         params += trainable  # the adapters are weights too (held like the base's), and the only ones with state
     layers, width = model_shape(config)
     heads = getattr(config, "num_attention_heads", None) or config.n_head
-    return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads,
-                      vocab=config.vocab_size)
+    # The logits of the micro batch: a causal LM's are vocab wide, a classifier's num_labels wide.
+    head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+    logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
+    return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits)
+
+
+def _build(config):
+    """The model the recipes would load: the config's own architecture (``BertForSequenceClassification`` for a
+    classifier, ``LlamaForCausalLM`` ...) when transformers has it, else a causal LM, else the bare model (a sentence
+    encoder such as all-MiniLM-L6-v2 names ``BertModel``: what ``recipes/classify.py`` trains is that plus a
+    num_labels x width head, which the count misses by that much)."""
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls(config)
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM.from_config(config)
+    return AutoModel.from_config(config)
 
 
 def state_bytes(m: ModelCount, precision: str, deepspeed_stage: int | None) -> dict:
@@ -138,34 +159,47 @@ def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkp
     return out
 
 
-STRATEGIES = (  # name, accelerate_configs/ file
-    ("DDP", "ddp.yaml"),
-    ("ZeRO-1", "zero2.yaml with zero_stage: 1"),
-    ("ZeRO-2", "zero2.yaml"),
-    ("ZeRO-3", "zero3.yaml"),
-    ("ZeRO-3 + offload", "zero3_offload.yaml"),
-    ("FSDP2", "fsdp.yaml"),
-    ("HSDP", "hsdp.yaml"),
-    ("TP", "tp.yaml"),
-)
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
+
+
+def launch_config(strategy: str, gpus: int, nodes: int) -> str | None:
+    """The ``accelerate launch`` options that run ``strategy`` (None: not with these versions on this layout)."""
+    c = "--config_file accelerate_configs/"
+    if strategy == "ZeRO-1":
+        return c + "zero2.yaml --zero_stage 1"
+    if strategy == "HSDP":  # shard within a node (fast links), replicate across nodes
+        return (c + f"hsdp.yaml --parallelism_config_dp_replicate_size {nodes} "
+                f"--parallelism_config_dp_shard_size {gpus} --num_processes {gpus * nodes}")
+    if strategy == "TP":  # within one node and alone: TP with data parallelism is refused (toolkit.distributed)
+        return None if nodes > 1 else (c + f"tp.yaml --parallelism_config_tp_size {gpus} --num_processes {gpus}")
+    return c + {"DDP": "ddp.yaml", "ZeRO-2": "zero2.yaml", "ZeRO-3": "zero3.yaml",
+                "ZeRO-3 + offload": "zero3_offload.yaml", "FSDP2": "fsdp.yaml"}[strategy]
+
+
+def _fits(total: dict, gpu_memory: float) -> str:
+    if total["high"] <= HEADROOM * gpu_memory:
+        return "yes"
+    return "maybe" if total["expected"] <= HEADROOM * gpu_memory else "no"
 
 
 def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int = 4, seq: int = 2048,
          precision: str = "bf16", checkpointing: bool = False) -> list[dict]:
+    """One row per strategy. ``activations``/``total``/``fits`` are for the run asked for (``checkpointing``); the
+    same for the other choice are under ``*_other`` so that a user sees what checkpointing would change."""
     devices = gpus * nodes
-    act = activation_bytes(m, micro, seq, precision, checkpointing)
     rows = []
-    for name, config in STRATEGIES:
-        if (name == "HSDP" and nodes == 1) or (name == "TP" and nodes > 1):  # TP: within a node, without dp (tp.yaml)
-            continue
+    for name in STRATEGIES:
+        config = launch_config(name, gpus, nodes)
         states = model_states_per_device(m, name, devices, gpus, precision)
-        row_act = activation_bytes(m, micro, seq, precision, checkpointing, tp=gpus) if name == "TP" else act
         on_device = sum(v for k, v in states.items() if k != "cpu")
-        total = {case: on_device + a for case, a in row_act.items()}
-        fits = "yes" if total["high"] <= HEADROOM * gpu_memory else (
-            "maybe" if total["expected"] <= HEADROOM * gpu_memory else "no")
-        rows.append({"strategy": name, "config": config, **states, "model_states": on_device,
-                     "activations": row_act, "total": total, "fits": fits})
+        tp = gpus if name == "TP" else 1
+        row = {"strategy": name, "config": config, **states, "model_states": on_device}
+        for suffix, ckpt in (("", checkpointing), ("_other", not checkpointing)):
+            act = activation_bytes(m, micro, seq, precision, ckpt, tp=tp)
+            total = {case: on_device + a for case, a in act.items()}
+            row.update({f"activations{suffix}": act, f"total{suffix}": total,
+                        f"fits{suffix}": _fits(total, gpu_memory) if config else "n/a"})
+        rows.append(row)
     return rows
 
 
@@ -178,23 +212,26 @@ def parse_size(text: str) -> float:
 
 
 def format_plan(m: ModelCount, rows: list[dict], args) -> str:
+    ckpt, other = ("with", "without") if args.gradient_checkpointing else ("without", "with")
     lines = [
         f"{args.model}: {m.params / 1e9:.2f} B parameters ({m.trainable / 1e9:.4f} B trained), {m.layers} layers x "
-        f"{m.width}, vocab {m.vocab}; {args.nodes} node(s) x {args.gpus} device(s) of {args.gpu_memory / GB:.0f} GB; "
-        f"micro batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}"
-        + (", gradient checkpointing" if args.gradient_checkpointing else ""),
-        "GB per device. activations low / expected / high; fits: high (expected) below 90% of the device",
+        f"{m.width}; {args.nodes} node(s) x {args.gpus} device(s) of {args.gpu_memory / GB:.0f} GB; "
+        f"micro batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}, {ckpt} gradient checkpointing",
+        f"GB (10^9 bytes) per device. activations low / expected / high, {ckpt} and {other} gradient checkpointing; "
+        "fits: high (maybe: expected) below 90% of the device",
         "",
-        f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activations':>20} "
-        f"{'total (expected)':>17} {'fits':>5}  launch config",
+        f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activations':>17} "
+        f"{other + ' ckpt':>17} {'total (expected)':>17} {'fits':>5} {other + ' ckpt':>12}  launch",
     ]
     for r in rows:
-        a = r["activations"]
-        acts = f"{a['low'] / GB:.1f}/{a['expected'] / GB:.1f}/{a['high'] / GB:.1f}"
-        cpu = f" (+{r['cpu'] / GB:.1f} CPU)" if r.get("cpu") else ""
+        acts = ["/".join(f"{a[k] / GB:.1f}" for k in ("low", "expected", "high"))
+                for a in (r["activations"], r["activations_other"])]
+        cpu = f" (+{r['cpu'] / GB:.1f} GB optimizer state in CPU memory)" if r.get("cpu") else ""
+        launch = (f"accelerate launch {r['config']}{cpu}" if r["config"] else
+                  "one node only (tensor parallel with data parallelism is refused with these versions)")
         lines.append(f"{r['strategy']:<17} {r['weights'] / GB:>8.2f} {r['gradients'] / GB:>8.2f} "
-                     f"{r['optimizer'] / GB:>8.2f} {r['model_states'] / GB:>8.2f} {acts:>20} "
-                     f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5}  {r['config']}{cpu}")
+                     f"{r['optimizer'] / GB:>8.2f} {r['model_states'] / GB:>8.2f} {acts[0]:>17} {acts[1]:>17} "
+                     f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5} {r['fits_other']:>12}  {launch}")
     return "\n".join(lines)
 
 
@@ -210,7 +247,15 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-r", type=int, default=None)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args(argv)
-    m = count_model(args.model, args.lora_r)
+    for name in ("gpus", "nodes", "micro_batch", "seq_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        m = count_model(args.model, args.lora_r)
+    except (OSError, ValueError) as e:  # no such folder, no config.json, a Hub name while offline
+        print(f"plan error: --model {args.model}: {str(e).splitlines()[0]} (give a model folder, its config.json "
+              "or a Hub name that is reachable or cached)", file=sys.stderr)
+        return 2
     rows = plan(m, args.gpus, args.gpu_memory, args.nodes, args.micro_batch, args.seq_len, args.precision,
                 args.gradient_checkpointing)
     print(format_plan(m, rows, args))

@@ -105,7 +105,9 @@ def summarize(run: dict) -> dict:
         "strategy": summary.get("distributed_type"),
         "micro_batch": micro,
         "accumulation": accum,
-        "global_batch": micro * accum * world if micro and accum and world else None,
+        # Under tensor parallelism the ranks of a group share rows: the batch splits over the data-parallel degree.
+        "global_batch": micro * accum * (summary.get("data_parallel_size") or world) if micro and accum and world
+        else None,
         "steps": max((r.get("step", 0) for r in rows), default=0),
         "tokens_seen": max((r.get("tokens_seen", 0) for r in rows), default=0),
         "first_train_loss": train[0]["loss"] if train else None,
@@ -120,6 +122,8 @@ def summarize(run: dict) -> dict:
         "steps_per_s": summary.get("steps_per_s"),
         "mfu": _mean(r.get("mfu") for r in train),
         "peak_memory_gb": max((r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None), default=None),
+        "peak_memory_gb_per_rank": summary.get("peak_memory_gb_per_rank") or next(
+            (r["peak_memory_gb_per_rank"] for r in reversed(rows) if r.get("peak_memory_gb_per_rank")), None),
         "seconds": summary.get("seconds"),
         "final_model": _final_model(run),
     }
@@ -151,6 +155,7 @@ ROWS = (  # (label, key, format)
     ("optimizer steps/s (wall)", "steps_per_s", ".3f"),
     ("MFU (mean of logged steps)", "mfu", ".1%"),
     ("peak memory, busiest rank (GB)", "peak_memory_gb", ".2f"),
+    ("peak memory per rank (GB)", "peak_memory_gb_per_rank", None),
     ("wall time (s)", "seconds", ".1f"),
     ("final model", "final_model", "s"),
 )
@@ -165,6 +170,8 @@ def _fmt(value, spec) -> str:
 
 
 def _cell(s: dict, label: str, key, spec) -> str:
+    if key == "peak_memory_gb_per_rank":
+        return " ".join(f"{v:.2f}" for v in s[key]) if s.get(key) else "?"
     if label.startswith("micro batch"):
         return f"{_fmt(s['micro_batch'], 'd')} x {_fmt(s['accumulation'], 'd')}"
     if label.startswith("train loss"):

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     work = args.work_dir or tempfile.mkdtemp(prefix="toolkit-verify-")
-    print(f"verify {args.config_file}: {plan['world']} processes x micro batch {plan['micro']} x accumulation "
+    degree = f" (data-parallel degree {plan['dp']})" if plan["dp"] != plan["world"] else ""
+    print(f"verify {args.config_file}: {plan['world']} processes{degree} x micro batch {plan['micro']} x accumulation "
           f"{plan['accum']} vs 1 process x micro batch {plan['global']}; {args.steps} steps, fp32, dropout off, "
           f"shuffle on; recipe {args.recipe}; runs in {work}", flush=True)
     print(f"  verify sets: {' '.join(_fixed_overrides(args.steps))} and, per check, optim, learning_rate, "
@@ -152,14 +153,32 @@ def _plan(args, recipe_args: list[str]) -> dict:
                                            "pass --num_processes 2 or more")
     cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", os.devnull + "-unused"])
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
-    return {"world": world, "micro": micro, "accum": accum, "global": world * micro * accum}
+    # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
+    # match is micro x accumulation x the data-parallel degree, not x the process count.
+    model_parallel = _config_model_parallel(args.config_file)
+    if world % model_parallel:
+        raise ConfigError("num_processes", f"is {world}, not a multiple of the config's tp_size x cp_size "
+                                           f"({model_parallel})")
+    dp = world // model_parallel
+    return {"world": world, "dp": dp, "micro": micro, "accum": accum, "global": dp * micro * accum}
 
 
-def _config_processes(path: str) -> int:
+def _read_config(path: str) -> dict:
     import yaml
 
     with open(path) as f:
-        return int((yaml.safe_load(f) or {}).get("num_processes", 1))
+        return yaml.safe_load(f) or {}
+
+
+def _config_processes(path: str) -> int:
+    return int(_read_config(path).get("num_processes", 1))
+
+
+def _config_model_parallel(path: str) -> int:
+    """tp_size x cp_size of the launch config's ``parallelism_config`` (1 without one)."""
+    parallel = _read_config(path).get("parallelism_config") or {}
+    return (int(parallel.get("parallelism_config_tp_size", 1) or 1)
+            * int(parallel.get("parallelism_config_cp_size", 1) or 1))
 
 
 def _fixed_overrides(steps: int) -> list[str]:
