@@ -37,8 +37,9 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
 
 plus the logits of the whole micro batch, b s V x (4 fp32 + 4 fp32 gradient) bytes (x 0.5 / 1 / 1.5), which
 ``loss_chunk_size`` removes. With ``--gradient-checkpointing`` each layer keeps only its input (2 s b h) and one
-layer's activations are alive again during its recompute; both are printed, the run asked for first. A strategy fits when model states + high activations are
-below 90% of the device's memory (CUDA context and fragmentation take the rest); "maybe" when only the expected do.
+layer's activations are alive again during its recompute; both are printed, the run asked for first. A strategy
+fits when model states + high activations are below 90% of the device's memory (CUDA context and fragmentation take
+the rest); "maybe" when only the expected do. docs/memory.md has the same, for readers of the docs.
 """
 
 from __future__ import annotations
