@@ -383,7 +383,7 @@ class RunConfig:
         args = self.train
         self.elastic_restart = False
         if (layout.elastic_max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                and _int_env("GROUP_WORLD_SIZE", 1) > 1):
+                and layout.elastic_machines() > 1):
             # The agent shares its rendezvous store with the ranks, across attempts (pytorch #135712). On one machine
             # the ranks start their process group under a prefix of the attempt (toolkit.distributed
             # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
@@ -608,10 +608,3 @@ def _exit_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _int_env(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default

@@ -133,6 +133,14 @@ def elastic_max_restarts() -> int:
         return 0
 
 
+def elastic_machines() -> int:
+    """Machines (agents) in the torch elastic job that started this process (``GROUP_WORLD_SIZE``; 1 outside one)."""
+    try:
+        return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def read_checkpoint_state(checkpoint: str) -> dict | None:
     """The toolkit's own record inside a checkpoint folder (``toolkit_state.json``), or None if it has none."""
     path = os.path.join(checkpoint, CHECKPOINT_STATE)
