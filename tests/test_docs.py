@@ -1,13 +1,84 @@
-"""The README's layout table matches the files: every toolkit module is listed, every listed path exists."""
+"""The README and docs/ match the files: every toolkit module is in the README's layout table, every listed path, every
+file a shown command names and every relative link exists, every config field is documented, the README stays short."""
 
+import dataclasses
+import glob
 import os
 import re
 
 from helpers import ROOT
 
+README = os.path.join(ROOT, "README.md")
+README_MAX_LINES = 250
+
+# A token of a shown command that names a file of this repository.
+PATH_PREFIXES = ("recipes/", "accelerate_configs/", "scripts/", "bench/", "tests/", "toolkit/", "docs/", "notebooks/",
+                 ".ci/")
+PATH_SUFFIXES = (".py", ".yaml", ".sh", ".sbatch", ".ipynb")
+# Paths a command writes or that stand for the user's own (run folders, data, machines elsewhere), never the repo's.
+NOT_REPOSITORY = ("outputs/", "data/", "/", "~", "$", "-")
+COMMAND_LANGUAGES = ("", "bash", "sh", "shell", "console")
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+-]*)")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _markdown_files() -> list[str]:
+    return [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def _name(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def _split_fences(text: str) -> tuple[list[tuple[str, list[str]]], str]:
+    """The fenced code blocks ((language, lines) each) and the text outside them."""
+    blocks, prose, current, fence = [], [], None, None
+    for line in text.splitlines():
+        match = FENCE.match(line)
+        if current is None:
+            if match:
+                fence, current = match.group(1), (match.group(2).lower(), [])
+            else:
+                prose.append(line)
+        elif match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence) and not match.group(2):
+            blocks.append(current)
+            current = None
+        else:
+            current[1].append(line)
+    assert current is None, "a code block is never closed"
+    return blocks, "\n".join(prose)
+
+
+def _repository_paths(line: str) -> list[str]:
+    paths = []
+    for token in line.split():
+        token = token.split("=", 1)[1] if re.match(r"^-*[\w.-]+=", token) else token
+        token = token.strip("\"'`(),;").split("::", 1)[0]
+        if not token or token.startswith(NOT_REPOSITORY) or "<" in token or "..." in token or "path/to" in token:
+            continue
+        if token.startswith(PATH_PREFIXES) or ("/" in token and token.endswith(PATH_SUFFIXES)):
+            paths.append(token)
+    return paths
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: str) -> set[str]:
+    _, prose = _split_fences(open(path).read())
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", prose, flags=re.M):
+        slug = _slug(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    anchors.update(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", prose))
+    return anchors
+
 
 def _layout_table() -> str:
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(README).read()
     return readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
 
 
@@ -19,3 +90,49 @@ def test_readme_layout_table_matches_the_files():
     assert not modules - listed, f"toolkit modules missing from the README's layout table: {sorted(modules - listed)}"
     for path in sorted(p for p in listed if "/" in p):
         assert os.path.exists(os.path.join(ROOT, path)), f"the README's layout table names {path}, which does not exist"
+
+
+def test_readme_is_short():
+    lines = len(open(README).read().splitlines())
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail "
+                                       "to a page in docs/ and link to it")
+
+
+def test_every_command_shown_names_files_that_exist():
+    missing = []
+    for md in _markdown_files():
+        blocks, _ = _split_fences(open(md).read())
+        for language, lines in blocks:
+            if language not in COMMAND_LANGUAGES:
+                continue
+            for line in lines:
+                missing += [f"{_name(md)}: {path}   (in: {line.strip()})" for path in _repository_paths(line)
+                            if not os.path.exists(os.path.join(ROOT, path))]
+    assert not missing, "commands in the docs name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for md in _markdown_files():
+        _, prose = _split_fences(open(md).read())
+        for target in LINK.findall(prose):
+            if re.match(r"^[a-z][\w+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(md), path)) if path else md
+            if not os.path.exists(full):
+                broken.append(f"{_name(md)}: {target} (no file {_name(full)})")
+            elif anchor and full.endswith(".md") and anchor not in _anchors(full):
+                broken.append(f"{_name(md)}: {target} (no heading or anchor #{anchor} in {_name(full)})")
+    assert not broken, "links in the docs that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_configuration_page_names_every_field():
+    from toolkit import config
+
+    page = open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    fields = {f.name for obj in vars(config).values() if dataclasses.is_dataclass(obj) and isinstance(obj, type)
+              for f in dataclasses.fields(obj) if "help" in f.metadata}
+    assert len(fields) > 40, f"found only {len(fields)} config fields in toolkit/config.py"
+    missing = sorted(name for name in fields if f"`{name}`" not in page)
+    assert not missing, f"config fields missing from docs/configuration.md: {missing}"
