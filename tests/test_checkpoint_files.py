@@ -13,7 +13,7 @@ import os
 import pytest
 
 from toolkit import layout
-from toolkit.checkpoint import rotate_checkpoints
+from toolkit.checkpointing.checkpoint import rotate_checkpoints
 
 
 def _make(out, steps=(), tmp=(), others=()) -> str:
@@ -208,7 +208,7 @@ def test_a_converted_copy_is_no_checkpoint_and_goes_with_its_original(tmp_path):
     ("fsdp1", 2, "fsdp1", 2, None),
 ])
 def test_load_plan_loads_or_converts(wrote, world, strategy, ranks, plan):
-    from toolkit.resume import load_plan
+    from toolkit.checkpointing.resume import load_plan
 
     assert load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks) == plan
 
@@ -221,7 +221,7 @@ def test_load_plan_loads_or_converts(wrote, world, strategy, ranks, plan):
 ])
 def test_load_plan_refuses_what_no_conversion_loads(wrote, world, strategy, ranks, command):
     from toolkit.errors import ConfigError
-    from toolkit.resume import load_plan
+    from toolkit.checkpointing.resume import load_plan
 
     with pytest.raises(ConfigError) as e:
         load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)

@@ -167,7 +167,7 @@ def test_zero3_from_scratch_initialises_like_one_process(runs, tiny_model):
 def test_resume_equals_straight_run(runs, strategy):
     """3 steps straight == 2 steps, stop, resume from the sharded checkpoint (same strategy, same world), 1 more.
 
-    FSDP1 is the one that needed a fix (toolkit.checkpoint.load_checkpoint: the AdamW moments were silently not
+    FSDP1 is the one that needed a fix (toolkit.checkpointing.checkpoint.load_checkpoint: the AdamW moments were silently not
     loaded, 2.7e-3 off); ZeRO-3 stands for DeepSpeed (per-rank partition files)."""
     straight = runs.strategy(strategy, "adamw", ADAMW)
     step2 = os.path.join(straight, "checkpoints", "step-2")
@@ -182,7 +182,7 @@ def test_resume_equals_straight_run(runs, strategy):
 # The world size a checkpoint was written with does not bind its resume (the global batch does): 2 ranks x 2 x 2
 # resumed by 1 process x 4 x 2, and 1 x 4 x 2 resumed by 2 ranks, both continue the writer's run. DDP's files load
 # anywhere; FSDP2's DCP checkpoint reshards; ZeRO-3's is converted to DeepSpeed's universal format beside it.
-# Measured here: ZeRO-3 8e-9 both ways (before the fixes in toolkit.checkpoint.load_checkpoint: 9.3e-5), ZeRO-2
+# Measured here: ZeRO-3 8e-9 both ways (before the fixes in toolkit.checkpointing.checkpoint.load_checkpoint: 9.3e-5), ZeRO-2
 # 1.1e-8, FSDP2 1.2e-7, DDP 3e-8 (DDP 2 -> 1 is test_core.py::test_resume_with_another_split_of_the_same_global_batch).
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, writer, reader", [("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2), ("zero3", 2, 1),

@@ -47,6 +47,11 @@ def flops_per_token(n_params: int, n_layers: int, width: int, seq_len: float) ->
     return 6 * n_params + 12 * n_layers * width * seq_len
 
 
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak: float | None) -> float | None:
+    """Model FLOP utilisation: the model FLOP/s each device achieved over its peak (None when the peak is unknown)."""
+    return flops_per_token * tokens_per_s / devices / peak if peak else None
+
+
 def model_shape(config) -> tuple[int, int]:
     """(layers, width) of a transformers config, under either naming (GPT-2's n_layer / n_embd or the usual)."""
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer

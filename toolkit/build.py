@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data, layout, lora
+from toolkit import data, lora
+from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
 from toolkit.distributed import (
     data_parallel_size,
@@ -36,7 +37,6 @@ from toolkit.model import (
     parameter_dtypes,
 )
 from toolkit.order import require_one_global_batch
-from toolkit.resume import check_resume, order_record
 from toolkit.tasks import CausalLM
 
 
@@ -49,11 +49,12 @@ class Parts:
     collator: Any  # pads a micro-batch (the task's)
     block_size: int
     task: Any = None  # toolkit.tasks: what a row's loss and the evaluation are
+    resume: ResumePlan | None = None  # planned before the weights loaded (None without an accelerator)
 
     def train_kwargs(self) -> dict:
         """The keyword arguments of ``toolkit.loop.train`` after ``cfg`` and ``accelerator``."""
         return dict(model=self.model, tokenizer=self.tokenizer, train_dataset=self.train_dataset,
-                    eval_dataset=self.eval_dataset, collator=self.collator, task=self.task)
+                    eval_dataset=self.eval_dataset, collator=self.collator, task=self.task, resume=self.resume)
 
 
 def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
@@ -87,14 +88,12 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
     else:
         lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
 
-    checkpointing = cfg.train.gradient_checkpointing
-    if accelerator is not None:  # checked here too so that it stops before the weights load
+    checkpointing, resume = cfg.train.gradient_checkpointing, None
+    if accelerator is not None:  # checked here so that a run that cannot go on stops before the weights load
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
         require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
                                  data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
-        resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
-        if resume_from is not None:
-            check_resume(resume_from, cfg, order_record(cfg, lm["train"]), accelerator)  # raises, or it can load
+        resume = plan_resume(cfg, accelerator, lm["train"])  # refuses a resume that cannot continue; carried to train
     tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
     model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
@@ -114,4 +113,4 @@ def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
         disable_dropout(model)
         log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
-                 collator=task.collator(tokenizer), block_size=block_size, task=task)
+                 collator=task.collator(tokenizer), block_size=block_size, task=task, resume=resume)

@@ -218,7 +218,7 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
 
     Only the stream's final partial block (< block_size tokens) is left out. run_clm's ``group_texts`` instead drops
     each 1000-row map batch's tail, up to block_size-1 tokens per batch; a single map batch over the whole split
-    avoids that but holds the split in Python lists (~100 bytes per token: ~12 GB for wikitext-103). Here the map
+    avoids that but holds the split in Python lists (docs/pitfalls.md#packing). Here the map
     batches are bounded (``PACK_BATCH_ROWS`` documents) and the result is the same as one batch: each block belongs
     to the batch in which it *starts*, and a block that runs past the batch's last document reads the few documents
     it needs from the dataset (at most block_size tokens). Stateless per batch, so ``num_proc`` and the cache work.

@@ -220,7 +220,7 @@ def _check_accumulation_env(args: TrainArgs) -> None:
 
 def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universal: bool = False) -> None:
     """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it.
-    ``load_universal``: the resume loads a universal checkpoint (``toolkit.convert``), which the engine must know."""
+    ``load_universal``: the resume loads a universal checkpoint (``toolkit.checkpointing.convert``), which the engine must know."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config

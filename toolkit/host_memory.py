@@ -2,17 +2,17 @@
 
 Why. glibc serves every block above its mmap threshold (32 MiB at most) with a fresh ``mmap`` and unmaps it on
 ``free``. A CPU training step allocates several logits-sized tensors per micro-step (the logits, log_softmax's output,
-their gradients: batch x seq x vocab x 4 bytes, 4 x 256 x 50257 = 206 MB each), so the kernel maps and zero-fills
-about 2 GB of new pages every optimizer step: ~490,000 page faults, a third of the step's wall time on this machine
-(``bench/step_speed.py``: 2.07 s per step with glibc's defaults, 1.36 s with freed blocks kept). It is also why two
-identical steps in one process differ by 10% or more: which tensors land on fresh pages decides it.
+their gradients: batch x seq x vocab x 4 bytes each), so the kernel maps and zero-fills gigabytes of new pages every
+optimizer step: page faults take a large share of the step's wall time (``bench/step_speed.py``; the figures are in
+docs/performance.md#where-a-cpu-step-spends-its-time and docs/pitfalls.md#glibc-mmap). It is also why two identical
+steps in one process can differ by 10% or more: which tensors land on fresh pages decides it.
 
 How. ``mallopt(M_MMAP_MAX, 0)`` serves large blocks from the heap too, and ``mallopt(M_TRIM_THRESHOLD, 2 GiB)`` keeps
 freed memory at the heap's top instead of returning it. Both act inside the running process (no launcher and no
 environment variable set before start), which is what torch's own CPU launcher gets by preloading tcmalloc or
 jemalloc (``python -m torch.backends.xeon.run_cpu --enable_tcmalloc``). The cost: the process keeps its peak heap
 until it exits, like CUDA's caching allocator, and that heap fragments (torch asks for 64-byte aligned blocks, which a
-freed block of the same size cannot serve): +31% to +39% peak RSS measured, so ``toolkit.loop`` leaves it off for runs
+freed block of the same size cannot serve): peak RSS grows (docs/performance.md), so ``toolkit.loop`` leaves it off for runs
 that turn on a memory switch. GPU ranks never call this (their large tensors are on the device, in torch's caching
 allocator); nor do allocators other than glibc's (musl, macOS), where it returns False.
 """

@@ -12,8 +12,10 @@ One optimizer step (``train_step``), on each of the W data-parallel ranks:
 The outer loop (``train``) does, between steps, a flat sequence: fetch the step's micro-batches from the epoch's
 order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps``.
 
-Everything needed to continue exactly lives in ``LoopState`` (written as JSON into every checkpoint, with what the
-sample order depends on; ``toolkit.resume``) and the optimizer/scheduler/RNG states that ``save_state`` writes.
+Everything needed to continue exactly lives in ``LoopState`` (``toolkit.state``; written as JSON into every
+checkpoint, with what the sample order depends on) and the optimizer/scheduler/RNG states that ``save_state`` writes;
+``toolkit.checkpointing.Checkpointer`` saves and loads them: the loop calls its ``load`` once and its ``save`` after
+every step.
 """
 
 from __future__ import annotations
@@ -21,85 +23,31 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from toolkit import checkpoint as ckpt
 from toolkit import layout
-from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, peak_memory_gb
+from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops
+from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
 from toolkit.config import RunConfig, TrainArgs, write_config
-from toolkit.convert import UNIVERSAL, convert
 from toolkit.distributed import (
     configure_deepspeed,
     data_parallel_size,
     keep_embeddings_out_of_fsdp_units,
-    strategy_name,
 )
 from toolkit.errors import TrainingStopped
 from toolkit.host_memory import keep_freed_memory
 from toolkit.loss import micro_step_loss
-from toolkit.metrics import MetricsLogger, Throughput, format_run_summary, write_summary
+from toolkit.metrics import LogWindow, MetricsLogger, format_run_summary, parallel_degrees, run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
-from toolkit.resume import check_resume, order_record
+from toolkit.state import LoopState, StepResult
 from toolkit.tasks import CausalLM
-
-
-@dataclass
-class LoopState:
-    """The loop's position. Saved in every checkpoint's ``toolkit_state.json``."""
-
-    step: int = 0  # optimizer steps completed
-    epoch: int = 0  # current epoch
-    step_in_epoch: int = 0  # optimizer steps completed within the current epoch
-    tokens_seen: int = 0  # non-pad input tokens, all ranks
-    targets_seen: int = 0  # next-token targets, all ranks
-    samples_seen: int = 0  # rows, all ranks
-    skipped_steps: int = 0  # steps whose gradient norm was not finite (skip_nonfinite_steps)
-    world_size: int = 1  # the world of this run (in a checkpoint: the world that wrote it)
-    global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
-
-    def finish_step(self, result: StepResult, steps_per_epoch: int) -> bool:
-        """Count a finished optimizer step; True when it was the epoch's last (the position moves to the next epoch,
-        so a checkpoint taken now resumes at the start of the next epoch)."""
-        self.step += 1
-        self.step_in_epoch += 1
-        self.tokens_seen += result.tokens
-        self.targets_seen += result.targets
-        self.samples_seen += self.global_batch_size
-        self.skipped_steps += result.skipped
-        if self.step_in_epoch < steps_per_epoch:
-            return False
-        self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        return True
-
-    def epochs_done(self, steps_per_epoch: int) -> float:
-        return self.epoch + self.step_in_epoch / steps_per_epoch
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did. ``loss_sum`` is this rank's share (reduced only when logged, to save a
-    collective per step); ``targets`` and ``tokens`` are global."""
-
-    loss_sum: torch.Tensor  # summed token cross-entropy of this rank's micro-batches, fp64, on the device
-    targets: int  # next-token targets of the whole global batch
-    tokens: int  # non-pad input tokens of the whole global batch
-    grad_norm: float | None  # global pre-clip gradient norm
-    skipped: bool = False  # the norm was not finite and the optimizer step was not applied
-    stop_requested: bool = False  # some rank was asked to stop (SIGTERM) before this step began
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
@@ -269,61 +217,6 @@ def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: Loo
     return iter(accelerator.skip_first_batches(train_dl, skip) if skip else train_dl)
 
 
-class LogWindow:
-    """Training loss, throughput, MFU and peak memory since the last logged step. The loss is reduced over ranks only
-    when logged (``toolkit.accounting`` says how MFU is counted)."""
-
-    def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None, replicas: int = 1):
-        self.accelerator = accelerator
-        self.replicas = replicas  # ranks holding the same rows (tensor parallel): their losses are the same rows
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        self.targets = 0
-        self.steps = 0
-        self.throughput = Throughput()
-
-    def add(self, result: StepResult) -> None:
-        self.loss += result.loss_sum
-        self.targets += result.targets
-        self.steps += 1
-        self.throughput.add(result.tokens)
-
-    def exclude(self, seconds: float) -> None:
-        self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
-
-    def flush(self) -> dict:
-        """Collective: the window's mean token loss, throughput, MFU and the peak memory of every rank."""
-        total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum")) / self.replicas
-        memory = peak_memory_per_rank(self.accelerator)
-        tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
-        out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
-               "tokens_per_s_per_device": tokens_per_s / world,
-               "steps_per_s": self.steps / max(self.throughput.seconds(), 1e-9),
-               "peak_memory_gb": float(memory.max()),
-               "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory.tolist()]}
-        if self.peak_flops:
-            out["mfu"] = self.flops_per_token * tokens_per_s / world / self.peak_flops
-        self.loss.zero_()
-        self.targets = self.steps = 0
-        self.throughput.reset()
-        return out
-
-
-def peak_memory_per_rank(accelerator) -> torch.Tensor:
-    """Collective: every rank's peak memory so far, in GB (``toolkit.accounting.peak_memory_gb``)."""
-    return accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
-
-
-def parallel_degrees(accelerator) -> str:
-    """'; dp_replicate 2 x dp_shard 2' when accelerate's ParallelismConfig splits the ranks (HSDP), else ''."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or config.total_size <= 1:
-        return ""
-    parts = [f"{name} {getattr(config, name + '_size')}" for name in ("dp_replicate", "dp_shard", "tp", "cp")
-             if getattr(config, name + "_size", 1) > 1]
-    return "; " + " x ".join(parts)
-
-
 def _call(callbacks, event: str, **kwargs) -> None:
     for cb in callbacks or ():
         fn = getattr(cb, event, None)
@@ -331,66 +224,52 @@ def _call(callbacks, event: str, **kwargs) -> None:
             fn(**kwargs)
 
 
+class Evaluation:
+    """The task's evaluation between steps, and the best value of its metric so far (e.g. perplexity, lower)."""
+
+    def __init__(self, accelerator, model, eval_dl, task):
+        self.accelerator, self.model, self.eval_dl, self.task = accelerator, model, eval_dl, task
+        self.name, self.better = task.best_metric  # e.g. ("perplexity", min)
+        self.best = None
+
+    def due(self, args: TrainArgs, step: int, last: bool) -> bool:
+        return self.eval_dl is not None and ((args.eval_steps and step % args.eval_steps == 0) or last)
+
+    def into(self, row: dict) -> dict:
+        """Collective: evaluate, add the metrics to ``row`` and return it."""
+        result = evaluate(self.accelerator, self.model, self.eval_dl, self.task)
+        row.update(result)
+        value = result[self.name]
+        self.best = value if self.best is None else self.better(self.best, value)
+        return row
+
+
 @dataclass
-class ResumePlan:
-    checkpoint: str  # the checkpoint resume_from_checkpoint names
-    load_from: str  # the folder that loads: the checkpoint, or its converted copy
-    conversion: str | None  # toolkit.convert's kind, or None
-    saved: dict  # its toolkit_state.json
+class Run:
+    """What the outer loop works with: the strategy's prepared objects, the sample order and the run's length."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_dl: DataLoader
+    eval_dl: DataLoader | None
+    sampler: GlobalBatchSampler
+    total_steps: int
+    data_parallel_size: int  # ranks that take different rows (under tensor parallelism: fewer than the world)
+    checkpointer: Checkpointer
+    flops_per_token: float  # model FLOPs per trained token (toolkit.accounting)
+    peak_flops: float | None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
 
 
-def _plan_resume(accelerator, cfg: RunConfig, order: dict, model) -> ResumePlan | None:
-    """Before ``prepare``: the checkpoint ``resume_from_checkpoint`` names, after refusing one that cannot continue
-    the same sample order (``toolkit.resume``; ``build`` has checked it already, before the weights loaded), and the
-    folder to load, converted first if this launch cannot load it as written (collective: ``toolkit.convert``).
-    None when the run starts afresh."""
-    resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
-    if resume_from is None:
-        return None
-    saved, conversion = check_resume(resume_from, cfg, order, accelerator)
-    load_from = resume_from if conversion is None else convert(accelerator, resume_from, conversion, model,
-                                                               log=accelerator.print)
-    return ResumePlan(resume_from, load_from, conversion, saved)
-
-
-def _resume(accelerator, cfg: RunConfig, state: LoopState, optimizer, scheduler, plan: ResumePlan | None) -> str | None:
-    """After ``prepare``: load the planned checkpoint (collective) and the loop's position. Returns its folder."""
-    if plan is None:
-        return None
-    saved = plan.saved
-    accelerator.print(f"resuming from {plan.checkpoint} (written by {saved['loop']['world_size']} ranks, "
-                      f"{saved['strategy']}, at step {saved['loop']['step']})")
-    ckpt.load_checkpoint(accelerator, plan.load_from, optimizer, scheduler, universal=plan.conversion == UNIVERSAL)
-    state.load_state_dict(saved["loop"])
-    state.world_size = accelerator.num_processes
-    # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another split of
-    # the same global batch (8 x 1 resumed as 4 x 2) its boundaries would fall mid-step. Ours is the truth.
-    accelerator.step = state.step * cfg.train.gradient_accumulation_steps
-    return plan.checkpoint
-
-
-def _prepare_output_dir(accelerator, args: TrainArgs, resume_from: str | None) -> None:
-    """Main process, before the run writes anything: clear a killed save's leftovers; move an earlier run aside."""
-    for path in layout.remove_stale_temporaries(args.output_dir):
-        accelerator.print(f"removed {path}, left by a save that was interrupted")
-    if resume_from is None and args.overwrite_output_dir:
-        aside = layout.move_run_aside(args.output_dir)
-        if aside:
-            accelerator.print(f"overwrite_output_dir: the earlier run's files were moved to {aside}")
-
-
-def checkpoint_record(accelerator, state: LoopState, order: dict) -> dict:
-    """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),
-    what the order depends on, and the strategy whose format the checkpoint is in."""
-    return {"loop": state.state_dict(), "order": order, "strategy": strategy_name(accelerator)}
-
-
-# ---------------------------------------------------------------------------------------------- the loop
 def _reuse_cpu_memory(args: TrainArgs, model) -> bool:
     """``cpu_memory_reuse``, unset: on, unless the run asked for less memory. The kept heap fragments (torch asks glibc
     for 64-byte aligned blocks, which a freed block of the same size cannot serve), and eats what the memory switches
-    save: bench/memory.py measured activation checkpointing + chunked loss at 3.4 GB peak RSS without it, 8.8 GB
-    with it. The model's flag is also set when FSDP's launch-config checkpointing was handed over to transformers."""
+    save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's
+    flag is also set when FSDP's launch-config checkpointing was handed over to transformers."""
     if args.cpu_memory_reuse is not None:
         return args.cpu_memory_reuse
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
@@ -399,174 +278,157 @@ def _reuse_cpu_memory(args: TrainArgs, model) -> bool:
     return not (args.loss_chunk_size or checkpointing)
 
 
+def _model_flops_per_token(model, train_dataset, packing: bool) -> float:
+    """Before ``prepare`` (ZeRO-3 and FSDP shard the parameters): 6N + 12 L d T at the run's mean row length."""
+    layers, width = model_shape(model.config)
+    rows = train_dataset[: min(len(train_dataset), 256)]["input_ids"]
+    mean_row = len(rows[0]) if packing else sum(len(r) for r in rows) / len(rows)
+    return flops_per_token(count_parameters(model), layers, width, mean_row)
+
+
+def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
+                resume: ResumePlan | None = None) -> Run:
+    """The order, the loaders, the optimizer and the scheduler, prepared for the strategy; the resume plan (planned
+    here when ``build`` did not plan it) and the ``Checkpointer`` that carries it."""
+    args = cfg.train
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    dp = data_parallel_size(accelerator)
+    require_one_global_batch(len(train_dataset), micro, dp, accumulation)
+    sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * sampler.steps_per_epoch)
+    loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
+                          num_workers=args.dataloader_num_workers)]
+    if eval_dataset is not None and len(eval_dataset) > 0:
+        loaders.append(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
+                                  collate_fn=collator, num_workers=args.dataloader_num_workers))
+    if accelerator.device.type == "cpu" and _reuse_cpu_memory(args, model) and keep_freed_memory():
+        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
+    per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
+    optimizer = build_optimizer(model, args)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=total_steps)
+    resume = resume or plan_resume(cfg, accelerator, train_dataset)
+    configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
+    keep_embeddings_out_of_fsdp_units(accelerator, model)
+    model, optimizer, *loaders, scheduler = accelerator.prepare(model, optimizer, *loaders, scheduler)
+    return Run(model=model, optimizer=optimizer, scheduler=scheduler, train_dl=loaders[0],
+               eval_dl=loaders[1] if len(loaders) > 1 else None, sampler=sampler, total_steps=total_steps,
+               data_parallel_size=dp,
+               checkpointer=Checkpointer(accelerator, cfg, resume, model, optimizer, scheduler, tokenizer),
+               flops_per_token=per_token, peak_flops=peak_flops(accelerator.device, accelerator.mixed_precision,
+                                                                args.peak_flops))
+
+
+def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, resumed_from: str | None,
+                    train_dataset) -> MetricsLogger:
+    """The resolved config, the trackers and metrics.jsonl (a resumed run keeps the rows up to its checkpoint); the
+    run's shape printed once."""
+    args = cfg.train
+    if accelerator.is_main_process:
+        write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
+    accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
+                                                 if isinstance(value, (int, float, str, bool))})
+    global_batch, per_epoch = run.sampler.global_batch_size, run.steps_per_epoch
+    tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
+    accelerator.print(
+        f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
+        f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
+        f"{args.gradient_accumulation_steps} | global batch {global_batch} sequences"
+        + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else " (padded, variable length)")
+        + f" | {per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch) | "
+        f"{run.total_steps} optimizer steps from step {state.step}"
+    )
+    return MetricsLogger(accelerator, args.output_dir, run.total_steps, start_step=state.step,
+                         resume=resumed_from is not None)
+
+
+def _log_step(args: TrainArgs, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
+              evaluation: Evaluation, logger: MetricsLogger) -> dict | None:
+    """Collective when it logs or evaluates (every rank decides alike): the step's metrics row, or None."""
+    row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
+    logged = state.step % args.logging_steps == 0 or last
+    if logged:
+        row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush())
+        if state.skipped_steps:
+            row["skipped_steps"] = state.skipped_steps
+    evaluated = evaluation.due(args, state.step, last)
+    if evaluated:
+        started = time.perf_counter()
+        evaluation.into(row)
+        window.exclude(time.perf_counter() - started)  # tokens/s counts training time only
+    if not (logged or evaluated):
+        return None
+    logger.log(row)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- the loop
 def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
-          callbacks=None, task=None) -> dict:
+          callbacks=None, task=None, resume: ResumePlan | None = None) -> dict:
     """Train, evaluate, checkpoint and export. Returns a summary dict (also printed on the main process).
 
     ``callbacks``: objects with any of ``on_prepared(accelerator, model, optimizer)``,
     ``on_micro_step(accelerator, state, micro_step)``, ``on_step_end(accelerator, state, row)`` and
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
     and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
-    LM by default).
+    LM by default). ``resume``: the plan ``toolkit.build`` made before the weights loaded (planned here if None).
     """
-    task = task or CausalLM()
-    args = cfg.train
-    world, accumulation, micro = accelerator.num_processes, args.gradient_accumulation_steps, \
-        args.per_device_train_batch_size
-    dp = data_parallel_size(accelerator)  # ranks that take different rows (under tensor parallelism: fewer than world)
-    started = time.time()
+    task, args, started = task or CausalLM(), cfg.train, time.time()
+    run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
+    model, accumulation = run.model, args.gradient_accumulation_steps
+    _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
+    state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
+    resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
+    logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset)
+    start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
+    evaluation = Evaluation(accelerator, model, run.eval_dl, task)
+    if run.eval_dl is not None and args.eval_on_start and state.step == 0:
+        logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
+    window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,
+                       replicas=accelerator.num_processes // run.data_parallel_size)
 
-    # --- the order, the loaders, the optimizer; prepared for the strategy
-    require_one_global_batch(len(train_dataset), micro, dp, accumulation)
-    sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
-    global_batch, steps_per_epoch = sampler.global_batch_size, sampler.steps_per_epoch
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-
-    train_dl = DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
-                          num_workers=args.dataloader_num_workers)
-    eval_dl = None
-    if eval_dataset is not None and len(eval_dataset) > 0:
-        eval_dl = DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
-                             collate_fn=collator, num_workers=args.dataloader_num_workers)
-    if accelerator.device.type == "cpu" and _reuse_cpu_memory(args, model) and keep_freed_memory():
-        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
-    n_params = count_parameters(model)  # before prepare: ZeRO-3 and FSDP shard the parameters
-    optimizer = build_optimizer(model, args)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=total_steps)
-    order = order_record(cfg, train_dataset)  # fixed for the run: hashed once, written into every checkpoint
-    plan = _plan_resume(accelerator, cfg, order, model)
-    configure_deepspeed(accelerator, args, load_universal=plan is not None and plan.conversion == UNIVERSAL)
-    keep_embeddings_out_of_fsdp_units(accelerator, model)
-    if eval_dl is not None:
-        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
-                                                                             scheduler)
-    else:
-        model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=optimizer)
-
-    # --- the position (from a checkpoint when resuming), the run's files
-    state = LoopState(world_size=world, global_batch_size=global_batch)
-    resume_from = _resume(accelerator, cfg, state, optimizer, scheduler, plan)
-    if accelerator.is_main_process:
-        _prepare_output_dir(accelerator, args, resume_from)
-        write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
-    accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
-                                                 if isinstance(value, (int, float, str, bool))})
-    logger = MetricsLogger(accelerator, args.output_dir, total_steps, start_step=state.step,
-                           resume=resume_from is not None)
-    tokens_at_start, start_step = state.tokens_seen, state.step  # a resumed run's rates count this attempt only
-    tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
-    accelerator.print(
-        f"world size {world} ({accelerator.distributed_type.value}{parallel_degrees(accelerator)}) | micro batch "
-        f"{micro} | accumulation "
-        f"{accumulation} | global batch {global_batch} sequences"
-        + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else " (padded, variable length)")
-        + f" | {steps_per_epoch} steps/epoch ({len(train_dataset) - steps_per_epoch * global_batch} "
-        f"rows left out per epoch) | {total_steps} optimizer steps from step {state.step}"
-    )
-
-    best_name, better = task.best_metric  # e.g. ("perplexity", min)
-    best = None
-
-    def evaluate_into(row: dict) -> None:
-        nonlocal best
-        result = evaluate(accelerator, model, eval_dl, task)
-        row.update(result)
-        best = result[best_name] if best is None else better(best, result[best_name])
-
-    if eval_dl is not None and args.eval_on_start and state.step == 0:
-        row = {"step": 0, "epoch": 0.0, "tokens_seen": 0}
-        evaluate_into(row)
-        logger.log(row)
-
-    # --- the steps
     def after_backward(micro_step: int) -> None:
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
-    layers, width = model_shape(accelerator.unwrap_model(model).config)
-    mean_row = (sum(len(r) for r in train_dataset[:256]["input_ids"]) / min(len(train_dataset), 256))
-    per_token = flops_per_token(n_params, layers, width, tokens_per_row or mean_row)
-    peak = peak_flops(accelerator.device, accelerator.mixed_precision, args.peak_flops)
-    window = LogWindow(accelerator, per_token, peak, replicas=world // dp)
-    preemption = Preemption()
-    preempted = False
-    batches = None
+    preemption, preempted, batches = Preemption(), False, None
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
-        while state.step < total_steps:
+        while state.step < run.total_steps:
             if batches is None:  # an epoch starts, or resumes part-way
-                batches = epoch_batches(accelerator, train_dl, sampler, state, accumulation)
+                batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, accumulation)
             micro_batches = [next(batches) for _ in range(accumulation)]
-            result = train_step(accelerator, model, optimizer, scheduler, micro_batches,
-                                step=state.step, data_parallel_size=dp, max_grad_norm=args.max_grad_norm,
+            result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
+                                data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
                                 after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
                                 stop_flag=preemption.requested())
-            if state.finish_step(result, steps_per_epoch):
-                batches = None
+            if state.finish_step(result, run.steps_per_epoch):
+                batches = None  # the epoch's last step: the next one starts the next epoch
             window.add(result)
             logger.advance()
-
-            # Every rank takes the same decisions here, so the collectives inside (loss reduction, eval) are matched.
-            last = state.step == total_steps
-            row = {"step": state.step, "epoch": state.epochs_done(steps_per_epoch), "tokens_seen": state.tokens_seen}
-            logged = state.step % args.logging_steps == 0 or last
-            if logged:
-                window_stats = window.flush()
-                row.update(lr=scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window_stats)
-                if state.skipped_steps:
-                    row["skipped_steps"] = state.skipped_steps
-            evaluated = eval_dl is not None and ((args.eval_steps and state.step % args.eval_steps == 0) or last)
-            if evaluated:
-                eval_started = time.perf_counter()
-                evaluate_into(row)
-                window.exclude(time.perf_counter() - eval_started)
-            if logged or evaluated:
-                logger.log(row)
-            _call(callbacks, "on_step_end", accelerator=accelerator, state=state,
-                  row=row if (logged or evaluated) else None)
+            last = state.step == run.total_steps
+            row = _log_step(args, state, result, last, run, window, evaluation, logger)
+            _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
             # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
             # after the next one (the flag is sent with the counts, before the step's first backward).
-            preempted = state.step < total_steps and result.stop_requested
-            if (args.save_steps and state.step % args.save_steps == 0) or preempted:
-                record = checkpoint_record(accelerator, state, order)
-                ckpt.save_checkpoint(accelerator, args.output_dir, state.step, args.save_total_limit, record=record,
-                                     protect=resume_from)
+            preempted = not last and result.stop_requested
+            run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
             if preempted:
                 accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
                                   "resume_from_checkpoint: latest to continue", flush=True)
                 break
     finally:
         preemption.restore()
-
-    # --- the end: plot, export, summary (a preempted run is not finished: no export)
     logger.close()
     if accelerator.is_main_process:
         plot_run(args.output_dir)
-    final_dir = layout.final_dir(args.output_dir)
-    if args.save_final_model and not preempted:
-        ckpt.save_final(accelerator, model, tokenizer, final_dir, merge_lora=cfg.model.merge_lora)
-    elapsed = time.time() - started
-    memory = peak_memory_per_rank(accelerator)
-    tokens_per_s = (state.tokens_seen - tokens_at_start) / elapsed if elapsed > 0 else 0.0
-    summary = {
-        "steps": state.step,
-        "epochs": state.epochs_done(steps_per_epoch),
-        "tokens_seen": state.tokens_seen,
-        "seconds": elapsed,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": tokens_per_s / world,
-        "steps_per_s": (state.step - start_step) / elapsed if elapsed > 0 else 0.0,
-        "mfu": per_token * tokens_per_s / world / peak if peak else None,
-        "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory],
-        f"best_eval_{best_name}": best,
-        "final_model": os.path.abspath(final_dir) if args.save_final_model and not preempted else None,
-        "preempted": preempted,
-        "world_size": world,
-        "data_parallel_size": dp,  # ranks taking other rows: world / tp_size
-        "distributed_type": accelerator.distributed_type.value,
-    }
+    exported = args.save_final_model and not preempted  # a preempted run is not finished: no export
+    summary = run_summary(
+        accelerator, state, epochs=state.epochs_done(run.steps_per_epoch), seconds=time.time() - started,
+        tokens=state.tokens_seen - start_tokens, steps=state.step - start_step, flops_per_token=run.flops_per_token,
+        peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), preempted=preempted,
+        final_model=os.path.abspath(layout.final_dir(args.output_dir)) if exported else None,
+        data_parallel_size=run.data_parallel_size)
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass.
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)

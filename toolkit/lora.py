@@ -3,7 +3,7 @@
 Only the adapters (and ``lora_modules_to_save``) get gradients, so the optimizer (``toolkit.loop.build_optimizer``
 takes the parameters that require grad) holds their state only; the base weights are frozen and come out of training
 unchanged, bit for bit. Every strategy works through the same code (measured: the adapters trained under DDP,
-ZeRO-2, ZeRO-3 and FSDP2 are identical, ``../shared/notes``):
+ZeRO-2, ZeRO-3 and FSDP2 are identical: docs/strategies.md#lora-under-every-strategy):
 
 - the export gathers the full state dict like any other (``checkpoint.full_state_dict``: ZeRO-3 through
   ``stage3_gather_16bit_weights_on_model_save``; on other ranks it is None under ZeRO-3 and ``{}`` under FSDP2) and

@@ -1,6 +1,8 @@
-"""Run metrics: ``output_dir/metrics.jsonl`` (one JSON object per logging step), accelerate trackers, progress bar.
+"""Run metrics: ``output_dir/metrics.jsonl`` (one JSON object per logging step), accelerate trackers, progress bar,
+the log window (loss, throughput, MFU and peak memory between two logged steps) and the run summary.
 
-Only the main process writes. Values are global (already reduced over ranks) before they get here.
+Only the main process writes. Values are global (reduced over ranks: ``LogWindow.flush`` does it) before they are
+written. torch is imported where it is used, so that readers of finished runs (``toolkit report``) start fast.
 """
 
 from __future__ import annotations
@@ -144,3 +146,95 @@ class Throughput:
     def rate(self) -> float:
         dt = self.seconds()
         return self.tokens / dt if dt > 0 else 0.0
+
+
+class LogWindow:
+    """Training loss, throughput, MFU and peak memory since the last logged step. The loss is reduced over ranks only
+    when logged (``toolkit.accounting`` says how MFU is counted)."""
+
+    def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None, replicas: int = 1):
+        import torch
+
+        self.accelerator = accelerator
+        self.replicas = replicas  # ranks holding the same rows (tensor parallel): their losses are the same rows
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        self.targets = 0
+        self.steps = 0
+        self.throughput = Throughput()
+
+    def add(self, result) -> None:
+        """Count a ``toolkit.state.StepResult``."""
+        self.loss += result.loss_sum
+        self.targets += result.targets
+        self.steps += 1
+        self.throughput.add(result.tokens)
+
+    def exclude(self, seconds: float) -> None:
+        self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
+
+    def flush(self) -> dict:
+        """Collective: the window's mean token loss, throughput, MFU and the peak memory of every rank."""
+        from toolkit.accounting import mfu
+
+        total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum")) / self.replicas
+        memory = peak_memory_per_rank(self.accelerator)
+        tokens_per_s, world = self.throughput.rate(), self.accelerator.num_processes
+        out = {"loss": total / max(self.targets, 1), "tokens_per_s": tokens_per_s,
+               "tokens_per_s_per_device": tokens_per_s / world,
+               "steps_per_s": self.steps / max(self.throughput.seconds(), 1e-9),
+               "peak_memory_gb": float(memory.max()),
+               "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory.tolist()]}
+        if self.peak_flops:
+            out["mfu"] = mfu(self.flops_per_token, tokens_per_s, world, self.peak_flops)
+        self.loss.zero_()
+        self.targets = self.steps = 0
+        self.throughput.reset()
+        return out
+
+
+def peak_memory_per_rank(accelerator):
+    """Collective: every rank's peak memory so far, in GB (``toolkit.accounting.peak_memory_gb``), as a tensor."""
+    import torch
+
+    from toolkit.accounting import peak_memory_gb
+
+    return accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
+
+
+def parallel_degrees(accelerator) -> str:
+    """'; dp_replicate 2 x dp_shard 2' when accelerate's ParallelismConfig splits the ranks (HSDP), else ''."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or config.total_size <= 1:
+        return ""
+    parts = [f"{name} {getattr(config, name + '_size')}" for name in ("dp_replicate", "dp_shard", "tp", "cp")
+             if getattr(config, name + "_size", 1) > 1]
+    return "; " + " x ".join(parts)
+
+
+def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: int, steps: int, flops_per_token: float,
+                peak_flops: float | None, best: tuple[str, float | None], final_model: str | None, preempted: bool,
+                data_parallel_size: int) -> dict:
+    """Collective (peak memory is gathered): the end-of-run summary (``summary.json``). ``tokens`` and ``steps``: what
+    this attempt trained (a resumed run's rates count this attempt only); ``best``: (metric name, best value)."""
+    from toolkit.accounting import mfu
+
+    world = accelerator.num_processes
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    return {
+        "steps": state.step,
+        "epochs": epochs,
+        "tokens_seen": state.tokens_seen,
+        "seconds": seconds,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / world,
+        "steps_per_s": steps / seconds if seconds > 0 else 0.0,
+        "mfu": mfu(flops_per_token, tokens_per_s, world, peak_flops),
+        "peak_memory_gb_per_rank": [round(float(m), 3) for m in peak_memory_per_rank(accelerator)],
+        f"best_eval_{best[0]}": best[1],
+        "final_model": final_model,
+        "preempted": preempted,
+        "world_size": world,
+        "data_parallel_size": data_parallel_size,  # ranks taking other rows: world / tp_size
+        "distributed_type": accelerator.distributed_type.value,
+    }

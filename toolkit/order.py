@@ -1,7 +1,7 @@
 """The global sample order: which rows each rank sees in each micro-step. Owned here, not by the DataLoader.
 
 Why: with ``shuffle=True`` and the same seed, accelerate's prepared DataLoader gives one process and two processes
-different global batches (measured: all 16 steps differed). Training that is "the same on any world size" and a resume
+different global batches (docs/pitfalls.md#sample-order). Training that is "the same on any world size" and a resume
 that is exact need the order to be a pure function of (seed, epoch, position), independent of the world size and of
 the accumulation. So:
 
@@ -68,7 +68,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     # Deliberately not called ``set_epoch``: accelerate's DataLoaderShard calls ``set_epoch(self.iteration)`` on
     # every ``__iter__`` with its own counter, which restarts at 0 on the loader ``skip_first_batches`` builds for a
-    # resume (accelerate #2823 / #4195). Our epoch is the loop's state, set only by the loop.
+    # resume (docs/pitfalls.md#set-epoch). Our epoch is the loop's state, set only by the loop.
     def use_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 

@@ -16,9 +16,8 @@ It prints max |dw| and the two loss curves side by side, then PASS or FAIL: SGD 
 reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-5. The AdamW check runs with eps 1e-6:
 Adam's update is about lr * g / (|g| + eps), so with the usual 1e-8 a parameter whose gradient is near 1e-8 turns
 fp32 rounding noise (another summation order on another CPU) into a visible change of its step, and the verdict would
-depend on the machine (reported: 1.2e-4 on one CPU, 1.4e-5 on another; 2.4e-6 with eps 1e-6; measured here with eps
-1e-6: 5.9e-6 to 6.9e-6 across the strategies). At 1e-5 it still catches a missing clip and a norm taken over one
-shard (off by sqrt(2)): 5e-4 to 8e-3 depending on the run (tests/test_core.py). DeepSpeed clips inside its
+depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
+shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/test_core.py). DeepSpeed clips inside its
 engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
 Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error.
 
@@ -60,8 +59,8 @@ def _optimizer_overrides(name: str, args) -> list[str]:
     """Appended after the user's arguments (the command line's last value wins)."""
     if name == "sgd":
         # Plain SGD is linear in the gradient, so this run has no clipping: on CPU the fp32 norm of a large gradient
-        # is itself off by 1e-5 to 1e-3 relative, differently for every sharding (measured: torch's vector_norm of
-        # 1.6M fp32 values vs fp64), which clipping turns into ~1e-5 of dw. Clipping is checked by the AdamW run.
+        # is itself off by a little, differently for every sharding, which clipping would turn into a visible dw
+        # (docs/strategies.md, toolkit verify). Clipping is checked by the AdamW run.
         return ["--optim", "sgd", "--learning_rate", str(args.sgd_lr), "--weight_decay", "0", "--max_grad_norm", "0"]
     return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01",
             "--adam_epsilon", str(ADAMW_EPSILON)]

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 import gpt2  # noqa: E402  the recipe itself, unchanged
 
-from toolkit.checkpoint import torch_optimizer  # noqa: E402
+from toolkit.checkpointing.checkpoint import torch_optimizer  # noqa: E402
 
 PROBE_IDS = torch.arange(100, 124).view(2, 12)
 

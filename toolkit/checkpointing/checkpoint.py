@@ -90,13 +90,13 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
 
     accelerate loads an FSDP1 sharded optimizer checkpoint *into the shape of the current optimizer state*
     (``FSDP.optim_state_dict`` as the DCP template). A freshly built AdamW has no state until its first step, so the
-    template is empty and the saved moments are silently skipped (measured: a resumed step 2.7e-3 off the straight
-    run; FSDP2 and DeepSpeed are exact). Materialising the state first, as torch's own DCP helpers do, fixes it.
+    template is empty and the saved moments are silently skipped (docs/pitfalls.md#fsdp1-optimizer-load; FSDP2 and
+    DeepSpeed are exact). Materialising the state first, as torch's own DCP helpers do, fixes it.
 
-    ``universal``: ``path`` is a DeepSpeed universal checkpoint (``toolkit.convert``). DeepSpeed's ZeRO-3 loader
-    copies the hyperparameters of the *first* param group into every group (stage3.py,
+    ``universal``: ``path`` is a DeepSpeed universal checkpoint (``toolkit.checkpointing.convert``). DeepSpeed's
+    ZeRO-3 loader copies the hyperparameters of the *first* param group into every group (stage3.py,
     ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``; stage 1/2 match them group by group): the no-decay group
-    (biases, LayerNorm) then decays at the first group's weight_decay (measured: 1.0e-5 off after one AdamW step). The
+    (biases, LayerNorm) then decays at the first group's weight_decay (docs/pitfalls.md#zero3-universal-groups). The
     groups' own values, which the recipe fixes, are put back, and each group's learning rate is the one the
     restored ``scheduler`` gives it.
     """
@@ -150,8 +150,8 @@ def _save_tensor_parallel(accelerator: Accelerator, folder: str) -> None:
 
 
 def _load_tensor_parallel(accelerator: Accelerator, folder: str) -> None:
-    """Load what ``_save_tensor_parallel`` wrote (collective), into the same TP layout (``toolkit.resume`` refuses
-    another). ``get_state_dict`` gives the template DCP reads into, and creates a fresh optimizer's state first (a
+    """Load what ``_save_tensor_parallel`` wrote (collective), into the same TP layout
+    (``toolkit.checkpointing.resume`` refuses another). ``get_state_dict`` gives the template DCP reads into, and creates a fresh optimizer's state first (a
     step at lr 0), so that the saved moments have somewhere to go (see ``load_checkpoint`` on FSDP1)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -175,7 +175,7 @@ def torch_optimizer(optimizer):
 def _unshare_step_counters(optimizer) -> None:
     """Give every parameter's AdamW ``step`` its own tensor. DeepSpeed's ZeRO-3 universal loader stores one tensor
     object as the step of every group; torch's AdamW increments it in place once per group and step, so the second
-    group's bias correction runs ahead (measured: 9e-5 off after one step, with two groups)."""
+    group's bias correction runs ahead (docs/pitfalls.md#zero3-universal-groups)."""
     import torch
 
     inner = torch_optimizer(optimizer)

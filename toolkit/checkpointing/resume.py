@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 
-from toolkit import convert, layout
+from toolkit import layout
+from toolkit.checkpointing import convert
 from toolkit.distributed import data_parallel_size, strategy_name
 from toolkit.errors import ConfigError
 
@@ -52,13 +53,14 @@ def order_record(cfg, train_dataset) -> dict:
     }
 
 
-# How each strategy's checkpoint is relaunched, and which loads are known to work (measured, see
-# ../shared/notes/next-capabilities.md): plain weights + optimizer files load under single/ddp on any world size;
-# FSDP2's DCP checkpoint reshards onto any world size under FSDP2; a DeepSpeed checkpoint loads on its own world size
-# as written and on any other through DeepSpeed's universal format (toolkit.convert); FSDP2's converts to the plain
-# files for single/ddp (toolkit.convert); FSDP1's loads on the same world only; a tensor-parallel one (DCP folders of
-# its TP shards, toolkit.checkpoint) under TP with the same tp_size (its world size: TP runs alone here) only:
-# another tp_size is untested, and refused.
+# How each strategy's checkpoint is relaunched, and which loads are known to work (tested; the figures are in
+# docs/strategies.md#checkpoints-across-world-sizes-and-strategies): plain weights + optimizer files load under
+# single/ddp on any world size; FSDP2's DCP checkpoint reshards onto any world size under FSDP2; a DeepSpeed
+# checkpoint loads on its own world size as written and on any other through DeepSpeed's universal format
+# (toolkit.checkpointing.convert); FSDP2's converts to the plain files for single/ddp (toolkit.checkpointing.convert);
+# FSDP1's loads on the same world only; a tensor-parallel one (DCP folders of its TP shards,
+# toolkit.checkpointing.checkpoint) under TP with the same tp_size (its world size: TP runs alone here) only: another
+# tp_size is untested, and refused.
 LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml", "fsdp2": "fsdp.yaml",
                  "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml", "tp": "tp.yaml"}
 PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
@@ -66,7 +68,8 @@ ANY_WORLD_VIA_UNIVERSAL = {"deepspeed-zero2", "deepspeed-zero3"}
 
 
 def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> str | None:
-    """How this launch loads ``checkpoint``: None (as written) or the kind of ``toolkit.convert`` conversion it needs.
+    """How this launch loads ``checkpoint``: None (as written) or the kind of ``toolkit.checkpointing.convert``
+    conversion it needs.
     Refuses, before the weights load, a checkpoint no conversion makes loadable (once: a FileNotFoundError traceback
     after the weights loaded), naming how it was written and how to relaunch it."""
     wrote, world = saved["strategy"], saved["loop"]["world_size"]

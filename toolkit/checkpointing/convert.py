@@ -1,16 +1,16 @@
 """A checkpoint written in a format this launch cannot load as is, converted into one it can, beside the original.
 
-``toolkit.resume.load_plan`` decides (before the weights load) whether a checkpoint loads as written or needs one of
-these; the original is never modified, the converted copy is written to ``<checkpoint>.<kind>.tmp``, flushed, and
-renamed to ``<checkpoint>.<kind>`` (``toolkit.layout.converted_dir``), so an interrupted conversion never leaves a
+``toolkit.checkpointing.resume.load_plan`` decides (before the weights load) whether a checkpoint loads as written
+or needs one of these; the original is never modified, the converted copy is written to
+``<checkpoint>.<kind>.tmp``, flushed, and renamed to ``<checkpoint>.<kind>`` (``toolkit.layout.converted_dir``), so an interrupted conversion never leaves a
 folder that looks complete, and a second resume reuses the finished one. Conversions run on the main process; every
 rank waits for it (collective).
 
 - ``universal``: a DeepSpeed ZeRO checkpoint for another data-parallel world size. DeepSpeed refuses that
   (``ZeRORuntimeException ... DP world size of 2 but the current world size is 1``); its own universal format,
   written by ``deepspeed.checkpoint.ds_to_universal`` and loaded with ``"checkpoint": {"load_universal": true}``,
-  restores the weights, the AdamW moments and the step count on any world size (measured exact on 1 and 4 ranks,
-  ../shared/notes/next-capabilities.md).
+  restores the weights, the AdamW moments and the step count on any world size
+  (docs/strategies.md#checkpoints-across-world-sizes-and-strategies).
 - ``plain``: an FSDP2 checkpoint (torch.distributed.checkpoint folders, any world size) for a plain process or DDP.
   DCP reads without a process group; the weights become ``model.safetensors`` and the FQN-keyed optimizer state
   becomes torch's index-keyed ``optimizer.bin``, the files accelerate's ``load_state`` reads outside FSDP.

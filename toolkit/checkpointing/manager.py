@@ -1,0 +1,108 @@
+"""The one object the loop talks to about checkpoints (as torchtitan's ``CheckpointManager``): ``load`` once after
+``prepare``, ``save`` after every optimizer step (it decides whether that step writes, and exports ``final/`` after
+the last one).
+
+The resume is planned once, before the weights load (``plan_resume``: ``toolkit.build`` calls it so that a resume
+that cannot continue is refused before any weights load), and the plan is carried into ``Checkpointer``. What the
+plan decides before ``prepare`` (DeepSpeed must be told it will load a universal checkpoint) is read from it; the
+conversion itself, the load and the position happen in ``load``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit import layout
+from toolkit.checkpointing import checkpoint
+from toolkit.checkpointing.convert import UNIVERSAL, convert
+from toolkit.checkpointing.resume import check_resume, order_record
+from toolkit.distributed import strategy_name
+
+
+@dataclass
+class ResumePlan:
+    """What a run continues from, decided before the weights load."""
+
+    order: dict  # what this run's sample order depends on (``order_record``), written into every checkpoint
+    checkpoint: str | None = None  # the checkpoint resume_from_checkpoint names; None: the run starts afresh
+    saved: dict | None = None  # its toolkit_state.json
+    conversion: str | None = None  # toolkit.checkpointing.convert's kind when it cannot load as written
+
+    @property
+    def loads_universal(self) -> bool:
+        """DeepSpeed's config must say so before ``prepare`` (``toolkit.distributed.configure_deepspeed``)."""
+        return self.conversion == UNIVERSAL
+
+
+def plan_resume(cfg, accelerator, train_dataset) -> ResumePlan:
+    """The checkpoint ``resume_from_checkpoint`` names (``latest`` resolved), after refusing one that cannot continue
+    the same sample order or that this launch cannot load, even converted (``toolkit.checkpointing.resume``)."""
+    order = order_record(cfg, train_dataset)  # hashed once per run
+    resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
+    if resume_from is None:
+        return ResumePlan(order)
+    saved, conversion = check_resume(resume_from, cfg, order, accelerator)
+    return ResumePlan(order, resume_from, saved, conversion)
+
+
+class Checkpointer:
+    """Checkpoints of one run: the prepared model, optimizer and scheduler, and the loop's position (``LoopState``)."""
+
+    def __init__(self, accelerator, cfg, plan: ResumePlan, model, optimizer, scheduler, tokenizer=None):
+        self.accelerator, self.args, self.plan = accelerator, cfg.train, plan
+        self.merge_lora = cfg.model.merge_lora
+        self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
+
+    @property
+    def resumed_from(self) -> str | None:
+        return self.plan.checkpoint
+
+    def load(self, state) -> str | None:
+        """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
+        the loop's position into ``state``; then, on the main process, clear a killed save's leftovers and move an
+        earlier run aside (``overwrite_output_dir``). Returns the checkpoint, or None for a fresh run."""
+        plan, accelerator = self.plan, self.accelerator
+        if plan.checkpoint is not None:
+            saved = plan.saved
+            accelerator.print(f"resuming from {plan.checkpoint} (written by {saved['loop']['world_size']} ranks, "
+                              f"{saved['strategy']}, at step {saved['loop']['step']})")
+            load_from = plan.checkpoint
+            if plan.conversion is not None:  # the unwrapped model names the tied parameters a plain copy leaves out
+                load_from = convert(accelerator, plan.checkpoint, plan.conversion,
+                                    accelerator.unwrap_model(self.model), log=accelerator.print)
+            checkpoint.load_checkpoint(accelerator, load_from, self.optimizer, self.scheduler,
+                                       universal=plan.loads_universal)
+            state.load_state_dict(saved["loop"])
+            state.world_size = accelerator.num_processes
+            # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another
+            # split of the same global batch (8 x 1 resumed as 4 x 2) its boundaries would fall mid-step. Ours wins.
+            accelerator.step = state.step * self.args.gradient_accumulation_steps
+        if accelerator.is_main_process:
+            self._prepare_output_dir()
+        return plan.checkpoint
+
+    def _prepare_output_dir(self) -> None:
+        for path in layout.remove_stale_temporaries(self.args.output_dir):
+            self.accelerator.print(f"removed {path}, left by a save that was interrupted")
+        if self.plan.checkpoint is None and self.args.overwrite_output_dir:
+            aside = layout.move_run_aside(self.args.output_dir)
+            if aside:
+                self.accelerator.print(f"overwrite_output_dir: the earlier run's files were moved to {aside}")
+
+    def save(self, state, last_step: bool = False, preempted: bool = False) -> str | None:
+        """Collective, after every optimizer step (every rank takes the same decision). A checkpoint every
+        ``save_steps`` and when the run was preempted; after the last step, the final export (a preempted run is
+        not finished: no export). Returns the checkpoint written, if any."""
+        args, written = self.args, None
+        if (args.save_steps and state.step % args.save_steps == 0) or preempted:
+            written = checkpoint.save_checkpoint(self.accelerator, args.output_dir, state.step, args.save_total_limit,
+                                                 record=self.record(state), protect=self.plan.checkpoint)
+        if last_step and args.save_final_model and not preempted:
+            checkpoint.save_final(self.accelerator, self.model, self.tokenizer, layout.final_dir(args.output_dir),
+                                  merge_lora=self.merge_lora)
+        return written
+
+    def record(self, state) -> dict:
+        """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),
+        what the order depends on, and the strategy whose format the checkpoint is in."""
+        return {"loop": state.state_dict(), "order": self.plan.order, "strategy": strategy_name(self.accelerator)}
