@@ -96,25 +96,6 @@ def test_tensor_parallel_checkpoint_resumes_exactly(tp_runs):
     assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [(3, want[3]), (4, want[4])]
 
 
-@pytest.mark.parametrize("wrote, world, strategy, ranks, field", [
-    ("tp", 2, "ddp", 2, "resume_from_checkpoint"),
-    ("tp", 2, "tp", 4, "parallelism_config_tp_size"),
-    ("ddp", 2, "tp", 2, "resume_from_checkpoint"),
-])
-def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, strategy, ranks, field):
-    """A TP checkpoint loads only under TP with its tp_size (and no other strategy's under TP): refused before the
-    weights load, naming the field and the launch that resumes it (the same check refused a real TP checkpoint under
-    ddp.yaml before its weights loaded)."""
-    from toolkit.errors import ConfigError
-    from toolkit.checkpointing.resume import load_plan
-
-    assert load_plan("ck", {"strategy": "tp", "loop": {"world_size": 2}}, "tp", 2) is None
-    with pytest.raises(ConfigError) as e:
-        load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
-    config = "tp.yaml --num_processes 2 --parallelism_config_tp_size 2" if wrote == "tp" else "ddp.yaml"
-    assert e.value.field_name == field and f"--config_file accelerate_configs/{config} <recipe>" in str(e.value)
-
-
 @pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp", "uneven_heads"])
 def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data, case):
     """Refused before the weights load, naming the field: a model without a TP plan (GPT-2), FSDP sharding with TP

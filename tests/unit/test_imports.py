@@ -4,7 +4,8 @@
 - ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
   the standard library only, so a config is checked before torch, accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
-- parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess).
+- parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess:
+  tests/launch/test_imports_launch.py).
 
 Top-level and function-local imports both count (a function-local import still runs when the function does), and so
 do ``if TYPE_CHECKING:`` ones (stricter than needed). Imports by string (``importlib.import_module`` in
@@ -14,13 +15,11 @@ do ``if TYPE_CHECKING:`` ones (stricter than needed). Imports by string (``impor
 from __future__ import annotations
 
 import ast
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT, subprocess_env
+from helpers import ROOT
 
 PACKAGE = "toolkit"
 SOURCE = os.path.join(ROOT, PACKAGE)
@@ -149,25 +148,3 @@ def test_loop_does_not_reach_report():
     assert "toolkit.checkpoint" in paths  # the walk does walk
     via = " -> ".join(paths.get("toolkit.report", []))
     assert "toolkit.report" not in paths, f"toolkit.loop imports toolkit.report via {via}"
-
-
-def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
-    """The real import, in a fresh interpreter. Measured (transformers 5.24): importing toolkit.config loads no
-    transformers at all; config_from_dict loads transformers' HfArgumentParser, which does not pull in torch or
-    accelerate. A Hub-like model id is not a folder, so no model config is read."""
-    code = (
-        "import json, sys\n"
-        "import toolkit.config\n"
-        "after_import = sorted(m for m in ('torch', 'accelerate', 'transformers') if m in sys.modules)\n"
-        "cfg = toolkit.config.config_from_dict(dict(model_name_or_path='gpt2', dataset_name='pydoc',\n"
-        f"                                          output_dir={str(tmp_path / 'run')!r}))\n"
-        "print(json.dumps({'after_import': after_import, 'model': cfg.model.model_name_or_path,\n"
-        "                  'loaded': sorted(m for m in ('torch', 'accelerate') if m in sys.modules)}))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["model"] == "gpt2"  # the config was really parsed
-    assert result["after_import"] == []
-    assert result["loaded"] == [], f"parsing a config imported {result['loaded']}"

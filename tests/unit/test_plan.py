@@ -1,13 +1,9 @@
 """``python -m toolkit plan``: the arithmetic on a 7B Llama config (meta device, no weights), and the command.
 
-The per-rank bytes measured on real 2-rank runs are compared in test_strategies.py
-(``test_plan_predicts_the_model_states_each_rank_holds``)."""
-
-import subprocess
-import sys
+The command itself: tests/launch/test_plan_launch.py. The per-rank bytes measured on real 2-rank runs are compared in
+tests/launch/test_strategies.py (``test_plan_predicts_the_model_states_each_rank_holds``)."""
 
 import pytest
-from helpers import ROOT, subprocess_env
 
 from toolkit.plan import activation_bytes, count_model, model_states_per_device, plan
 
@@ -74,24 +70,3 @@ def test_a_classifier_is_counted_as_a_classifier(tmp_path):
     m = count_model(str(tmp_path))
     assert m.params == sum(p.numel() for p in BertForSequenceClassification(config).parameters())
     assert m.vocab == 6
-
-
-def test_the_command(llama7b):
-    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", f"{llama7b}/config.json", "--gpus", "8",
-                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = {line[:17].strip(): line for line in proc.stdout.splitlines() if line.split()}  # the strategy column
-    assert "6.74 B parameters" in proc.stdout
-    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-6:] == ["no", "no", "accelerate", "launch",
-                                                                      "--config_file", "accelerate_configs/ddp.yaml"]
-    assert "accelerate_configs/zero3.yaml" in lines["ZeRO-3"] and "accelerate_configs/fsdp.yaml" in lines["FSDP2"]
-    assert "accelerate_configs/zero2.yaml --zero_stage 1" in lines["ZeRO-1"]
-    assert "accelerate_configs/hsdp.yaml" in lines["HSDP"] and "accelerate_configs/tp.yaml" in lines["TP"]
-
-
-def test_a_model_that_is_not_there_is_one_clear_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", str(tmp_path / "missing"), "--gpus", "8",
-                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("plan error: --model ") and "Traceback" not in proc.stderr

@@ -34,7 +34,7 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
               per_device_eval_batch_size=3)
 SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0)
 # warmup 0: the linear schedule gives lr x 1, 2/3, 1/3, so every step moves the weights and the schedule matters.
-# eps 1e-6: with 1e-8 the comparison depends on the CPU's fp32 rounding (tests/test_core.py, ADAMW).
+# eps 1e-6: with 1e-8 the comparison depends on the CPU's fp32 rounding (tests/launch/test_core.py, ADAMW).
 ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
              weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 ADAMW_TOLERANCE = 1e-5
@@ -254,7 +254,7 @@ def test_plan_predicts_the_model_states_each_rank_holds(runs, tiny_model, strate
     """``toolkit plan``'s per-device weights and optimizer state (fp32 AdamW: ZeRO-2 keeps a master copy, ZeRO-3's is
     the weights' partition, torch keeps none) against the bytes each of the 2 ranks holds after the run's last step,
     storage by storage (tests/scripts/probe_run.py): each within 3%. The LoRA case reads the LoRA runs of
-    tests/test_recipes.py."""
+    tests/launch/test_recipes.py."""
     assert_plan_matches_held_bytes(probes(runs.strategy(strategy, "adamw", ADAMW)), tiny_model, name, lora_r=None)
 
 
@@ -334,26 +334,3 @@ def test_silent_fallback_is_refused(tmp_path, tiny_model, padded_data, config, m
     assert proc.returncode != 0
     assert "launched 2 processes but the Accelerator sees 1" in proc.stderr
     assert not os.path.exists(tmp_path / "out" / "final")
-
-
-@pytest.mark.parametrize("name", ["ddp", "zero2", "zero3", "zero3_offload", "fsdp", "fsdp1"])
-def test_launch_configs_follow_the_rules(name):
-    path = os.path.join(CONFIGS, f"{name}.yaml")
-    text = open(path).read()
-    header = text.split("\ncompute_environment")[0]
-    assert header.startswith("#") and f"--config_file accelerate_configs/{name}.yaml --num_processes" in header
-    config = yaml.safe_load(text)
-    assert config["num_machines"] == 1 and config["mixed_precision"] == "no" and not config["use_cpu"]
-    ds = config.get("deepspeed_config")
-    if ds is not None:
-        assert config["distributed_type"] == "DEEPSPEED"
-        # the launcher would export it and it would silently beat the recipe's value (accelerate #2210, #3369)
-        assert "gradient_accumulation_steps" not in ds and "gradient_clipping" not in ds
-        if ds["zero_stage"] == 3:
-            assert ds["zero3_save_16bit_model"] is True
-    fsdp = config.get("fsdp_config")
-    if fsdp is not None:
-        assert config["distributed_type"] == "FSDP"
-        assert fsdp["fsdp_version"] == (2 if name == "fsdp" else 1)
-        assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-        assert fsdp.get("fsdp_sync_module_states", False) is False  # FSDP1 refuses it on CPU

@@ -13,9 +13,6 @@ import zipfile
 import pytest
 from helpers import CONFIGS, ROOT, args_from, run, subprocess_env
 
-from toolkit.config import field_names
-from toolkit.verify import _parser, own_options
-
 DATA = dict(packing=False, block_size=48, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=7,
             per_device_eval_batch_size=3)
 
@@ -65,18 +62,6 @@ def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
     assert proc.returncode == 2 and "config error: num_processes" in proc.stderr
     proc = verify(tmp_path, tiny_model, padded_data, learning_rat=0.1)
     assert proc.returncode == 2 and "config error: learning_rat" in proc.stderr and "learning_rate" in proc.stderr
-
-
-def test_verify_options_never_swallow_a_recipe_field():
-    """`--optim` used to be verify's own option, so a recipe's `--optim adamw_torch` ran the SGD check alone and
-    still said PASS. No verify option may share a name with a recipe field; recipe fields pass through."""
-    assert not own_options() & set(field_names())
-    args, recipe_args = _parser().parse_known_args(["--config_file", "x.yaml", "--optim", "sgd", "--checks", "adamw",
-                                                    "--learning_rate", "0.1"])
-    assert args.checks == ["adamw"]
-    assert recipe_args == ["--optim", "sgd", "--learning_rate", "0.1"]
-    with pytest.raises(SystemExit):
-        _parser().parse_args(["--config_file", "x.yaml", "--checks", "sgd,adam"])
 
 
 def test_verify_default_recipe_from_an_installed_wheel(tmp_path):

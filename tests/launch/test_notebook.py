@@ -2,22 +2,13 @@
 
 The notebook trains in its kernel (1 process) and through ``accelerate.notebook_launcher`` on 2 forked gloo ranks;
 everything it writes goes to a tmp folder (``TOOLKIT_QUICKSTART_DIR``, also the kernel's working dir), never the repo.
-The executed runs are shared with tests/test_report.py (the session fixture ``quickstart`` in conftest.py).
+The executed runs are shared with tests/launch/test_report_launch.py (the session fixture ``quickstart`` in conftest.py).
 """
 
 import os
 
-import nbformat
 import pytest
 from helpers import NOTEBOOK
-
-
-def test_committed_notebook_has_no_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, "clear the notebook's outputs before committing"
 
 
 @pytest.mark.slow

@@ -7,8 +7,7 @@
   ranks); rank 1 is SIGKILLed after step 2 of the first attempt
   (tests/scripts/elastic_run.py); the restart resumes from the latest checkpoint on its own (toolkit.config) and ends
   with the weights of the uninterrupted run.
-- Without a process: what an elastic restart does to the config (resume 'latest', no refusal of its own files, an
-  earlier different run still refused) and the refusal of restarts across machines on a store shared across attempts.
+- Without a process (tests/unit/test_multinode_unit.py): what an elastic restart does to the config.
 """
 
 import json
@@ -20,16 +19,11 @@ import time
 import pytest
 from helpers import CONFIGS, ROOT, SCRIPTS, Runs, args_from, free_port, load_weights, max_abs_diff, subprocess_env
 
-from toolkit import layout
-from toolkit.config import ConfigError, parse_args, write_config
-
 COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
               lr_scheduler_type="constant", weight_decay=0, max_steps=3)
 MICRO, ACCUM = 2, 2
 TIMEOUT = 420  # seconds for a whole multi-process job (about 20-50 s here, on 2 shared cores)
-ELASTIC_ENV = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-               "GROUP_WORLD_SIZE")
 
 
 @pytest.fixture(scope="module")
@@ -141,77 +135,3 @@ def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(
     diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
     print(f"elastic restart: max |dw| vs uninterrupted {diff:.1e}, {took:.0f} s")
     assert diff <= 1e-6
-
-
-# ------------------------------------------------------------------------------ the config side, no processes
-@pytest.fixture
-def restart(monkeypatch):
-    """``restart(n, shared_store=False)``: from now on, be a rank that torch elastic started for attempt ``n``."""
-    for name in ELASTIC_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-    def become(count: int, shared_store: bool = False, machines: int = 1) -> None:
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
-        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
-        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
-        monkeypatch.setenv("GROUP_WORLD_SIZE", str(machines))
-
-    return become
-
-
-def _argv(tiny_model, padded_data, out, **extra) -> list[str]:
-    return args_from({**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": out, **extra})
-
-
-def _first_attempt(argv, out, checkpoint: bool) -> None:
-    """What a first attempt leaves when it dies: config.yaml, metrics.jsonl and maybe a checkpoint."""
-    os.makedirs(out, exist_ok=True)
-    write_config(parse_args(argv), layout.path(out, layout.CONFIG))
-    with open(layout.path(out, layout.METRICS), "w") as f:
-        f.write('{"step": 1}\n')
-    if checkpoint:
-        os.makedirs(layout.step_dir(out, 1))
-
-
-def test_elastic_restart_resumes_latest_of_its_own_attempt(tiny_model, padded_data, tmp_path, restart, capfd):
-    out = str(tmp_path / "run")
-    argv = _argv(tiny_model, padded_data, out)
-    _first_attempt(argv, out, checkpoint=True)
-    with pytest.raises(ConfigError, match="already holds checkpoints"):  # a plain relaunch is refused, as before
-        parse_args(argv)
-    restart(1)
-    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
-    assert "elastic restart 1: resume_from_checkpoint unset, resuming from latest" in capfd.readouterr().err
-    restart(2)  # the second restart reads the config.yaml the first one wrote (resume_from_checkpoint: latest)
-    cfg = parse_args(argv)
-    write_config(cfg, layout.path(out, layout.CONFIG))
-    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
-
-
-def test_elastic_restart_before_any_checkpoint_starts_over(tiny_model, padded_data, tmp_path, restart):
-    out = str(tmp_path / "run")
-    argv = _argv(tiny_model, padded_data, out)
-    _first_attempt(argv, out, checkpoint=False)
-    with pytest.raises(ConfigError, match="holds the metrics.jsonl of an earlier run"):
-        parse_args(argv)
-    restart(1)
-    assert parse_args(argv).train.resume_from_checkpoint is None  # its own metrics.jsonl is no "earlier run"
-
-
-def test_elastic_restart_still_refuses_another_run(tiny_model, padded_data, tmp_path, restart):
-    # The first attempt was refused because output_dir held another run (here: another learning rate); the restart
-    # must not quietly continue that run.
-    out = str(tmp_path / "run")
-    _first_attempt(_argv(tiny_model, padded_data, out, learning_rate=0.1), out, checkpoint=True)
-    restart(1)
-    with pytest.raises(ConfigError, match="already holds checkpoints"):
-        parse_args(_argv(tiny_model, padded_data, out))
-
-
-def test_restarts_across_machines_on_a_store_shared_across_attempts_are_refused(tiny_model, padded_data, tmp_path,
-                                                                                 restart):
-    restart(0, shared_store=True)  # one machine: the ranks' process group takes a key space per attempt
-    parse_args(_argv(tiny_model, padded_data, str(tmp_path / "one")))
-    restart(0, shared_store=True, machines=2)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        parse_args(_argv(tiny_model, padded_data, str(tmp_path / "two")))

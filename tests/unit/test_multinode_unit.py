@@ -1,0 +1,90 @@
+"""Elastic restarts without a process: what an elastic restart does to the config (resume 'latest', no refusal of its
+own files, an earlier different run still refused) and the refusal of restarts across machines on a store shared
+across attempts. The real multi-machine and elastic runs are in tests/launch/test_multinode.py."""
+
+import os
+
+import pytest
+from helpers import args_from
+
+from toolkit import layout
+from toolkit.config import ConfigError, parse_args, write_config
+
+COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
+              per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+              lr_scheduler_type="constant", weight_decay=0, max_steps=3)
+ELASTIC_ENV = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+               "GROUP_WORLD_SIZE")
+
+
+@pytest.fixture
+def restart(monkeypatch):
+    """``restart(n, shared_store=False)``: from now on, be a rank that torch elastic started for attempt ``n``."""
+    for name in ELASTIC_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    def become(count: int, shared_store: bool = False, machines: int = 1) -> None:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
+        monkeypatch.setenv("GROUP_WORLD_SIZE", str(machines))
+
+    return become
+
+
+def _argv(tiny_model, padded_data, out, **extra) -> list[str]:
+    return args_from({**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": out, **extra})
+
+
+def _first_attempt(argv, out, checkpoint: bool) -> None:
+    """What a first attempt leaves when it dies: config.yaml, metrics.jsonl and maybe a checkpoint."""
+    os.makedirs(out, exist_ok=True)
+    write_config(parse_args(argv), layout.path(out, layout.CONFIG))
+    with open(layout.path(out, layout.METRICS), "w") as f:
+        f.write('{"step": 1}\n')
+    if checkpoint:
+        os.makedirs(layout.step_dir(out, 1))
+
+
+def test_elastic_restart_resumes_latest_of_its_own_attempt(tiny_model, padded_data, tmp_path, restart, capfd):
+    out = str(tmp_path / "run")
+    argv = _argv(tiny_model, padded_data, out)
+    _first_attempt(argv, out, checkpoint=True)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):  # a plain relaunch is refused, as before
+        parse_args(argv)
+    restart(1)
+    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
+    assert "elastic restart 1: resume_from_checkpoint unset, resuming from latest" in capfd.readouterr().err
+    restart(2)  # the second restart reads the config.yaml the first one wrote (resume_from_checkpoint: latest)
+    cfg = parse_args(argv)
+    write_config(cfg, layout.path(out, layout.CONFIG))
+    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
+
+
+def test_elastic_restart_before_any_checkpoint_starts_over(tiny_model, padded_data, tmp_path, restart):
+    out = str(tmp_path / "run")
+    argv = _argv(tiny_model, padded_data, out)
+    _first_attempt(argv, out, checkpoint=False)
+    with pytest.raises(ConfigError, match="holds the metrics.jsonl of an earlier run"):
+        parse_args(argv)
+    restart(1)
+    assert parse_args(argv).train.resume_from_checkpoint is None  # its own metrics.jsonl is no "earlier run"
+
+
+def test_elastic_restart_still_refuses_another_run(tiny_model, padded_data, tmp_path, restart):
+    # The first attempt was refused because output_dir held another run (here: another learning rate); the restart
+    # must not quietly continue that run.
+    out = str(tmp_path / "run")
+    _first_attempt(_argv(tiny_model, padded_data, out, learning_rate=0.1), out, checkpoint=True)
+    restart(1)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        parse_args(_argv(tiny_model, padded_data, out))
+
+
+def test_restarts_across_machines_on_a_store_shared_across_attempts_are_refused(tiny_model, padded_data, tmp_path,
+                                                                                 restart):
+    restart(0, shared_store=True)  # one machine: the ranks' process group takes a key space per attempt
+    parse_args(_argv(tiny_model, padded_data, str(tmp_path / "one")))
+    restart(0, shared_store=True, machines=2)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        parse_args(_argv(tiny_model, padded_data, str(tmp_path / "two")))
