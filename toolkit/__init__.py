@@ -1,6 +1,6 @@
 """toolkit: fine-tuning on Hugging Face Accelerate; the same recipe under DDP, DeepSpeed ZeRO-2/3 and FSDP.
 
-Modules, one job each (dependencies point down this list; ``tests/test_imports.py`` keeps it so):
+Modules, one job each (dependencies point down this list; ``tests/unit/test_imports.py`` keeps it so):
   errors        ConfigError, the one user-facing error (no imports)
   layout        the names of a run folder's files, cheap reads of it (standard library only)
   config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout)

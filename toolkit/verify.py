@@ -17,7 +17,7 @@ reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-5. The 
 Adam's update is about lr * g / (|g| + eps), so with the usual 1e-8 a parameter whose gradient is near 1e-8 turns
 fp32 rounding noise (another summation order on another CPU) into a visible change of its step, and the verdict would
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
-shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/test_core.py). DeepSpeed clips inside its
+shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/launch/test_core.py). DeepSpeed clips inside its
 engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
 Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error.
 
