@@ -10,7 +10,8 @@ stdlib-docstrings`` (docstrings of standard-library modules labelled by their mo
 """
 
 from toolkit.build import build
-from toolkit.config import cli, parse_args
+from toolkit.cli import cli
+from toolkit.config import parse_args
 from toolkit.distributed import make_accelerator
 from toolkit.loop import train
 from toolkit.tasks import SequenceClassification

@@ -2,7 +2,8 @@
 
 - the graph of imports between toolkit modules has no cycle;
 - ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
-  the standard library only, so a config is checked before torch, accelerate or a model is touched;
+  the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
+  checked before torch, accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
 - parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess).
 
@@ -135,11 +136,15 @@ def test_no_import_cycle():
 
 def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
     graph, trees = _graph(), _modules()
-    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout"}
+    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout", "toolkit.elastic"}
     for name in ("toolkit.errors", "toolkit.layout"):
         assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
         assert not outside, f"{name} imports non-stdlib {sorted(outside)}"
+    # the elastic restart policy that config applies: the environment and the run folder, read like config reads them
+    assert graph["toolkit.elastic"] == {"toolkit.errors", "toolkit.layout"}
+    outside = {module.split(".")[0] for module, _ in _imports("toolkit.elastic", trees["toolkit.elastic"])}
+    assert outside - set(sys.stdlib_module_names) <= {PACKAGE, "yaml"}
 
 
 def test_loop_does_not_reach_report():

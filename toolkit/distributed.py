@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
-from toolkit import layout
+from toolkit import elastic, layout
 from toolkit.config import TrainArgs
 from toolkit.errors import ConfigError
 
@@ -117,15 +117,15 @@ def _process_group_per_elastic_attempt() -> None:
     already exists), on ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt.
     The restart count is the agent's; on one machine every rank has the same. Across machines an agent that restarts
     its workers for a joining node does not count it, so there restarts keep needing a store per attempt
-    (``toolkit.config`` refuses them without)."""
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or layout.elastic_max_restarts() <= 0
+    (``toolkit.elastic`` refuses them without)."""
+    if (not elastic.shares_agent_store() or elastic.max_restarts() <= 0
             or not torch.distributed.is_available() or torch.distributed.is_initialized()):
         return
     from datetime import timedelta
 
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                        timeout=timedelta(minutes=10))
-    attempt = torch.distributed.PrefixStore(f"toolkit-attempt-{layout.elastic_restart_count()}", store)
+    attempt = torch.distributed.PrefixStore(f"toolkit-attempt-{elastic.restart_count()}", store)
     # backend None: gloo for CPU tensors and, where CUDA is, NCCL for GPU ones (what accelerate and DeepSpeed pick).
     torch.distributed.init_process_group(backend=None, store=attempt, rank=int(os.environ["RANK"]),
                                          world_size=int(os.environ["WORLD_SIZE"]))
