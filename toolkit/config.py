@@ -256,9 +256,10 @@ class DataArguments:
 
 
 @dataclass
-class TrainArgs:
-    """Training fields, named as in ``transformers.TrainingArguments`` (a different class name, so that tracebacks
-    and imports never mix the two up)."""
+class TrainingArguments:
+    """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
+    ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
+    implements, checked here."""
 
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing a finished output_dir."})
@@ -360,7 +361,7 @@ class TrainArgs:
                                   f"a {layout.CHECKPOINTS}/step-N folder of a run, or '{layout.LATEST}'")
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArgs)
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
 
 
 @dataclass
@@ -373,7 +374,7 @@ class RunConfig:
 
     model: ModelArguments
     data: DataArguments
-    train: TrainArgs
+    train: TrainingArguments
 
     def __post_init__(self):
         if self.model.model_name_or_path is None and self.model.config_name is None:
@@ -540,3 +541,5 @@ def write_config(cfg: RunConfig, path: str) -> None:
     with open(path, "w") as f:
         yaml.safe_dump(cfg.as_dict(), f, sort_keys=False)
 
+
+TrainArgs = TrainingArguments  # kept until loop/checkpointing switch over

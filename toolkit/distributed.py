@@ -27,7 +27,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
 from toolkit import elastic, layout
-from toolkit.config import TrainArgs
+from toolkit.config import TrainingArguments
 from toolkit.errors import ConfigError
 
 
@@ -131,7 +131,7 @@ def _process_group_per_elastic_attempt() -> None:
                                          world_size=int(os.environ["WORLD_SIZE"]))
 
 
-def make_accelerator(args: TrainArgs, **kwargs) -> Accelerator:
+def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     strategy = launched_strategy()
     _process_group_per_elastic_attempt()
@@ -206,7 +206,7 @@ def _check_mixed_precision(asked: str | None) -> None:
         )
 
 
-def _check_accumulation_env(args: TrainArgs) -> None:
+def _check_accumulation_env(args: TrainingArguments) -> None:
     # `accelerate launch` copies a gradient_accumulation_steps found in the config's DeepSpeed section into this
     # variable, and the Accelerator then prefers it over the argument we pass, silently (accelerate #2210, #3369).
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
@@ -218,7 +218,7 @@ def _check_accumulation_env(args: TrainArgs) -> None:
         )
 
 
-def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universal: bool = False) -> None:
+def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments, load_universal: bool = False) -> None:
     """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it.
     ``load_universal``: the resume loads a universal checkpoint (``toolkit.convert``), which the engine must know."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
