@@ -1,6 +1,7 @@
 """The import structure of ``toolkit/`` keeps its promises, read from the source with ``ast`` (nothing is imported):
 
-- the graph of imports between toolkit modules has no cycle;
+- the graph of imports between toolkit modules has no cycle, and every import points up the list of modules in
+  ``toolkit/__init__.py``'s docstring;
 - ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
   the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
   checked before torch, accelerate or a model is touched;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +129,32 @@ def test_relative_imports_resolve():
     tree = ast.parse("from . import layout\nfrom .errors import ConfigError\nimport toolkit.model\n")
     known = {"toolkit", "toolkit.layout", "toolkit.errors", "toolkit.model", "toolkit.x"}
     assert _toolkit_edges("toolkit.x", tree, known) == {"toolkit.layout", "toolkit.errors", "toolkit.model"}
+
+
+def _layers() -> list[str]:
+    """The modules in the order of the list in ``toolkit/__init__.py``'s docstring ("plots, report": two, in order)."""
+    doc = ast.get_docstring(_modules()[PACKAGE])
+    names = []
+    for line in doc.split("Modules, one job each", 1)[1].splitlines()[1:]:
+        listed = re.match(r"  ([a-z_]+(?:, [a-z_]+)*)  +\S", line)
+        if not listed:
+            break
+        names += [f"{PACKAGE}.{name}" for name in listed.group(1).split(", ")]
+    return names
+
+
+def test_every_import_points_up_the_list_of_modules_in_the_package_docstring():
+    """The package docstring lists the modules in layers; each imports only modules listed above it, and every module
+    is listed (``__main__`` imports its commands by string)."""
+    graph, layers = _graph(), _layers()
+    assert layers[:3] == ["toolkit.errors", "toolkit.layout", "toolkit.elastic"]  # the parser reads the list
+    unlisted = set(graph) - set(layers) - {PACKAGE, f"{PACKAGE}.__main__"}
+    assert not unlisted, f"modules missing from toolkit/__init__.py's list: {sorted(unlisted)}"
+    assert not set(layers) - set(graph), f"listed, but no such module: {sorted(set(layers) - set(graph))}"
+    rank = {name: i for i, name in enumerate(layers)}
+    upward = [f"{name} -> {imported}" for name in layers for imported in sorted(graph[name])
+              if rank.get(imported, len(layers)) >= rank[name]]
+    assert not upward, f"imports of a module listed below (or beside) the importer: {upward}"
 
 
 def test_no_import_cycle():
