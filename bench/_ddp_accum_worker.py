@@ -154,6 +154,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from toolkit.config import cli
+    from toolkit.cli import cli
 
     cli(main)

@@ -42,7 +42,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-TMP = tempfile.mkdtemp(prefix="flops-")  # the output_dir TrainArgs asks for; nothing is written there; removed at exit
+TMP = tempfile.mkdtemp(prefix="flops-")  # the output_dir TrainingArguments asks for; nothing is written there; removed at exit
 
 
 
@@ -106,7 +106,7 @@ class Step:
         from transformers import get_scheduler
 
         from toolkit.accounting import count_parameters, flops_per_token, model_shape
-        from toolkit.config import TrainArgs
+        from toolkit.config import TrainingArguments
         from toolkit.data import CausalLMCollator
         from toolkit.loop import build_optimizer
 
@@ -123,7 +123,7 @@ class Step:
             self.model = model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=optim == "adamw_torch_fused" or None)
         else:
-            args = TrainArgs(output_dir=TMP, optim=optim, learning_rate=1e-4,
+            args = TrainingArguments(output_dir=TMP, optim=optim, learning_rate=1e-4,
                              report_to="none", lr_scheduler_type="constant")
             optimizer = build_optimizer(model, args)
             scheduler = get_scheduler("constant", optimizer)
@@ -158,10 +158,10 @@ class Step:
 
 
 def make_accelerator():
-    from toolkit.config import TrainArgs
+    from toolkit.config import TrainingArguments
     from toolkit.distributed import make_accelerator as make
 
-    return make(TrainArgs(output_dir=TMP, report_to="none"))
+    return make(TrainingArguments(output_dir=TMP, report_to="none"))
 
 
 def main_comparison(opts, accelerator, sizes) -> dict:

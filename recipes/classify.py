@@ -10,10 +10,11 @@ stdlib-docstrings`` (docstrings of standard-library modules labelled by their mo
 """
 
 from toolkit.build import build
-from toolkit.config import cli, parse_args
+from toolkit.classification import SequenceClassification
+from toolkit.cli import cli
+from toolkit.config import parse_args
 from toolkit.distributed import make_accelerator
 from toolkit.loop import train
-from toolkit.tasks import SequenceClassification
 
 
 def main(callbacks=None):

@@ -10,7 +10,8 @@ checkpoints, export) is the library's. The launch config picks the strategy; not
 """
 
 from toolkit.build import build
-from toolkit.config import cli, parse_args
+from toolkit.cli import cli
+from toolkit.config import parse_args
 from toolkit.distributed import make_accelerator
 from toolkit.loop import train
 

@@ -10,11 +10,12 @@ trains LoRA adapters. It prints one answer before and one after fine-tuning.
 """
 
 from toolkit.build import build
-from toolkit.chat import first_prompt, show_answer
-from toolkit.config import cli, parse_args
+from toolkit.chat import ChatSFT
+from toolkit.cli import cli
+from toolkit.config import parse_args
 from toolkit.distributed import make_accelerator
+from toolkit.generation import first_prompt, show_answer
 from toolkit.loop import train
-from toolkit.tasks import ChatSFT
 
 
 def main(callbacks=None):

@@ -1,27 +1,39 @@
 """toolkit: fine-tuning on Hugging Face Accelerate; the same recipe under DDP, DeepSpeed ZeRO-2/3 and FSDP.
 
-Modules, one job each (dependencies point down this list; ``tests/unit/test_imports.py`` keeps it so):
+Modules, one job each (a module imports only modules above it in this list; ``tests/unit/test_imports.py`` keeps it
+so, and that every module is listed). Layers, bottom first: what a config needs (standard library and yaml); data,
+models and the distributed setup; the tasks; checkpoints; building a run; the loop and its records; the commands.
   errors        ConfigError, the one user-facing error (no imports)
   layout        the names of a run folder's files, cheap reads of it (standard library only)
-  config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout)
+  state         LoopState (the loop's position, saved in every checkpoint) and StepResult (no imports)
+  elastic       torch elastic restarts: the launcher's environment, and a restart continuing its run (errors, layout)
+  config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout, elastic)
+  loss          token-sum loss normalised over the accumulated global batch
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
   order         the global sample order (independent of world size and accumulation)
-  loss          token-sum loss normalised over the accumulated global batch
   distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees
   model         tokenizer and model loading (tensor-parallel too), disable_dropout
   lora          LoRA through peft: wrap, adapter and merged export, loading an export back
   builtin_data  offline sets: pydoc-chats (chat SFT), stdlib-docstrings (classification)
-  chat          chat data: the chat template, the assistant-only label mask
-  classification  labels, class weights, per-example loss, accuracy and macro-F1
-  tasks         what a recipe trains (causal LM, chat SFT, classification): data, model class, row loss, metrics
+  tasks         what a recipe trains: the Task interface (data, model class, row loss, metrics) and CausalLM
+  chat          chat data: the chat template, the assistant-only label mask; the ChatSFT task
+  classification  labels, class weights, per-example loss, accuracy and macro-F1; the SequenceClassification task
+  checkpointing.convert  a checkpoint converted for a launch that cannot load it as written (DeepSpeed universal)
+  checkpointing.resume  what a checkpoint records about the sample order; refuses a resume that would change it
+  checkpointing.checkpoint  save_state checkpoints (atomic, rotated), their exact load, the final export
+  checkpointing.manager  plan_resume (once, before the weights load) and Checkpointer (the loop's load and save)
+  checkpointing  the package: Checkpointer, ResumePlan, plan_resume
   build         everything a run trains on, from a config (recipes and the notebook share it)
-  resume        what a checkpoint records about the sample order; refuses a resume that would change it
+  generation    a model's greedy answer to a chat's prompt (the SFT recipe's look before and after)
   preemption    SIGTERM -> every rank finishes the step, saves a checkpoint and stops
-  checkpoint    save_state checkpoints, rotation, resume, final export
-  metrics       metrics.jsonl (write and read), summary.json, trackers, progress bar
-  plots, report loss.png; ``python -m toolkit report`` (readers of finished runs)
+  accounting    FLOPs per token, MFU, peak memory per rank
+  metrics       metrics.jsonl (write and read), the log window, summary.json, trackers, progress bar
+  plots, report  loss.png; ``python -m toolkit report`` (readers of finished runs)
+  host_memory   CPU ranks keep freed memory for reuse (glibc mallopt)
   loop          train_step (one optimizer step) and train (the outer loop), evaluation
+  cli           a recipe's main as a process: a ConfigError is one line and exit 2; no teardown on launched ranks
   verify        ``python -m toolkit verify``: a launch config against one process
+  plan          ``python -m toolkit plan``: which strategy fits, per device
   offline       real GPT-2 tokenizer and SmolLM2 weights without the Hub
 Imports stay lazy here so ``python -m toolkit.<module>`` and the notebook start fast.
 """

@@ -37,7 +37,7 @@ from toolkit.model import (
     parameter_dtypes,
 )
 from toolkit.order import require_one_global_batch
-from toolkit.tasks import CausalLM
+from toolkit.tasks import CausalLM, Task
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Parts:
     eval_dataset: Any  # None when the data has no validation split
     collator: Any  # pads a micro-batch (the task's)
     block_size: int
-    task: Any = None  # toolkit.tasks: what a row's loss and the evaluation are
+    task: Task | None = None  # what a row's loss and the evaluation are (a toolkit.tasks.Task)
     resume: ResumePlan | None = None  # planned before the weights loaded (None without an accelerator)
 
     def train_kwargs(self) -> dict:
@@ -57,9 +57,9 @@ class Parts:
                     eval_dataset=self.eval_dataset, collator=self.collator, task=self.task, resume=self.resume)
 
 
-def build(cfg: RunConfig, accelerator=None, log=None, task=None) -> Parts:
+def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) -> Parts:
     """Seed, then load the tokenizer, the data (tokenized, then packed or padded) and the model, for ``task``
-    (``toolkit.tasks``; a causal LM on text by default).
+    (a ``toolkit.tasks.Task``; a causal LM on text by default).
 
     ``accelerator`` may be None outside a run (e.g. to look at the data in a notebook before any Accelerator
     exists, which ``notebook_launcher`` requires): then tokenization runs in this process without coordination.

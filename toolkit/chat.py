@@ -17,6 +17,8 @@ formatting, not a target.
 
 One chat per row, truncated to ``block_size`` (no packing: a packed row would let a chat attend to the one before
 it). A chat whose assistant tokens all fall beyond ``block_size`` has nothing to learn and is dropped.
+
+``ChatSFT``, at the end, is the task (``toolkit.tasks.Task``) that the SFT recipe trains: a causal LM on these rows.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
+from toolkit.tasks import CausalLM
 
 MESSAGES = "messages"
 ROLES = ("system", "user", "assistant")
@@ -164,38 +167,23 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     return kept
 
 
-def first_prompt(dataset) -> list[int]:
-    """The prompt tokens of a tokenized dataset's first chat: everything before its first assistant token."""
-    row = dataset[0]
-    first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
-    return row["input_ids"][:first]
+class ChatSFT(CausalLM):
+    """Supervised fine-tuning on chats (``messages``): the loss is on the assistant's turns only, one chat per row
+    (no packing: a packed row would let one chat attend to another). The label mask is built above
+    (``tokenize_chats``); the loss, the collator and the metrics are the causal LM's."""
 
+    name = "chat-sft"
 
-def show_answer(accelerator, cfg, tokenizer, prompt_ids: list[int], folder: str | None, when: str,
-                max_new_tokens: int = 48) -> str | None:
-    """On the main process: load the model (the configured pretrained one, or the export in ``folder``) as a plain
-    single-process model and print its greedy answer to ``prompt_ids``. Other ranks return None at once."""
-    import torch
+    def check(self, cfg) -> None:
+        if cfg.data.packing:
+            raise ConfigError("packing", "chat SFT trains one chat per row (packing would let a chat attend to the "
+                                         "one before it); set packing: false")
 
-    from toolkit.distributed import plain_loading
-    from toolkit.lora import load_exported
-    from toolkit.model import load_model, max_positions
+    def load_raw(self, args):
+        return load_raw_chats(args)
 
-    if not accelerator.is_main_process:
-        return None
-    with plain_loading(accelerator):
-        model = load_exported(folder, cfg.model) if folder else load_model(cfg.model)
-    model.eval()
-    positions = max_positions(model.config)  # a small model's context may end before max_new_tokens
-    if positions is not None:
-        max_new_tokens = min(max_new_tokens, positions - len(prompt_ids))
-    if max_new_tokens <= 0:
-        return None
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-    print(f"--- {when}: {tokenizer.decode(prompt_ids, skip_special_tokens=True).strip()[-200:]!r}\n{answer}",
-          flush=True)
-    return answer
+    def prepare_tokenizer(self, tokenizer, cfg) -> None:
+        set_chat_template(tokenizer, cfg.data.chat_template)
+
+    def tokenize(self, raw, tokenizer, args, block_size: int):
+        return tokenize_chats(raw, tokenizer, args, block_size)

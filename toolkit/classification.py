@@ -10,6 +10,8 @@ divides the summed loss by the number of examples in the whole global batch, as 
 its target tokens, so accumulation and world size do not change the objective. (torch's weighted *mean* divides by
 the sum of the batch's weights instead; over a global batch split into micro-batches that sum is the same, but the
 objective differs from batch to batch with the class mix. We keep the plain mean over examples.)
+
+``SequenceClassification``, at the end, is the task (``toolkit.tasks.Task``) that the classify recipe trains.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
+from toolkit.tasks import Task
 
 STDLIB_DOCSTRINGS = "stdlib-docstrings"  # the built-in offline set (toolkit.builtin_data.stdlib_docstrings)
 
@@ -180,3 +183,55 @@ def scores(predictions: torch.Tensor, labels: torch.Tensor) -> dict:
         fn = int(((predictions != c) & (labels == c)).sum())
         f1.append(2 * tp / (2 * tp + fp + fn))
     return {"accuracy": float((predictions == labels).double().mean()), "macro_f1": sum(f1) / len(f1)}
+
+
+class SequenceClassification(Task):
+    """One label per text (``AutoModelForSequenceClassification``): cross-entropy per example, optionally weighted
+    by class; accuracy and macro-F1 on the validation split (the functions above)."""
+
+    name = "sequence-classification"
+    auto_class = "AutoModelForSequenceClassification"
+    peft_task_type = "SEQ_CLS"
+    best_metric = ("accuracy", max)
+
+    def __init__(self):
+        self.labels: list[str] | None = None  # class names, set by load_raw
+        self.class_weights: torch.Tensor | None = None
+
+    def check(self, cfg) -> None:
+        if cfg.data.packing:
+            raise ConfigError("packing", "a classifier takes one text per row; set packing: false")
+        if cfg.train.loss_chunk_size:
+            raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "
+                                                 "loss_chunk_size: 0")
+
+    def load_raw(self, args):
+        raw, self.labels = load_raw_labelled(args)
+        self.class_weights = resolve_class_weights(args.class_weights, raw["train"], self.labels)
+        return raw
+
+    def configure_model(self, config, tokenizer) -> None:
+        configure_labels(config, self.labels, tokenizer.pad_token_id)
+
+    def tokenize(self, raw, tokenizer, args, block_size: int):
+        return tokenize_labelled(raw, tokenizer, args, block_size)
+
+    def collator(self, tokenizer):
+        return ClassificationCollator(tokenizer.pad_token_id)
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return row_losses(logits, batch["labels"], self.class_weights)  # the module's function, not this method
+
+    def eval_rows(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return row_losses(logits, batch["labels"], None), logits.argmax(-1), batch["labels"]
+
+    def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
+        loss = torch.cat([r[0].double() for r in rows])
+        predictions, labels = torch.cat([r[1] for r in rows]), torch.cat([r[2] for r in rows])
+        return {"eval_loss": float(loss.mean()) if len(loss) else float("nan"),
+                **scores(predictions, labels), "eval_samples": len(labels)}

@@ -10,8 +10,9 @@ dataclass checks its own fields in ``__post_init__`` (so a value is checked wher
 needs two groups or the file system (is there a model and data, does ``output_dir`` hold a finished run, does
 ``block_size`` fit the model) is ``RunConfig``'s.
 
-This module imports no toolkit module but the two dependency-free ones (``errors``, ``layout``), and neither torch
-nor accelerate: parsing a config stays cheap.
+This module imports no toolkit module but ``errors``, ``layout`` and ``elastic`` (standard library and yaml only),
+and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a config is
+``toolkit.elastic``'s; the process exit of a recipe is ``toolkit.cli``'s.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any, Optional
 
 import yaml
 
-from toolkit import layout
-from toolkit.errors import ConfigError, TrainingStopped
+from toolkit import elastic, layout
+from toolkit.errors import ConfigError
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = (
@@ -150,18 +151,31 @@ class ModelArguments:
         """Where the model's config comes from: config_name (from scratch) or the pretrained model."""
         return self.config_name or self.model_name_or_path
 
+    def pretrained_kwargs(self) -> dict:
+        """The keyword arguments of every ``from_pretrained`` of the model's own files (config, weights)."""
+        kw = {"trust_remote_code": self.trust_remote_code}
+        if self.gguf_file:
+            kw["gguf_file"] = self.gguf_file
+        return kw
+
+    def auto_config(self):
+        """transformers' config of the model (``config_source``, no weights), ``config_overrides`` applied: the one
+        place it is loaded, for ``read_model_config`` here and for the run (``toolkit.model.load_config``).
+        transformers is imported here, when called: importing this module stays cheap."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.config_source, **self.pretrained_kwargs())
+        if self.config_overrides:
+            config.update_from_string(self.config_overrides)
+        return config
+
     def read_model_config(self):
         """The model's config (no weights) when it is a local folder, else None: Hub ids are not fetched here."""
         name = self.config_source
         if name is None or not os.path.isdir(name):
             return None
         try:
-            from transformers import AutoConfig
-
-            kw = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-            config = AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code, **kw)
-            if self.config_overrides:
-                config.update_from_string(self.config_overrides)
+            config = self.auto_config()
         except Exception as e:  # a malformed override or folder: name it now rather than mid-launch
             which = "config_overrides" if self.config_overrides else (
                 "config_name" if self.config_name else "model_name_or_path")
@@ -242,9 +256,10 @@ class DataArguments:
 
 
 @dataclass
-class TrainArgs:
-    """Training fields, named as in ``transformers.TrainingArguments`` (a different class name, so that tracebacks
-    and imports never mix the two up)."""
+class TrainingArguments:
+    """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
+    ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
+    implements, checked here."""
 
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing a finished output_dir."})
@@ -346,7 +361,7 @@ class TrainArgs:
                                   f"a {layout.CHECKPOINTS}/step-N folder of a run, or '{layout.LATEST}'")
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArgs)
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
 
 
 @dataclass
@@ -359,68 +374,21 @@ class RunConfig:
 
     model: ModelArguments
     data: DataArguments
-    train: TrainArgs
+    train: TrainingArguments
 
     def __post_init__(self):
         if self.model.model_name_or_path is None and self.model.config_name is None:
             raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
-        self._continue_elastic_restart()
+        # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
+        # attempt's files are no "earlier run" for _check_output_dir.
+        self.elastic_restart = elastic.continue_restart(self)
         self._check_output_dir()
         positions = max_positions(self.model.read_model_config())
         if positions is not None and self.data.block_size is not None and self.data.block_size > positions:
             raise ConfigError("block_size",
                               f"{self.data.block_size} exceeds the model's {positions} positions; use <= {positions}")
-
-    # Elastic restarts (torchrun / accelerate launch with --max_restarts K): when a rank dies, torch elastic restarts
-    # every rank with the same command line and TORCHELASTIC_RESTART_COUNT > 0. Such a restart continues the attempt
-    # before it: an unset resume_from_checkpoint means 'latest' when output_dir holds a checkpoint, and the files the
-    # earlier attempt left are not "an earlier run" (no refusal). Only when output_dir/config.yaml, written when that
-    # attempt started, is this same config: if the first attempt was refused because output_dir held another run,
-    # the restart is refused the same way instead of quietly continuing that run.
-    def _continue_elastic_restart(self) -> None:
-        args = self.train
-        self.elastic_restart = False
-        if (layout.elastic_max_restarts() > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                and layout.elastic_machines() > 1):
-            # The agent shares its rendezvous store with the ranks, across attempts (pytorch #135712). On one machine
-            # the ranks start their process group under a prefix of the attempt (toolkit.distributed
-            # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
-            # restarts its workers for a joining node does not count it), so there each attempt needs a store of
-            # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (11 of 11 restarts fine here).
-            raise ConfigError(
-                "max_restarts",
-                "elastic restarts across machines need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                "exported before the launcher on every machine; otherwise a restarted rank can connect to the dead "
-                "attempt's addresses and hang or fail (torch 2.13, pytorch #135712)",
-            )
-        restart = layout.elastic_restart_count()
-        if restart <= 0 or args.resume_from_checkpoint is not None or not self._config_written_by_this_job():
-            return
-        self.elastic_restart = True  # _check_output_dir lets this restart use the earlier attempt's files
-        checkpoint = layout.latest_checkpoint(args.output_dir)
-        if checkpoint is not None:
-            args.resume_from_checkpoint = layout.LATEST
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, like accelerator.print
-            what = (f"resuming from {layout.LATEST} ({checkpoint})" if checkpoint else
-                    "no checkpoint yet: starting over")
-            print(f"elastic restart {restart}: resume_from_checkpoint unset, {what}", file=sys.stderr, flush=True)
-
-    def _config_written_by_this_job(self) -> bool:
-        path = layout.path(self.train.output_dir, layout.CONFIG)
-        try:
-            with open(path) as f:
-                written = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError):
-            return False
-        mine = self.as_dict()
-        if not isinstance(written, dict):
-            return False
-        # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal
-        written.pop("resume_from_checkpoint", None)
-        mine.pop("resume_from_checkpoint", None)
-        return written == mine
 
     def _check_output_dir(self) -> None:
         """Never start over an earlier run's files by accident; never promise a resume that has nothing to load."""
@@ -430,7 +398,7 @@ class RunConfig:
                               f"'latest' but {layout.checkpoints_dir(args.output_dir)} holds no checkpoint")
         if args.resume_from_checkpoint is not None or args.overwrite_output_dir:
             return
-        if getattr(self, "elastic_restart", False):  # the earlier attempt's files (_continue_elastic_restart)
+        if getattr(self, "elastic_restart", False):  # the earlier attempt's files (elastic.continue_restart)
             return
         if layout.has_final_model(args.output_dir):
             raise ConfigError(
@@ -508,7 +476,7 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``cli`` turns it into one line and exit 2."""
+    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
@@ -572,39 +540,3 @@ def write_config(cfg: RunConfig, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         yaml.safe_dump(cfg.as_dict(), f, sort_keys=False)
-
-
-def cli(main_fn):
-    """Run ``main_fn``; a ConfigError becomes one line on stderr and exit code 2 (argparse's code for usage), a
-    TrainingStopped one line and exit code 1."""
-    try:
-        result = main_fn()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print(f"training stopped: {e}", file=sys.stderr)
-        sys.exit(1)
-    if "LOCAL_RANK" in os.environ:
-        _exit_without_teardown()
-    return result
-
-
-def _exit_without_teardown() -> None:
-    """End a launched rank whose work is done and written: exit handlers, then exit 0, skipping the interpreter's
-    teardown.
-
-    In that teardown a rank aborts now and then, after everything is saved and the process group is gone
-    ("terminate called without an active exception", exit -6: a C++ thread destroyed while joinable; seen under
-    ZeRO-3, about once per full test suite, 0 in 12 targeted launches). The launcher then reports the whole job as
-    failed and SLURM requeues a finished run. Python's exit handlers (trackers, logging, our process-group
-    teardown) still run first; only the object and module teardown after them is skipped.
-    """
-    import atexit
-    import logging
-
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

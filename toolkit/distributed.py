@@ -26,8 +26,8 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
-from toolkit import layout
-from toolkit.config import TrainArgs
+from toolkit import elastic, layout
+from toolkit.config import TrainingArguments
 from toolkit.errors import ConfigError
 
 
@@ -117,21 +117,21 @@ def _process_group_per_elastic_attempt() -> None:
     already exists), on ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt.
     The restart count is the agent's; on one machine every rank has the same. Across machines an agent that restarts
     its workers for a joining node does not count it, so there restarts keep needing a store per attempt
-    (``toolkit.config`` refuses them without)."""
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or layout.elastic_max_restarts() <= 0
+    (``toolkit.elastic`` refuses them without)."""
+    if (not elastic.shares_agent_store() or elastic.max_restarts() <= 0
             or not torch.distributed.is_available() or torch.distributed.is_initialized()):
         return
     from datetime import timedelta
 
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                        timeout=timedelta(minutes=10))
-    attempt = torch.distributed.PrefixStore(f"toolkit-attempt-{layout.elastic_restart_count()}", store)
+    attempt = torch.distributed.PrefixStore(f"toolkit-attempt-{elastic.restart_count()}", store)
     # backend None: gloo for CPU tensors and, where CUDA is, NCCL for GPU ones (what accelerate and DeepSpeed pick).
     torch.distributed.init_process_group(backend=None, store=attempt, rank=int(os.environ["RANK"]),
                                          world_size=int(os.environ["WORLD_SIZE"]))
 
 
-def make_accelerator(args: TrainArgs, **kwargs) -> Accelerator:
+def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     strategy = launched_strategy()
     _process_group_per_elastic_attempt()
@@ -206,7 +206,7 @@ def _check_mixed_precision(asked: str | None) -> None:
         )
 
 
-def _check_accumulation_env(args: TrainArgs) -> None:
+def _check_accumulation_env(args: TrainingArguments) -> None:
     # `accelerate launch` copies a gradient_accumulation_steps found in the config's DeepSpeed section into this
     # variable, and the Accelerator then prefers it over the argument we pass, silently (accelerate #2210, #3369).
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
@@ -218,7 +218,7 @@ def _check_accumulation_env(args: TrainArgs) -> None:
         )
 
 
-def configure_deepspeed(accelerator: Accelerator, args: TrainArgs, load_universal: bool = False) -> None:
+def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments, load_universal: bool = False) -> None:
     """Fill the DeepSpeed config from the recipe before ``prepare``, refusing values that contradict it.
     ``load_universal``: the resume loads a universal checkpoint (``toolkit.checkpointing.convert``), which the engine must know."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:

@@ -115,32 +115,6 @@ def resolve_resume(output_dir: str, resume_from_checkpoint: str | None) -> str |
     return resume_from_checkpoint
 
 
-def elastic_restart_count() -> int:
-    """How many times torch elastic (``torchrun`` / ``accelerate launch`` with ``--max_restarts``) has restarted this
-    job's workers: ``TORCHELASTIC_RESTART_COUNT``, which the agent sets on every worker (0 on the first attempt, unset
-    outside torch elastic)."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
-
-
-def elastic_max_restarts() -> int:
-    """``--max_restarts`` of the torch elastic launcher that started this process (``TORCHELASTIC_MAX_RESTARTS``)."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    except ValueError:
-        return 0
-
-
-def elastic_machines() -> int:
-    """Machines (agents) in the torch elastic job that started this process (``GROUP_WORLD_SIZE``; 1 outside one)."""
-    try:
-        return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 def read_checkpoint_state(checkpoint: str) -> dict | None:
     """The toolkit's own record inside a checkpoint folder (``toolkit_state.json``), or None if it has none."""
     path = os.path.join(checkpoint, CHECKPOINT_STATE)

@@ -33,7 +33,7 @@ from transformers import get_scheduler
 from toolkit import layout
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
-from toolkit.config import RunConfig, TrainArgs, write_config
+from toolkit.config import RunConfig, TrainingArguments, write_config
 from toolkit.distributed import (
     configure_deepspeed,
     data_parallel_size,
@@ -50,7 +50,7 @@ from toolkit.state import LoopState, StepResult
 from toolkit.tasks import CausalLM
 
 
-def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
     # The usual split: no weight decay on biases and norm weights (the 1-D parameters). Under ZeRO-3, transformers
     # builds the model already partitioned (deepspeed.zero.Init: every parameter's data is an empty 1-D tensor), so
     # the real shape is ``ds_shape``; reading ``ndim`` would silently put every weight in the no-decay group.
@@ -232,7 +232,7 @@ class Evaluation:
         self.name, self.better = task.best_metric  # e.g. ("perplexity", min)
         self.best = None
 
-    def due(self, args: TrainArgs, step: int, last: bool) -> bool:
+    def due(self, args: TrainingArguments, step: int, last: bool) -> bool:
         return self.eval_dl is not None and ((args.eval_steps and step % args.eval_steps == 0) or last)
 
     def into(self, row: dict) -> dict:
@@ -265,7 +265,7 @@ class Run:
         return self.sampler.steps_per_epoch
 
 
-def _reuse_cpu_memory(args: TrainArgs, model) -> bool:
+def _reuse_cpu_memory(args: TrainingArguments, model) -> bool:
     """``cpu_memory_reuse``, unset: on, unless the run asked for less memory. The kept heap fragments (torch asks glibc
     for 64-byte aligned blocks, which a freed block of the same size cannot serve), and eats what the memory switches
     save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's
@@ -342,7 +342,7 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
                          resume=resumed_from is not None)
 
 
-def _log_step(args: TrainArgs, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
+def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
               evaluation: Evaluation, logger: MetricsLogger) -> dict | None:
     """Collective when it logs or evaluates (every rank decides alike): the step's metrics row, or None."""
     row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}

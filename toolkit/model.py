@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from toolkit.config import ModelArguments, max_positions
 from toolkit.errors import ConfigError
 
 __all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions"]
-
-
-def _kw(args: ModelArguments) -> dict:
-    kw = {"trust_remote_code": args.trust_remote_code}
-    if args.gguf_file:
-        kw["gguf_file"] = args.gguf_file
-    return kw
 
 
 def _unreachable(field_name: str, name: str, err: OSError) -> ConfigError:
@@ -29,12 +22,12 @@ def _unreachable(field_name: str, name: str, err: OSError) -> ConfigError:
 
 
 def load_config(args: ModelArguments, disable_dropout: bool = False):
+    """The model's config (``ModelArguments.auto_config``: config_overrides applied), a name the Hub cannot provide
+    refused as a ConfigError; ``disable_dropout``: every dropout rate in it 0."""
     try:
-        config = AutoConfig.from_pretrained(args.config_source, **_kw(args))
+        config = args.auto_config()
     except OSError as e:
         raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e) from None
-    if args.config_overrides:
-        config.update_from_string(args.config_overrides)
     if disable_dropout:
         # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, BERT's
         # hidden_dropout_prob, ...): some models apply dropout functionally from these, with no nn.Dropout to reach.
@@ -54,7 +47,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 def load_tokenizer(args: ModelArguments, log=print):
     name = args.tokenizer_name or args.model_name_or_path or args.config_name
-    kw = _kw(args) if name == args.model_name_or_path else {"trust_remote_code": args.trust_remote_code}
+    kw = args.pretrained_kwargs() if name == args.model_name_or_path else {"trust_remote_code": args.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kw)
     except OSError as e:
@@ -86,8 +79,7 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
-                                                    **_kw(args))
+        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype, **args.pretrained_kwargs())
     # From a config there is no stored dtype: "auto" means the config's own (float32 unless it says otherwise).
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
@@ -115,7 +107,7 @@ def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
                                                         "(with --num_processes equal to it)")
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
-                                distributed_config=DistributedConfig(tp_size=tp_size), **_kw(args))
+                                distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs())
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

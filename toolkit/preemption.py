@@ -23,17 +23,14 @@ from __future__ import annotations
 import os
 import signal
 
-
-def _launched_by_torch_elastic() -> bool:
-    # Set by torchrun / ``accelerate launch`` (and ``notebook_launcher``) on every worker, never on a plain process.
-    return "TORCHELASTIC_RUN_ID" in os.environ
+from toolkit import elastic
 
 
 class Preemption:
     def __init__(self, signals=(signal.SIGTERM,)):
         self.received: int | None = None
         self._previous = {}
-        self._launcher = os.getppid() if _launched_by_torch_elastic() else None
+        self._launcher = os.getppid() if elastic.launched_by_torch_elastic() else None
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

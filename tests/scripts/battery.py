@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"
 import gpt2  # noqa: E402  the recipe itself, unchanged
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from toolkit.config import cli  # noqa: E402
+from toolkit.cli import cli  # noqa: E402
 
 cases_path, out_path = sys.argv[1], sys.argv[2]  # sys.argv becomes each case's command line below
 cases = json.load(open(cases_path))

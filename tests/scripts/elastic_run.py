@@ -23,6 +23,6 @@ class KillRankOnce:
 
 
 if __name__ == "__main__":
-    from toolkit.config import cli
+    from toolkit.cli import cli
 
     cli(lambda: gpt2.main(callbacks=[KillRankOnce()]))

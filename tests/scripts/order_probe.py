@@ -9,13 +9,13 @@ import sys
 
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainArgs
+from toolkit.config import TrainingArguments
 from toolkit.distributed import make_accelerator
 from toolkit.order import GlobalBatchSampler
 
 out, n, micro, accum, seed = sys.argv[1], *map(int, sys.argv[2:6])
 skip = int(sys.argv[6]) if len(sys.argv) > 6 else 0
-accelerator = make_accelerator(TrainArgs(output_dir="/tmp/order_probe", report_to="none",
+accelerator = make_accelerator(TrainingArguments(output_dir="/tmp/order_probe", report_to="none",
                                          gradient_accumulation_steps=accum))
 sampler = GlobalBatchSampler(n, micro, accelerator.num_processes, accum, seed=seed, shuffle=True)
 dl = accelerator.prepare(DataLoader(list(range(n)), batch_sampler=sampler))

@@ -119,6 +119,6 @@ def weights_fingerprint(accelerator, model) -> str:
 
 
 if __name__ == "__main__":
-    from toolkit.config import cli
+    from toolkit.cli import cli
 
     cli(lambda: gpt2.main(callbacks=[Probe()]))

@@ -220,8 +220,8 @@ def test_load_plan_loads_or_converts(wrote, world, strategy, ranks, plan):
     ("ddp", 2, "deepspeed-zero3", 2, "--config_file accelerate_configs/ddp.yaml <recipe>"),
 ])
 def test_load_plan_refuses_what_no_conversion_loads(wrote, world, strategy, ranks, command):
-    from toolkit.errors import ConfigError
     from toolkit.checkpointing.resume import load_plan
+    from toolkit.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)

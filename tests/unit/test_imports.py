@@ -1,8 +1,10 @@
 """The import structure of ``toolkit/`` keeps its promises, read from the source with ``ast`` (nothing is imported):
 
-- the graph of imports between toolkit modules has no cycle;
+- the graph of imports between toolkit modules has no cycle, and every import points up the list of modules in
+  ``toolkit/__init__.py``'s docstring;
 - ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
-  the standard library only, so a config is checked before torch, accelerate or a model is touched;
+  the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
+  checked before torch, accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
 - parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess:
   tests/launch/test_imports_launch.py).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -25,20 +28,28 @@ PACKAGE = "toolkit"
 SOURCE = os.path.join(ROOT, PACKAGE)
 
 
-def _module_name(filename: str) -> str:
-    stem = filename[: -len(".py")]
-    return PACKAGE if stem == "__init__" else f"{PACKAGE}.{stem}"
+def _module_name(path: str) -> str:
+    """toolkit/x.py -> toolkit.x; toolkit/pkg/__init__.py -> toolkit.pkg; toolkit/pkg/y.py -> toolkit.pkg.y."""
+    parts = list(Path(path).relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
 def _modules() -> dict[str, ast.Module]:
-    names = sorted(f for f in os.listdir(SOURCE) if f.endswith(".py"))
-    return {_module_name(f): ast.parse(Path(SOURCE, f).read_text(), filename=f) for f in names}
+    """Every module of the package, subpackages included (``toolkit/checkpointing/``)."""
+    paths = sorted(Path(SOURCE).rglob("*.py"))
+    return {_module_name(str(p)): ast.parse(p.read_text(), filename=str(p)) for p in paths if "__pycache__" not in p.parts}
+
+
+def _is_package(name: str) -> bool:
+    return Path(ROOT, *name.split("."), "__init__.py").is_file()
 
 
 def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
     """Every import statement of the module, anywhere in it: (absolute module, names taken from it); ``import a.b``
     gives ("a.b", [])."""
-    package = name if name == PACKAGE else name.rpartition(".")[0]
+    package = name if _is_package(name) else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -112,7 +123,8 @@ def test_graph_sees_the_known_imports():
     """Guards the parser: if it silently found nothing, the tests below would pass vacuously."""
     graph = _graph()
     assert {"toolkit.loop", "toolkit.config", "toolkit.layout", "toolkit.errors", "toolkit.report"} <= set(graph)
-    assert "toolkit.checkpoint" in graph["toolkit.loop"]  # ``from toolkit import checkpoint as ckpt``
+    assert "toolkit.checkpointing" in graph["toolkit.loop"]  # ``from toolkit.checkpointing import Checkpointer``
+    assert "toolkit.checkpointing.convert" in graph["toolkit.checkpointing.resume"]  # a subpackage's modules count
     assert "toolkit.config" in graph["toolkit.loop"]  # ``from toolkit.config import RunConfig, ...``
     assert "toolkit.layout" in graph["toolkit.config"]  # ``from toolkit import layout``
     assert "toolkit.metrics" in graph["toolkit.verify"]  # a function-local import
@@ -127,6 +139,35 @@ def test_relative_imports_resolve():
     assert _toolkit_edges("toolkit.x", tree, known) == {"toolkit.layout", "toolkit.errors", "toolkit.model"}
 
 
+def _layers() -> list[str]:
+    """The modules in the order of the list in ``toolkit/__init__.py``'s docstring: its lines "  name  what it does"
+    ("plots, report": two, in order; "checkpointing.resume": a subpackage's module)."""
+    doc = ast.get_docstring(_modules()[PACKAGE])
+    names = []
+    for line in doc.splitlines():
+        listed = re.match(r"  ([a-z_.]+(?:, [a-z_.]+)*)  +\S", line)
+        if listed:
+            names += [f"{PACKAGE}.{name}" for name in listed.group(1).split(", ")]
+        elif names:
+            break
+    return names
+
+
+def test_every_import_points_up_the_list_of_modules_in_the_package_docstring():
+    """The package docstring lists the modules in layers; each imports only modules listed above it, and every module
+    is listed (``__main__`` imports its commands by string)."""
+    graph, layers = _graph(), _layers()
+    assert layers[:4] == ["toolkit.errors", "toolkit.layout", "toolkit.state", "toolkit.elastic"]  # the parser reads
+    assert "toolkit.checkpointing.manager" in layers and "toolkit.plots" in layers  # dotted and paired names too
+    unlisted = set(graph) - set(layers) - {PACKAGE, f"{PACKAGE}.__main__"}
+    assert not unlisted, f"modules missing from toolkit/__init__.py's list: {sorted(unlisted)}"
+    assert not set(layers) - set(graph), f"listed, but no such module: {sorted(set(layers) - set(graph))}"
+    rank = {name: i for i, name in enumerate(layers)}
+    upward = [f"{name} -> {imported}" for name in layers for imported in sorted(graph[name])
+              if rank.get(imported, len(layers)) >= rank[name]]
+    assert not upward, f"imports of a module listed below (or beside) the importer: {upward}"
+
+
 def test_no_import_cycle():
     cycle = _find_cycle(_graph())
     assert cycle is None, f"import cycle between toolkit modules: {' -> '.join(cycle)}"
@@ -134,17 +175,21 @@ def test_no_import_cycle():
 
 def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
     graph, trees = _graph(), _modules()
-    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout"}
+    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout", "toolkit.elastic"}
     for name in ("toolkit.errors", "toolkit.layout"):
         assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
         assert not outside, f"{name} imports non-stdlib {sorted(outside)}"
+    # the elastic restart policy that config applies: the environment and the run folder, read like config reads them
+    assert graph["toolkit.elastic"] == {"toolkit.errors", "toolkit.layout"}
+    outside = {module.split(".")[0] for module, _ in _imports("toolkit.elastic", trees["toolkit.elastic"])}
+    assert outside - set(sys.stdlib_module_names) <= {PACKAGE, "yaml"}
 
 
 def test_loop_does_not_reach_report():
     """report reads finished runs; the loop writes them. The loop reaching report (even through another module)
     would make every training process load the reader's dependencies and invite the two to share state."""
     paths = _reachable(_graph(), "toolkit.loop")
-    assert "toolkit.checkpoint" in paths  # the walk does walk
+    assert "toolkit.checkpointing.checkpoint" in paths  # the walk does walk
     via = " -> ".join(paths.get("toolkit.report", []))
     assert "toolkit.report" not in paths, f"toolkit.loop imports toolkit.report via {via}"

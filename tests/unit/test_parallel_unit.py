@@ -15,8 +15,8 @@ def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, stra
     """A TP checkpoint loads only under TP with its tp_size (and no other strategy's under TP): refused before the
     weights load, naming the field and the launch that resumes it (the same check refused a real TP checkpoint under
     ddp.yaml before its weights loaded)."""
-    from toolkit.errors import ConfigError
     from toolkit.checkpointing.resume import load_plan
+    from toolkit.errors import ConfigError
 
     assert load_plan("ck", {"strategy": "tp", "loop": {"world_size": 2}}, "tp", 2) is None
     with pytest.raises(ConfigError) as e:

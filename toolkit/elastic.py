@@ -1,0 +1,117 @@
+"""Torch elastic restarts: what the launcher's environment says about this attempt, and what a restart does to a run.
+
+``torchrun`` / ``accelerate launch`` with ``--max_restarts K`` restart every rank with the same command line when one
+dies; the agent tells the workers which attempt they are through the environment (read here, and only here):
+
+    TORCHELASTIC_RUN_ID           set on every worker a torch elastic agent started (never on a plain process)
+    TORCHELASTIC_RESTART_COUNT    the attempt: 0 first, n after n restarts (unset outside torch elastic)
+    TORCHELASTIC_MAX_RESTARTS     the launcher's --max_restarts
+    TORCHELASTIC_USE_AGENT_STORE  "True": the ranks share the agent's rendezvous store, across attempts
+    GROUP_WORLD_SIZE              machines (agents) in the job
+
+The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
+checks a config; ``toolkit.distributed`` starts the process group of each attempt under a key prefix of its own.
+
+Imports only ``errors``, ``layout`` and yaml: it runs while a config is parsed, before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import yaml
+
+from toolkit import layout
+from toolkit.errors import ConfigError
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, str(default)))
+    except ValueError:
+        return default
+
+
+def launched_by_torch_elastic() -> bool:
+    """Started by torchrun / ``accelerate launch`` (and ``notebook_launcher``): set on every worker, never on a plain
+    process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torch elastic (``torchrun`` / ``accelerate launch`` with ``--max_restarts``) has restarted this
+    job's workers: ``TORCHELASTIC_RESTART_COUNT``, which the agent sets on every worker (0 on the first attempt, unset
+    outside torch elastic)."""
+    return _int_env("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def max_restarts() -> int:
+    """``--max_restarts`` of the torch elastic launcher that started this process (``TORCHELASTIC_MAX_RESTARTS``)."""
+    return _int_env("TORCHELASTIC_MAX_RESTARTS", 0)
+
+
+def machines() -> int:
+    """Machines (agents) in the torch elastic job that started this process (``GROUP_WORLD_SIZE``; 1 outside one)."""
+    return _int_env("GROUP_WORLD_SIZE", 1)
+
+
+def shares_agent_store() -> bool:
+    """The ranks use the agent's rendezvous store, the same one across attempts (``TORCHELASTIC_USE_AGENT_STORE``:
+    always under a static rendezvous, under c10d unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def check_restarts_supported() -> None:
+    """Refuse restarts across machines on a store shared across attempts (they hang or fail)."""
+    if max_restarts() > 0 and shares_agent_store() and machines() > 1:
+        # The agent shares its rendezvous store with the ranks, across attempts (pytorch #135712). On one machine
+        # the ranks start their process group under a prefix of the attempt (toolkit.distributed
+        # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
+        # restarts its workers for a joining node does not count it), so there each attempt needs a store of
+        # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (11 of 11 restarts fine here).
+        raise ConfigError(
+            "max_restarts",
+            "elastic restarts across machines need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "exported before the launcher on every machine; otherwise a restarted rank can connect to the dead "
+            "attempt's addresses and hang or fail (torch 2.13, pytorch #135712)",
+        )
+
+
+# When a rank dies, torch elastic restarts every rank with the same command line and TORCHELASTIC_RESTART_COUNT > 0.
+# Such a restart continues the attempt before it: an unset resume_from_checkpoint means 'latest' when output_dir
+# holds a checkpoint, and the files the earlier attempt left are not "an earlier run" (no refusal). Only when
+# output_dir/config.yaml, written when that attempt started, is this same config: if the first attempt was refused
+# because output_dir held another run, the restart is refused the same way instead of quietly continuing that run.
+def continue_restart(cfg) -> bool:
+    """Whether ``cfg`` (a ``toolkit.config.RunConfig``) continues an earlier attempt of this same job; if so, an unset
+    ``resume_from_checkpoint`` becomes 'latest' when output_dir holds a checkpoint. Refuses what cannot restart."""
+    check_restarts_supported()
+    args = cfg.train
+    restart = restart_count()
+    if restart <= 0 or args.resume_from_checkpoint is not None or not _config_written_by_this_job(cfg):
+        return False
+    checkpoint = layout.latest_checkpoint(args.output_dir)
+    if checkpoint is not None:
+        args.resume_from_checkpoint = layout.LATEST
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, like accelerator.print
+        what = (f"resuming from {layout.LATEST} ({checkpoint})" if checkpoint else
+                "no checkpoint yet: starting over")
+        print(f"elastic restart {restart}: resume_from_checkpoint unset, {what}", file=sys.stderr, flush=True)
+    return True
+
+
+def _config_written_by_this_job(cfg) -> bool:
+    path = layout.path(cfg.train.output_dir, layout.CONFIG)
+    try:
+        with open(path) as f:
+            written = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False
+    mine = cfg.as_dict()
+    if not isinstance(written, dict):
+        return False
+    # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal
+    written.pop("resume_from_checkpoint", None)
+    mine.pop("resume_from_checkpoint", None)
+    return written == mine

@@ -1,0 +1,42 @@
+"""Generation for a look at what a model says: the prompt of a tokenized chat and a model's greedy answer to it (the
+SFT recipe prints one before and one after fine-tuning)."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.distributed import plain_loading
+from toolkit.lora import load_exported
+from toolkit.loss import IGNORE_INDEX
+from toolkit.model import load_model, max_positions
+
+
+def first_prompt(dataset) -> list[int]:
+    """The prompt tokens of a tokenized dataset's first chat: everything before its first assistant token."""
+    row = dataset[0]
+    first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+    return row["input_ids"][:first]
+
+
+def show_answer(accelerator, cfg, tokenizer, prompt_ids: list[int], folder: str | None, when: str,
+                max_new_tokens: int = 48) -> str | None:
+    """On the main process: load the model (the configured pretrained one, or the export in ``folder``) as a plain
+    single-process model and print its greedy answer to ``prompt_ids``. Other ranks return None at once."""
+    if not accelerator.is_main_process:
+        return None
+    with plain_loading(accelerator):
+        model = load_exported(folder, cfg.model) if folder else load_model(cfg.model)
+    model.eval()
+    positions = max_positions(model.config)  # a small model's context may end before max_new_tokens
+    if positions is not None:
+        max_new_tokens = min(max_new_tokens, positions - len(prompt_ids))
+    if max_new_tokens <= 0:
+        return None
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    print(f"--- {when}: {tokenizer.decode(prompt_ids, skip_special_tokens=True).strip()[-200:]!r}\n{answer}",
+          flush=True)
+    return answer
