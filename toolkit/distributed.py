@@ -3,11 +3,11 @@
 On a machine with a GPU (or any torch accelerator) nothing here changes accelerate's behaviour.
 
 On a CPU-only host, accelerate 1.15/1.16 enables DeepSpeed and FSDP only when it finds an accelerator, and otherwise
-falls back *silently* (measured, ``../shared/notes/cpu-strategies.md``):
+falls back *silently* (docs/pitfalls.md#cpu-fallback):
   - the DDP config without cpu=True, or an FSDP config: each rank becomes an independent process believing it is
     rank 0 and trains alone on all the data;
   - a DeepSpeed config: num_processes=1 on both ranks, then DeepSpeed's batch-size assertion.
-What makes each real on CPU (all measured with 2 gloo ranks, equal to one process to 7.5e-9 in fp32):
+What makes each real on CPU (each tested with 2 gloo ranks against one process: docs/strategies.md#on-cpu):
   - DDP:       ``cpu=True``  (MULTI_CPU over gloo);
   - DeepSpeed: a PartialState created first with ``backend="gloo"`` (cpu stays False, so DeepSpeed is considered);
   - FSDP 1/2:  the same, then the state's distributed_type set to MULTI_GPU so accelerate considers FSDP.
@@ -94,7 +94,7 @@ def _prepare_cpu_state(strategy: str) -> dict:
 
 
 def _skip_deepspeed_shm_build() -> None:
-    # DeepSpeed JIT-compiles a shared-memory comm op on first init (47 s here, needs g++/ninja) that is only used for
+    # DeepSpeed JIT-compiles a shared-memory comm op on first init (docs/pitfalls.md#deepspeed-shm) only used for
     # inference all-reduce; marking it incompatible skips the build.
     try:
         import deepspeed.ops
@@ -107,17 +107,13 @@ def _skip_deepspeed_shm_build() -> None:
 def _process_group_per_elastic_attempt() -> None:
     """Under torch elastic with restarts, start the process group in a key space of this attempt's own.
 
-    torch 2.13's agent shares its rendezvous store with the ranks (``TORCHELASTIC_USE_AGENT_STORE``: always under a
-    static rendezvous, under c10d unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), the same store across attempts,
-    and ``init_process_group`` writes its keys (gloo/NCCL addresses, barrier counters) with no attempt in their names
-    (``torch.distributed.rendezvous``: "We create a new TCPStore for every retry so no need to add prefix", which is
-    not so for the shared store; pytorch #135712). A restarted rank could read the dead attempt's addresses: measured
-    here, 4 of 8 restarts under c10d and 2 of 3 under static failed ("Gloo connectFullMesh failed ... Connection
-    refused") or hung. The same group, initialised by us before accelerate (which, like DeepSpeed, keeps a group that
-    already exists), on ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt.
-    The restart count is the agent's; on one machine every rank has the same. Across machines an agent that restarts
-    its workers for a joining node does not count it, so there restarts keep needing a store per attempt
-    (``toolkit.elastic`` refuses them without)."""
+    The agent's rendezvous store is shared with the ranks across attempts, and ``init_process_group`` writes keys
+    with no attempt in their names, so a restarted rank can read the dead attempt's addresses
+    (docs/pitfalls.md#pytorch-135712-elastic-restarts-on-a-shared-store). The same group, initialised by us before
+    accelerate (which, like DeepSpeed, keeps a group that already exists), on
+    ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt. The restart count is the
+    agent's; on one machine every rank has the same. Across machines it can differ, so there restarts keep needing a
+    store per attempt (``toolkit.elastic`` refuses them without)."""
     if (not elastic.shares_agent_store() or elastic.max_restarts() <= 0
             or not torch.distributed.is_available() or torch.distributed.is_initialized()):
         return
@@ -147,7 +143,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
         ),
         # We step the scheduler ourselves once per optimizer step: AcceleratedScheduler otherwise steps it
-        # num_processes times per call (accelerate #1382), ending a schedule sized in optimizer steps early.
+        # num_processes times per call (docs/pitfalls.md#scheduler-steps), ending a schedule sized in optimizer steps early.
         step_scheduler_with_optimizer=False,
         log_with=trackers or None,
         project_config=ProjectConfiguration(
@@ -208,7 +204,8 @@ def _check_mixed_precision(asked: str | None) -> None:
 
 def _check_accumulation_env(args: TrainingArguments) -> None:
     # `accelerate launch` copies a gradient_accumulation_steps found in the config's DeepSpeed section into this
-    # variable, and the Accelerator then prefers it over the argument we pass, silently (accelerate #2210, #3369).
+    # variable, and the Accelerator then prefers it over the argument we pass, silently
+    # (docs/pitfalls.md#deepspeed-accumulation).
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if value not in (None, "", "auto") and int(value) != args.gradient_accumulation_steps:
         raise ConfigError(

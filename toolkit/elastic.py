@@ -65,11 +65,12 @@ def shares_agent_store() -> bool:
 def check_restarts_supported() -> None:
     """Refuse restarts across machines on a store shared across attempts (they hang or fail)."""
     if max_restarts() > 0 and shares_agent_store() and machines() > 1:
-        # The agent shares its rendezvous store with the ranks, across attempts (pytorch #135712). On one machine
+        # The agent shares its rendezvous store with the ranks, across attempts
+        # (docs/pitfalls.md#pytorch-135712-elastic-restarts-on-a-shared-store). On one machine
         # the ranks start their process group under a prefix of the attempt (toolkit.distributed
         # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
         # restarts its workers for a joining node does not count it), so there each attempt needs a store of
-        # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (11 of 11 restarts fine here).
+        # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
         raise ConfigError(
             "max_restarts",
             "elastic restarts across machines need --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
