@@ -268,8 +268,8 @@ class Run:
 def _reuse_cpu_memory(args: TrainingArguments, model) -> bool:
     """``cpu_memory_reuse``, unset: on, unless the run asked for less memory. The kept heap fragments (torch asks glibc
     for 64-byte aligned blocks, which a freed block of the same size cannot serve), and eats what the memory switches
-    save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's
-    flag is also set when FSDP's launch-config checkpointing was handed over to transformers."""
+    save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's flag is also set when FSDP's
+    launch-config checkpointing was handed over to transformers."""
     if args.cpu_memory_reuse is not None:
         return args.cpu_memory_reuse
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
