@@ -9,11 +9,13 @@ to stop. In a multi-turn chat every assistant turn is a target.
 How the turns are found, for any template: the chat is rendered as text once, and for each assistant turn i the
 template renders the conversation before it with the generation prompt (``messages[:i]``, what a user's inference
 call would send) and the conversation up to it (``messages[:i+1]``). Both must be prefixes of the whole rendering
-(templates that rewrite earlier turns, e.g. ones that drop past reasoning, are refused with the reason). The text is
-cut at those boundaries and each piece tokenized on its own: the prompt's tokens are exactly those an inference call
-gives the model, so training sees the same token boundary that generation starts from. A turn ends at the template's
-end-of-turn token (the tokenizer's EOS, e.g. ``<|im_end|>``); what the template writes after it (a newline) is
-formatting, not a target.
+(templates that rewrite earlier turns, e.g. ones that drop past reasoning, are refused with the reason). A turn ends
+at the template's end-of-turn token (the tokenizer's EOS, e.g. ``<|im_end|>``); what the template writes after it (a
+newline) is formatting, not a target. The whole rendering is then tokenized once, so the training ids are exactly
+``tokenizer.apply_chat_template(messages)``'s, and a token is a target by where its characters lie (its offsets).
+Tokenizing the prompt and each answer separately would not give those ids: a SentencePiece (Metaspace) tokenizer
+starts every piece with a ``▁`` (docs/pitfalls.md#metaspace-pieces). ``tokenize_chat`` states what a token that
+straddles a prompt/answer boundary becomes.
 
 One chat per row, truncated to ``block_size`` (no packing: a packed row would let a chat attend to the one before
 it). A chat whose assistant tokens all fall beyond ``block_size`` has nothing to learn and is dropped.
@@ -122,20 +124,48 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 
 def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """``input_ids`` and ``labels`` of one chat: labels are the ids on assistant turns, -100 elsewhere."""
+    """``input_ids`` and ``labels`` of one chat: the ids ``tokenizer.apply_chat_template(messages)`` gives (the whole
+    rendering tokenized once, without adding special tokens: a BOS the template writes is in the text), and as labels
+    the ids of the tokens on assistant turns, -100 elsewhere.
+
+    A token whose characters straddle a prompt/answer boundary (``'ĠSure'`` after a generation prompt that ends with
+    a space) is a target when at least half of its characters are assistant text: the answer's first word is learned,
+    a template marker that merely touches the answer is not. A token with no characters (offsets ``(i, i)``) is a
+    target when ``i`` lies inside an assistant turn. A tokenizer without character offsets (no fast version) is cut
+    at the turn boundaries instead, and refused where that changes the ids."""
     full, spans = assistant_spans(tokenizer, messages)
+    if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer: no character offsets
+        return _tokenize_in_pieces(tokenizer, full, spans)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    return ids, [i if _is_target(start, end, spans) else IGNORE_INDEX for i, (start, end) in
+                 zip(ids, enc["offset_mapping"])]
+
+
+def _is_target(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    """The boundary policy (``tokenize_chat``): at least half of the token's characters lie in assistant spans."""
+    if end <= start:
+        return any(a <= start < b for a, b in spans)
+    inside = sum(max(0, min(end, b) - max(start, a)) for a, b in spans)
+    return 2 * inside >= end - start
+
+
+def _tokenize_in_pieces(tokenizer, full: str, spans) -> tuple[list[int], list[int]]:
+    """Without offsets: the prompt and answer pieces tokenized one by one, accepted only if they give the whole
+    rendering's ids (a SentencePiece tokenizer adds a '▁' at each piece's start: refused)."""
     ids, labels, at = [], [], 0
-    for start, end in spans:
+    for start, end in [*spans, (len(full), len(full))]:
         for piece, target in ((full[at:start], False), (full[start:end], True)):
             if piece:
                 piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
                 ids += piece_ids
                 labels += piece_ids if target else [IGNORE_INDEX] * len(piece_ids)
         at = end
-    if full[at:]:
-        tail = tokenizer(full[at:], add_special_tokens=False)["input_ids"]
-        ids += tail
-        labels += [IGNORE_INDEX] * len(tail)
+    if ids != tokenizer(full, add_special_tokens=False)["input_ids"]:
+        raise ConfigError("tokenizer_name", f"{tokenizer.name_or_path!r} gives no character offsets (not a fast "
+                                            "tokenizer), and tokenizing the chat turn by turn changes its ids, so "
+                                            "the assistant's tokens cannot be found; use the fast tokenizer "
+                                            "(tokenizer.json) of this model")
     return ids, labels
 
 

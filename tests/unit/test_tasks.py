@@ -36,7 +36,8 @@ def tokenizer():
 def test_only_assistant_turns_and_their_end_of_turn_are_targets(tokenizer):
     ids, labels = tokenize_chat(tokenizer, CHAT)
     eos = tokenizer.eos_token
-    # the whole rendering, token for token
+    # the whole rendering, token for token: the ids an inference call on the whole chat gives
+    assert ids == tokenizer.apply_chat_template(CHAT, tokenize=True)["input_ids"]
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT, tokenize=False)
     targets = [(i, tok) for i, (tok, lab) in enumerate(zip(ids, labels)) if lab != IGNORE_INDEX]
     assert all(labels[i] == ids[i] for i, _ in targets)  # a target's label is its own id (the loss shifts)
@@ -64,6 +65,165 @@ def test_the_collator_keeps_a_chat_mask_and_counts_its_targets(tokenizer):
     assert batch["labels"][1, len(rows[1]["labels"]):].eq(IGNORE_INDEX).all()  # pads are no targets
     assert batch["num_targets"] == int(count_targets(batch["labels"]))
     assert batch["num_targets"] == sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in rows)
+
+
+# The three tokenizer families: SentencePiece (Metaspace: Llama 2, Mistral, Gemma, T5), byte-level BPE (GPT-2),
+# WordPiece (BERT, uncased: all-MiniLM-L6-v2; [CLS] and [SEP] as BOS and end of turn).
+FAMILIES = ("sentencepiece", "byte-level-bpe", "wordpiece")
+
+
+@pytest.fixture
+def gpt2():
+    """A GPT-2 tokenizer of the test's own, for a test that sets another chat template."""
+    from toolkit.offline import gpt2_tokenizer
+
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(params=FAMILIES)
+def family_tokenizer(request):
+    from transformers import AutoTokenizer
+
+    from toolkit.offline import gpt2_tokenizer, minilm_path
+
+    if request.param == "sentencepiece":
+        tok = AutoTokenizer.from_pretrained(request.getfixturevalue("sentencepiece_tokenizer"))
+    elif request.param == "byte-level-bpe":
+        tok = gpt2_tokenizer()
+    else:
+        tok = AutoTokenizer.from_pretrained(minilm_path())
+        tok.bos_token, tok.eos_token = "[CLS]", "[SEP]"
+    return request.param, tok
+
+
+def _target_runs(labels) -> list[tuple[int, int]]:
+    """[first, last] token index of each run of consecutive targets."""
+    runs = []
+    for i, label in enumerate(labels):
+        if label != IGNORE_INDEX:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+    return [tuple(r) for r in runs]
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, "{{ bos_token }}" + TEMPLATE], ids=["no-bos", "bos"])
+def test_chat_ids_are_apply_chat_templates_and_the_targets_are_the_answers(family_tokenizer, template):
+    """Before the fix, the SentencePiece chats failed the first assertion: each piece tokenized alone started with a
+    '▁' (``'▁No'`` where the whole chat has ``'No'``, a ``'▁'`` before each newline after an answer)."""
+    family, tok = family_tokenizer
+    tok.chat_template = template
+    ids, labels = tokenize_chat(tok, CHAT)
+    assert ids == tok.apply_chat_template(CHAT, tokenize=True)["input_ids"]
+    assert all(label in (IGNORE_INDEX, i) for i, label in zip(ids, labels))
+    if template.startswith("{{ bos_token }}"):
+        assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id  # written once, by the template
+    # the target tokens cover exactly each answer and its end of turn, and nothing else is a target
+    full = tok.apply_chat_template(CHAT, tokenize=False)
+    offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    answers = [m["content"] + tok.eos_token for m in CHAT if m["role"] == "assistant"]
+    runs = _target_runs(labels)
+    assert [full[offsets[i][0]:offsets[j][1]] for i, j in runs] == answers
+    decoded = [tok.decode(ids[i:j + 1]) for i, j in runs]
+    if family == "wordpiece":  # uncased, and decode puts spaces around punctuation
+        assert [d.replace(" ", "") for d in decoded] == [(m["content"].lower() + tok.eos_token).replace(" ", "")
+                                                         for m in CHAT if m["role"] == "assistant"]
+    else:
+        assert decoded == answers
+
+
+# A generation prompt that ends with a space: the answer's first token takes that space along ('ĠNothing', '▁No').
+SPACED = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+# One that ends inside a word the answer completes: 'Answ' + 'er: ...' is the one token 'Answer', mostly prompt.
+WORD_SPLIT = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\nAnsw{% generation %}"
+              "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+              "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\nAnsw{% endif %}")
+
+
+def test_a_token_straddling_the_prompt_and_the_answer_is_a_target_when_at_least_half_of_it_is_answer(gpt2):
+    chat = CHAT[:2] + [{"role": "assistant", "content": "Nothing at all."}, {"role": "user", "content": "And?"},
+                       {"role": "assistant", "content": "I stop."}]
+    tok, eos = gpt2, gpt2.eos_token
+    tok.chat_template = SPACED
+    ids, labels = tokenize_chat(tok, chat)
+    assert ids == tok.apply_chat_template(chat, tokenize=True)["input_ids"]
+    # 'ĠNothing': 1 prompt character (the space), 7 answer ones; 'ĠI': 1 and 1, a tie: both targets
+    assert [tok.convert_ids_to_tokens(ids[i]) for i, _ in _target_runs(labels)] == ["ĠNothing", "ĠI"]
+    assert [tok.decode(ids[i:j + 1]) for i, j in _target_runs(labels)] == [f" Nothing at all.{eos}", f" I stop.{eos}"]
+    # 'Answer': 4 prompt characters, 2 answer ones: prompt. HF's return_assistant_tokens_mask (any overlap) takes it.
+    chat = CHAT[:2] + [{"role": "assistant", "content": "er: nothing."}]
+    tok.chat_template = WORD_SPLIT
+    ids, labels = tokenize_chat(tok, chat)
+    hf = tok.apply_chat_template(chat, tokenize=True, return_assistant_tokens_mask=True)
+    assert ids == hf["input_ids"]
+    (first, last), = _target_runs(labels)
+    assert tok.convert_ids_to_tokens(ids[first - 1]) == "Answer" and tok.decode(ids[first:last + 1]) == f": nothing.{eos}"
+    mine = [int(label != IGNORE_INDEX) for label in labels]
+    assert [k for k, (a, b) in enumerate(zip(mine, hf["assistant_masks"])) if a != b] == [first - 1]
+
+
+def _generation_template(end: str) -> str:
+    """TEMPLATE with each assistant turn's content + EOS (+ ``end``) in a ``{% generation %}`` block."""
+    after = "" if end else "{{ '\\n' }}"  # a newline right after a block tag would be trimmed
+    return ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+            "{{ m['content'] }}{{ eos_token }}" + end + "{% endgeneration %}" + after + "{% else %}{{ m['content'] }}"
+            "{{ eos_token }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_the_mask_is_return_assistant_tokens_masks_where_generation_marks_content_and_end_of_turn(family_tokenizer):
+    family, tok = family_tokenizer
+    tok.chat_template = TEMPLATE
+    plain = tok.apply_chat_template(CHAT, tokenize=False)
+    tok.chat_template = _generation_template("")
+    assert tok.apply_chat_template(CHAT, tokenize=False) == plain
+    ids, labels = tokenize_chat(tok, CHAT)
+    hf = tok.apply_chat_template(CHAT, tokenize=True, return_assistant_tokens_mask=True)
+    assert ids == hf["input_ids"]
+    assert [int(label != IGNORE_INDEX) for label in labels] == hf["assistant_masks"]
+    # with the newline after the EOS inside the block, HF's mask takes the newline token too; ours stops at the EOS
+    tok.chat_template = _generation_template("\n")
+    assert tok.apply_chat_template(CHAT, tokenize=False) == plain
+    hf = tok.apply_chat_template(CHAT, tokenize=True, return_assistant_tokens_mask=True)
+    ids, labels = tokenize_chat(tok, CHAT)
+    differ = [k for k, label in enumerate(labels) if int(label != IGNORE_INDEX) != hf["assistant_masks"][k]]
+    ends = [j + 1 for _, j in _target_runs(labels)]
+    assert differ == ([] if family == "wordpiece" else ends)  # WordPiece drops the newline: no token
+    assert all(tok.decode(ids[k]) == "\n" for k in differ)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(gpt2):
+    gpt2.chat_template = "{{ messages | length }}\n" + TEMPLATE  # the count changes as the chat grows
+    with pytest.raises(ConfigError, match="^chat_template: .*renders earlier turns differently"):
+        tokenize_chat(gpt2, CHAT)
+
+
+class _WithoutOffsets:
+    """A tokenizer seen as a Python (slow) one: no character offsets."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, text, **kwargs):
+        assert "return_offsets_mapping" not in kwargs
+        return self._tok(text, **kwargs)
+
+
+def test_a_tokenizer_without_offsets_is_cut_at_the_turns_and_refused_where_that_changes_the_ids(
+        tokenizer, sentencepiece_tokenizer):
+    from transformers import AutoTokenizer
+
+    assert tokenize_chat(_WithoutOffsets(tokenizer), CHAT) == tokenize_chat(tokenizer, CHAT)  # byte-level: same ids
+    sp = AutoTokenizer.from_pretrained(sentencepiece_tokenizer)
+    sp.chat_template = TEMPLATE
+    with pytest.raises(ConfigError, match="^tokenizer_name: .*no character offsets"):
+        tokenize_chat(_WithoutOffsets(sp), CHAT)
 
 
 @pytest.mark.parametrize("messages, message", [
