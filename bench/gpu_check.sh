@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU: GPT-2 124M (12 x 768, random init, OpenAI's real BPE, no Hub) trained in bf16 on
 # one device for a few steps through the real recipe; prints tokens/s, MFU and peak memory, then what
-# `toolkit plan` predicts for the same job. Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1).
+# `toolkit plan` predicts for the same job; then, on a GPU only (a CPU refuses fp16), the same model in fp16 with
+# dynamic loss scaling under DDP (a GradScaler) and under DeepSpeed ZeRO-2 (its fp16 engine): overflow steps are
+# skipped and counted (skipped_steps), the run ends with a finite loss (docs/pitfalls.md#fp16-overflow-norm).
+# Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +36,20 @@ except Exception:
 subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", f"{work}/gpt2-124m", "--gpus", "1", "--gpu-memory",
                 memory, "--micro-batch", micro, "--seq-len", "1024", "--precision", "bf16"], check=True)
 PY
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  for CONFIG in ddp zero2; do
+    python -m accelerate.commands.launch --config_file "accelerate_configs/$CONFIG.yaml" --num_processes 1 \
+      --mixed_precision fp16 recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc \
+      --block_size 1024 --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" \
+      --logging_steps 1 --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false \
+      --report_to none --output_dir "$WORK/run-fp16-$CONFIG" --overwrite_output_dir true
+    python - "$WORK/run-fp16-$CONFIG" "$CONFIG" <<'PY'
+import json, math, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl") if '"loss"' in line]
+skipped = max(row.get("skipped_steps", 0) for row in rows)
+assert math.isfinite(rows[-1]["loss"]), rows[-1]
+print(f"gpu_check fp16 {sys.argv[2]}: {rows[-1]['step']} steps, last loss {rows[-1]['loss']:.3f}, "
+      f"{skipped} skipped for an overflow (dynamic loss scaling)")
+PY
+  done
+fi

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import typing
@@ -68,6 +69,21 @@ def _at_least_zero(obj, *names, why: str = "") -> None:
         value = getattr(obj, name)
         if value < 0:
             raise ConfigError(name, f"must be >= 0{why}, got {value}")
+
+
+def _finite(obj, *names) -> None:
+    # NaN passes every comparison check (nan < 0 is False) and a NaN max_grad_norm silently makes the weights NaN.
+    for name in names:
+        value = getattr(obj, name)
+        if not math.isfinite(value):
+            raise ConfigError(name, f"must be a finite number, got {value}")
+
+
+def _fraction(obj, *names, why: str = "") -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not 0 <= value < 1:  # also refuses NaN
+            raise ConfigError(name, f"must be in [0, 1){why}, got {value}")
 
 
 def _one_of(obj, name: str, choices) -> None:
@@ -310,7 +326,13 @@ class TrainingArguments:
     )
     skip_nonfinite_steps: bool = field(
         default=False, metadata={"help": "On a non-finite gradient norm, skip that optimizer step (counted in the "
-                                         "metrics as skipped_steps) instead of stopping the run."}
+                                         "metrics as skipped_steps) instead of stopping the run. Not under "
+                                         "DeepSpeed, whose engine applies a step before its norm is known."}
+    )
+    max_consecutive_overflows: int = field(
+        default=20, metadata={"help": "fp16 loss scaling: an overflow step is skipped and the scale halved (counted "
+                                      "as skipped_steps); this many in a row stop the run (from the default scale "
+                                      "2^16, 17 halvings leave it below 1)."}
     )
     loss_normalization: str = field(
         default="global_tokens",
@@ -333,9 +355,12 @@ class TrainingArguments:
 
     def __post_init__(self):
         _positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                  "logging_steps")
+                  "logging_steps", "max_consecutive_overflows")
         _positive(self, "eval_steps", "save_steps", "save_total_limit", allow_none=True)
+        _finite(self, "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon")
         _at_least_zero(self, "learning_rate", "weight_decay", "warmup_steps", "dataloader_num_workers")
+        _fraction(self, "adam_beta1", "adam_beta2",
+                  why=" (a moving average's decay: at 1 it never moves and its bias correction divides by zero)")
         _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
         _at_least_zero(self, "loss_chunk_size", why=" (0 turns it off)")
         if self.peak_flops is not None and self.peak_flops <= 0:

@@ -133,6 +133,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _process_group_per_elastic_attempt()
     _check_accumulation_env(args)
     _check_mixed_precision(kwargs.get("mixed_precision"))
+    _check_skip_nonfinite(args, strategy)
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
@@ -199,6 +200,18 @@ def _check_mixed_precision(asked: str | None) -> None:
             "mixed_precision",
             "fp16 needs a GPU and this machine has none (accelerate would silently train in fp32); use "
             "--mixed_precision bf16 (autocast on CPU) or no",
+        )
+
+
+def _check_skip_nonfinite(args: TrainingArguments, strategy: str) -> None:
+    # DeepSpeed's engine steps inside backward(), before the loop can read the norm: a non-finite step is applied
+    # already (fp16 overflows aside, which its loss scaler skips by itself: docs/pitfalls.md#deepspeed-fp16-overflow).
+    if args.skip_nonfinite_steps and strategy == "deepspeed":
+        raise ConfigError(
+            "skip_nonfinite_steps",
+            "cannot be honoured under DeepSpeed: its engine applies a step before the norm is known (a non-finite "
+            "norm stops the run after that step; fp16 overflows are skipped by its loss scaler anyway); set it to "
+            "false, or launch with a DDP or FSDP config",
         )
 
 

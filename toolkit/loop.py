@@ -143,10 +143,65 @@ def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
                            "skip_nonfinite_steps: true skips such steps instead")
 
 
+def _apply_step(accelerator, optimizer, scheduler, grad_norm: float | None, *, step: int,
+                skip_nonfinite: bool) -> tuple[bool, bool]:
+    """Optimizer and scheduler step at the accumulation boundary; returns (skipped, overflow). A non-finite norm is
+    never applied. Under a GradScaler (fp16) it is an overflow, which dynamic loss scaling makes by design while it
+    searches for its scale: ``optimizer.step()`` must still run, as the scaler turns it into a no-op and backs its scale
+    off there and only there (docs/pitfalls.md#fp16-overflow-norm). Without a scaler nothing explains it: the step is
+    skipped (``skip_nonfinite``) or the run stops. ``step``: this step's number, for the message."""
+    stop = _nonfinite(grad_norm, step)
+    scaler = getattr(accelerator, "scaler", None)
+    if stop is not None and scaler is None:
+        if not skip_nonfinite:
+            raise stop
+        skipped = True
+    else:
+        optimizer.step()  # DeepSpeed: a no-op, the engine stepped in backward(); its overflow shows as skipped
+        skipped = accelerator.optimizer_step_was_skipped
+        if not skipped:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return skipped, skipped and scaler is not None
+
+
+def _deepspeed_outcome(engine, step: int) -> tuple[float | None, bool]:
+    """After the engine's step (taken inside the last backward): (global grad norm, skipped for an fp16 overflow).
+
+    DeepSpeed's fp16 engine reports inf as the global norm of a step its loss scaler skipped (it backs the scale off,
+    counts ``engine.skipped_steps`` and ``was_step_applied()`` is False: docs/pitfalls.md#deepspeed-fp16-overflow);
+    such a step is an overflow, not a reason to stop. A non-finite norm anywhere else (bf16, fp32) stops the run:
+    the engine has already applied it. ``step``: optimizer steps done before this one."""
+    norm = engine.get_global_grad_norm()
+    grad_norm = float(norm) if norm is not None else None
+    overflow = bool(engine.fp16_enabled()) and not engine.was_step_applied()
+    stop = None if overflow else _nonfinite(grad_norm, step + 1)
+    if stop is not None:
+        raise stop
+    if engine.global_steps != step + 1:
+        raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
+    return grad_norm, overflow
+
+
+def _overflow_streak(overflow: bool, overflows: int, limit: int, step: int) -> int:
+    """fp16 overflows in a row, this step included (0 after a step that was not one); stops the run at ``limit``.
+    Each overflow halves the loss scale (GradScaler and DeepSpeed start at 2^16): after ~17 in a row the scale is
+    below 1, so gradients that still overflow are not finite at any scale, and every further step would be skipped."""
+    streak = overflows + 1 if overflow else 0
+    if streak >= limit:
+        raise TrainingStopped(
+            f"{streak} fp16 overflows in a row at step {step} (max_consecutive_overflows: {limit}): the loss scaler "
+            "skipped each of these steps and halved its scale every time, so the gradients are not finite at any "
+            "scale; the weights are those of the last good step (the latest checkpoint is kept). Lower the learning "
+            "rate, check the data, or train in bf16")
+    return streak
+
+
 def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dict], *, step: int,
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
                skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None,
-               chunked_loss: bool = False, task=None, stop_flag: bool = False) -> StepResult:
+               chunked_loss: bool = False, task=None, stop_flag: bool = False, overflows: int = 0,
+               max_consecutive_overflows: int = TrainingArguments.max_consecutive_overflows) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
@@ -155,8 +210,11 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     ``chunked_loss``: the model computes its loss in chunks (``toolkit.model.enable_chunked_loss``).
     ``task``: the loss of a row (``toolkit.tasks``; a causal LM by default).
     ``stop_flag``: this rank was asked to stop; summed with the counts, returned as ``stop_requested`` on every rank.
-    A non-finite gradient norm is never applied: the step is skipped (``skip_nonfinite``) or the run stops (except
-    under DeepSpeed, whose engine steps before the norm is known: there the run stops after the step).
+    A non-finite gradient norm is never applied. Under fp16 loss scaling (a GradScaler, or DeepSpeed's fp16 engine)
+    it is an overflow: the step is skipped the way the scaler skips it (``skipped``; ``overflows`` in the result),
+    and the run stops only at ``max_consecutive_overflows`` in a row (``overflows``: those just before this step).
+    Anywhere else the step is skipped (``skip_nonfinite``) or the run stops (under DeepSpeed, whose engine steps
+    before the norm is known, after the step).
     """
     task = task or CausalLM()
     accumulation = len(micro_batches)
@@ -164,7 +222,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     counts = _global_counts(accelerator, micro_batches, task, data_parallel_size, stop_flag)
     global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    grad_norm, skipped = None, False
+    grad_norm, skipped, overflow = None, False, False
     for index, batch in enumerate(micro_batches):
         boundary = index == accumulation - 1
         with accelerator.accumulate(model):
@@ -187,25 +245,15 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             if boundary:
                 grad_norm, targets, global_tokens, stopping = _to_host(_clip_and_norm(accelerator, model, max_grad_norm),
                                                                        counts)
-                stop = _nonfinite(grad_norm, step + 1)  # the norm is the same on every rank
-                if stop is not None and not skip_nonfinite:
-                    raise stop
-                skipped = stop is not None
-                if not skipped:
-                    optimizer.step()
-                    if not accelerator.optimizer_step_was_skipped:
-                        scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                # the norm is the same on every rank, and so is the decision
+                skipped, overflow = _apply_step(accelerator, optimizer, scheduler, grad_norm, step=step + 1,
+                                                skip_nonfinite=skip_nonfinite)
     if engine is not None:
-        norm = engine.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else None
-        stop = _nonfinite(grad_norm, step + 1)
-        if stop is not None:
-            raise stop
-        if engine.global_steps != step + 1:
-            raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, the loop {step + 1}")
+        grad_norm, overflow = _deepspeed_outcome(engine, step)
+        skipped = skipped or overflow
+    streak = _overflow_streak(overflow, overflows, max_consecutive_overflows, step + 1)
     return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped,
-                      stop_requested=stopping > 0)
+                      overflows=streak, stop_requested=stopping > 0)
 
 
 # ------------------------------------------------------------------------------------------- between steps
@@ -390,7 +438,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     def after_backward(micro_step: int) -> None:
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
-    preemption, preempted, batches = Preemption(), False, None
+    preemption, preempted, batches, overflows = Preemption(), False, None, 0
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
         while state.step < run.total_steps:
@@ -401,7 +449,9 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                                 data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
                                 after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
-                                stop_flag=preemption.requested())
+                                stop_flag=preemption.requested(), overflows=overflows,
+                                max_consecutive_overflows=args.max_consecutive_overflows)
+            overflows = result.overflows
             if state.finish_step(result, run.steps_per_epoch):
                 batches = None  # the epoch's last step: the next one starts the next epoch
             window.add(result)

@@ -23,7 +23,7 @@ class LoopState:
     tokens_seen: int = 0  # non-pad input tokens, all ranks
     targets_seen: int = 0  # next-token targets, all ranks
     samples_seen: int = 0  # rows, all ranks
-    skipped_steps: int = 0  # steps whose gradient norm was not finite (skip_nonfinite_steps)
+    skipped_steps: int = 0  # steps not applied: a non-finite norm (skip_nonfinite_steps) or an fp16 overflow
     world_size: int = 1  # the world of this run (in a checkpoint: the world that wrote it)
     global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
 
@@ -62,5 +62,6 @@ class StepResult:
     tokens: int  # non-pad input tokens of the whole global batch
     grad_norm: float | None  # global pre-clip gradient norm
     skipped: bool = False  # the norm was not finite and the optimizer step was not applied
+    overflows: int = 0  # fp16 loss-scaling overflows in a row, this step included (0: this step was not one)
     stop_requested: bool = False  # some rank was asked to stop (SIGTERM) before this step began
 

@@ -51,10 +51,8 @@ def _files(tmp_path_factory, padded_data) -> dict:
     return paths
 
 
-def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
-    """(name, changes to the good base config, extra argv, env, field named, words in the message)."""
-    ckpt = os.path.join(existing, "checkpoints", "step-1")
-    resume = {"resume_from_checkpoint": ckpt}
+def _field_cases() -> list[tuple]:
+    """The cases of one field's value: unknown, wrong type, impossible (in the shape of ``_cases``)."""
     return [
         # --- fields: unknown, wrong type, impossible value
         ("typo", {"learning_rat": 1e-3}, [], {}, "learning_rat", "Did you mean 'learning_rate'"),
@@ -66,6 +64,16 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("negative lr", {"learning_rate": -1}, [], {}, "learning_rate", ">= 0"),
         ("negative clip", {"max_grad_norm": -1}, [], {}, "max_grad_norm", "0 turns clipping off"),
         ("negative decay", {"weight_decay": -0.1}, [], {}, "weight_decay", ">= 0"),
+        # NaN passes every comparison (nan < 0 is False): a NaN max_grad_norm silently made the weights NaN
+        ("NaN lr", {"learning_rate": float("nan")}, [], {}, "learning_rate", "must be a finite number, got nan"),
+        ("infinite lr", {"learning_rate": float("inf")}, [], {}, "learning_rate", "must be a finite number"),
+        ("NaN clip", {"max_grad_norm": float("nan")}, [], {}, "max_grad_norm", "must be a finite number"),
+        ("infinite clip", {"max_grad_norm": float("inf")}, [], {}, "max_grad_norm", "must be a finite number"),
+        ("NaN decay", {"weight_decay": float("nan")}, [], {}, "weight_decay", "must be a finite number"),
+        ("infinite decay", {"weight_decay": float("inf")}, [], {}, "weight_decay", "must be a finite number"),
+        ("beta1 of 1", {"adam_beta1": 1.0}, [], {}, "adam_beta1", "must be in [0, 1)"),
+        ("beta2 of 1", {"adam_beta2": 1.0}, [], {}, "adam_beta2", "must be in [0, 1)"),
+        ("zero overflow limit", {"max_consecutive_overflows": 0}, [], {}, "max_consecutive_overflows", "positive"),
         ("negative warmup", {"warmup_steps": -1}, [], {}, "warmup_steps", ">= 0"),
         ("zero steps", {"max_steps": 0}, [], {}, "max_steps", "positive"),
         ("zero epochs", {"max_steps": -1, "num_train_epochs": 0}, [], {}, "num_train_epochs", "> 0"),
@@ -82,6 +90,14 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("split 100%", {"validation_split_percentage": 100}, [], {}, "validation_split_percentage", "[0, 100)"),
         ("zero block", {"block_size": 0}, [], {}, "block_size", "positive"),
         ("block over positions", {"block_size": 4096}, [], {}, "block_size", "exceeds the model's 64 positions"),
+    ]
+
+
+def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
+    """(name, changes to the good base config, extra argv, env, field named, words in the message)."""
+    ckpt = os.path.join(existing, "checkpoints", "step-1")
+    resume = {"resume_from_checkpoint": ckpt}
+    return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
         ("null packing", {"packing": None}, [], {}, "packing", "is empty (null)"),
@@ -124,6 +140,9 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("output_dir is a file", {"output_dir": files["a_file"]}, [], {}, "output_dir", "is a file"),
         # --- precision
         ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
+        # --- the launch config
+        ("skip nonfinite under DeepSpeed", {"skip_nonfinite_steps": True}, [], {"ACCELERATE_USE_DEEPSPEED": "true"},
+         "skip_nonfinite_steps", "cannot be honoured under DeepSpeed"),
         # --- resume
         ("resume from missing folder", {"resume_from_checkpoint": "/nonexistent/ckpt"}, [], {},
          "resume_from_checkpoint", "folder not found"),

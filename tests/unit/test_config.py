@@ -42,6 +42,17 @@ def test_yaml_plus_cli_override(base, tmp_path):
         ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type", "Did you mean 'cosine'"),
         ({"max_grad_norm": -1}, "max_grad_norm", "0 turns clipping off"),
         ({"max_steps": 0}, "max_steps", "positive"),
+        # NaN passes every comparison (nan < 0 is False): each was accepted, a NaN max_grad_norm made the weights NaN
+        ({"learning_rate": float("nan")}, "learning_rate", "must be a finite number, got nan"),
+        ({"learning_rate": float("inf")}, "learning_rate", "must be a finite number, got inf"),
+        ({"max_grad_norm": float("nan")}, "max_grad_norm", "must be a finite number"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm", "must be a finite number"),
+        ({"weight_decay": float("nan")}, "weight_decay", "must be a finite number"),
+        ({"weight_decay": float("inf")}, "weight_decay", "must be a finite number"),
+        ({"adam_beta1": 1.0}, "adam_beta1", "must be in [0, 1)"),
+        ({"adam_beta2": 1.5}, "adam_beta2", "must be in [0, 1)"),
+        ({"adam_beta2": float("nan")}, "adam_beta2", "must be in [0, 1)"),
+        ({"max_consecutive_overflows": 0}, "max_consecutive_overflows", "positive"),
         ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint", "no checkpoint"),
     ],
 )
@@ -84,3 +95,17 @@ def test_shipped_recipe_configs_parse_and_say_how_to_launch(name, tmp_path):
     assert header.startswith("#") and "accelerate launch --config_file accelerate_configs/" in header
     cfg = parse_args(["--config", path, "--output_dir", str(tmp_path / "out")])
     assert cfg.train.output_dir == str(tmp_path / "out")
+
+
+def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(monkeypatch, tmp_path):
+    """DeepSpeed's engine applies a step before the loop can read its norm: the field cannot be honoured there. Refused
+    in make_accelerator, from the launch's environment, before accelerate or a model is touched (the battery runs it
+    through the recipe)."""
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), skip_nonfinite_steps=True)
+    with pytest.raises(ConfigError, match="skip_nonfinite_steps: cannot be honoured under DeepSpeed") as err:
+        make_accelerator(args)
+    assert err.value.field_name == "skip_nonfinite_steps"

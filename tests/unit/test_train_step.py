@@ -8,6 +8,7 @@ The multi-rank form of the same equality runs through ``accelerate launch`` in t
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -127,3 +128,159 @@ def test_loop_state_counts_steps_epochs_and_round_trips():
     restored = LoopState()
     restored.load_state_dict(state.state_dict())
     assert restored == state
+
+
+# ------------------------------------------------------------------------------------- fp16 dynamic loss scaling
+INIT_SCALE = 2.0 ** 10
+
+
+@pytest.fixture()
+def fp16_accelerator():
+    """An Accelerator whose backward, clip_grad_norm_ and optimizer go through a GradScaler, in process on a CPU.
+
+    accelerate makes no GradScaler on a CPU (and the toolkit refuses fp16 there for real runs:
+    tests/launch/test_precision.py::test_fp16_on_a_cpu_is_refused), but torch has one for the CPU, and fp16 autocast.
+    Attached before ``prepare`` as accelerate does on a GPU: the AcceleratedOptimizer takes the scaler at prepare
+    time, ``backward`` scales the loss when ``scaler`` is set, ``clip_grad_norm_`` unscales when ``native_amp`` is on
+    under fp16, and ``native_amp`` also wraps the model's forward in fp16 autocast."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    accelerator.native_amp = True
+    yield accelerator
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _scaled_run(accelerator, steps: int, overflow_at: set[int], **kwargs) -> list[dict]:
+    """``steps`` train_step calls, as train() makes them; the gradient hook writes inf at the steps in
+    ``overflow_at`` (an overflow, as fp16 makes when the scale is too high). What each step did, one dict a step."""
+    from transformers import get_scheduler
+
+    from toolkit.loop import train_step
+    from toolkit.state import LoopState
+
+    model, micro_batches = _tiny_model(), _micro_batches()
+    current = {"step": 0}
+    model.transformer.wte.weight.register_hook(
+        lambda g: torch.full_like(g, float("inf")) if current["step"] in overflow_at else g)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert optimizer.scaler is accelerator.scaler  # the optimizer steps through the scaler
+    state, overflows, done = LoopState(), 0, []
+    for step in range(steps):
+        current["step"] = step
+        before = [p.detach().clone() for p in model.parameters()]
+        lr, scale = scheduler.get_last_lr()[0], accelerator.scaler.get_scale()
+        result = train_step(accelerator, model, optimizer, scheduler, micro_batches, step=step, data_parallel_size=1,
+                            max_grad_norm=1.0, overflows=overflows, **kwargs)
+        overflows = result.overflows
+        state.finish_step(result, steps_per_epoch=steps)
+        done.append({"result": result, "scale_before": scale, "scale_after": accelerator.scaler.get_scale(),
+                     "lr_before": lr, "lr_after": scheduler.get_last_lr()[0],
+                     "changed": any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))})
+    assert state.step == steps
+    return done, state
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_an_fp16_overflow_is_skipped_as_the_scaler_skips_it_and_the_run_goes_on(fp16_accelerator, skip_nonfinite):
+    """Before the fix: TrainingStopped at step 2 (the unscaled norm is inf), or with skip_nonfinite_steps the scaler
+    never updated and the next step raised "unscale_() has already been called"."""
+    done, state = _scaled_run(fp16_accelerator, 5, overflow_at={1}, skip_nonfinite=skip_nonfinite)
+    overflow = done[1]
+    assert overflow["result"].skipped and overflow["result"].overflows == 1
+    assert not math.isfinite(overflow["result"].grad_norm)
+    assert not overflow["changed"], "the overflow step changed the weights"
+    assert overflow["scale_after"] == overflow["scale_before"] / 2 == INIT_SCALE / 2  # the scaler backed off
+    assert overflow["lr_after"] == overflow["lr_before"], "the scheduler stepped on a skipped step"
+    for i in (0, 2, 3, 4):
+        step = done[i]
+        assert not step["result"].skipped and step["result"].overflows == 0, i
+        assert step["changed"], f"step {i + 1} did not train"
+        assert math.isfinite(float(step["result"].loss_sum)) and math.isfinite(step["result"].grad_norm)
+        assert step["lr_after"] < step["lr_before"]  # a linear decay steps on every applied step
+    assert done[4]["scale_after"] == INIT_SCALE / 2  # growth comes only after 2000 good steps
+    assert state.skipped_steps == 1
+
+
+def test_fp16_overflows_in_a_row_stop_the_run_at_the_limit(fp16_accelerator):
+    from toolkit.errors import TrainingStopped
+
+    with pytest.raises(TrainingStopped, match=r"3 fp16 overflows in a row at step 3 \(max_consecutive_overflows: 3\)"):
+        _scaled_run(fp16_accelerator, 5, overflow_at={0, 1, 2, 3, 4}, max_consecutive_overflows=3)
+    assert fp16_accelerator.scaler.get_scale() == INIT_SCALE / 8  # each of the three backed the scale off
+
+
+def test_fp16_overflows_not_in_a_row_do_not_stop_the_run(fp16_accelerator):
+    """The count starts again after a step that trains."""
+    done, state = _scaled_run(fp16_accelerator, 5, overflow_at={0, 1, 3, 4}, max_consecutive_overflows=3)
+    assert [d["result"].overflows for d in done] == [1, 2, 0, 1, 2] and state.skipped_steps == 4
+
+
+def test_without_a_scaler_a_nonfinite_norm_is_skipped_only_when_asked(accelerator):
+    """bf16 and fp32 have no scaler to explain an inf: skip_nonfinite_steps skips it (the loop counts it), nothing
+    is an overflow."""
+    model, micro_batches = _tiny_model(), _micro_batches()
+    before = copy.deepcopy(model.state_dict())
+    model.transformer.wte.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    from transformers import get_scheduler
+
+    from toolkit.loop import train_step
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = get_scheduler("constant", optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    result = train_step(accelerator, model, optimizer, scheduler, micro_batches, step=0, data_parallel_size=1,
+                        max_grad_norm=1.0, skip_nonfinite=True, max_consecutive_overflows=1)
+    assert result.skipped and result.overflows == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _FakeEngine:
+    """The four things ``_deepspeed_outcome`` asks of DeepSpeed 0.19.8's engine after its step. A stand-in for the
+    decision's unit test only: DeepSpeed's fp16 engine cannot run on the CPU ranks here (no fp16 there, and the
+    toolkit refuses fp16 without a GPU); bench/gpu_check.sh runs the real one on a GPU."""
+
+    def __init__(self, fp16: bool, applied: bool, norm: float | None, global_steps: int = 1):
+        self.fp16, self.applied, self.norm, self.global_steps = fp16, applied, norm, global_steps
+
+    def fp16_enabled(self):
+        return self.fp16
+
+    def was_step_applied(self):
+        return self.applied
+
+    def get_global_grad_norm(self):
+        return self.norm
+
+
+def test_deepspeed_fp16_overflow_is_skipped_and_other_nonfinite_norms_stop():
+    """DeepSpeed's fp16 engine reports inf as the global norm of a step its loss scaler skipped
+    (stage_1_and_2.py / stage3.py set _global_grad_norm = inf on overflow; _take_model_step sets _step_applied =
+    not overflow and counts skipped_steps): before the fix, that inf stopped every fp16 DeepSpeed run at its first
+    overflow."""
+    from toolkit.errors import TrainingStopped
+    from toolkit.loop import _deepspeed_outcome, _overflow_streak
+
+    inf = float("inf")
+    assert _deepspeed_outcome(_FakeEngine(fp16=True, applied=False, norm=inf), step=0) == (inf, True)
+    assert _deepspeed_outcome(_FakeEngine(fp16=True, applied=True, norm=1.5), step=0) == (1.5, False)
+    assert _deepspeed_outcome(_FakeEngine(fp16=False, applied=True, norm=None), step=0) == (None, False)
+    for engine in (_FakeEngine(fp16=False, applied=True, norm=inf),  # bf16 or fp32: nothing explains it
+                   _FakeEngine(fp16=False, applied=False, norm=float("nan")),  # bf16 with check_grad_overflow
+                   _FakeEngine(fp16=True, applied=True, norm=inf)):  # fp16, but the engine applied it
+        with pytest.raises(TrainingStopped, match="non-finite gradient norm .* at step 1"):
+            _deepspeed_outcome(engine, step=0)
+    with pytest.raises(RuntimeError, match="DeepSpeed took 2 optimizer steps, the loop 1"):
+        _deepspeed_outcome(_FakeEngine(fp16=True, applied=False, norm=inf, global_steps=2), step=0)
+    # The run goes on through overflows until max_consecutive_overflows of them in a row.
+    assert _overflow_streak(True, 0, 20, step=1) == 1
+    assert _overflow_streak(False, 18, 20, step=20) == 0
+    with pytest.raises(TrainingStopped, match="20 fp16 overflows in a row"):
+        _overflow_streak(True, 19, 20, step=20)
