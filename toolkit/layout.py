@@ -11,6 +11,8 @@
           toolkit_state.json   the loop's position and what the sample order depends on (JSON: never unpickled)
         step-N.tmp/        a save in progress (renamed when every rank is done)
         step-N.universal/  step-N converted for a launch that cannot load it as written  (convert)
+          converted_from.json  the fingerprint of the step-N it was converted from (a re-saved step-N: redone)
+        step-N.old.tmp/    the step-N a re-save of step N replaces, while the new one is renamed in
         latest             the name of the newest complete checkpoint
       final/               save_pretrained model + tokenizer             (checkpoint.save_final)
 
@@ -20,6 +22,7 @@ any model, process group or torch import.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -38,6 +41,8 @@ CHECKPOINT_STATE = "toolkit_state.json"
 REPLACED_PREFIX = "replaced-"  # output_dir/replaced-<UTC time>/: an earlier run moved aside by overwrite_output_dir
 RUN_FILES = (CONFIG, METRICS, SUMMARY, LOSS_PLOT, TRACKER_LOGS, CHECKPOINTS, FINAL)
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old" + TMP_SUFFIX  # step-N.old.tmp: a replaced checkpoint, deleted once the new one is in place
+CONVERTED_FROM = "converted_from.json"  # inside step-N.<kind>: the fingerprint of the step-N it was made from
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -77,6 +82,41 @@ def converted_copies(checkpoint: str) -> list[str]:
         return []
     return [os.path.join(parent, n) for n in sorted(os.listdir(parent))
             if n.startswith(name + ".") and not n.endswith(TMP_SUFFIX) and os.path.isdir(os.path.join(parent, n))]
+
+
+def fingerprint(checkpoint: str) -> str:
+    """What identifies one write of ``checkpoint``: the hash of its ``toolkit_state.json`` and of every file's path,
+    size and modification time. A re-save of step-N (a rolled-back run saving step N again) changes it, so a copy
+    converted from the earlier step-N is known to be stale (``toolkit.checkpointing.convert``)."""
+    h = hashlib.sha256()
+    state = os.path.join(checkpoint, CHECKPOINT_STATE)
+    if os.path.isfile(state):
+        with open(state, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    for root, dirs, files in os.walk(checkpoint):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            st = os.stat(full)
+            h.update(f"{os.path.relpath(full, checkpoint)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def replace_dir(new: str, target: str) -> None:
+    """Rename the complete folder ``new`` to ``target``, replacing an existing ``target`` without a moment where
+    neither exists under a name the next run understands: the old one is renamed aside to ``target.old.tmp`` first,
+    the new one renamed in, then the old one deleted. A run killed in between leaves ``target.old.tmp``, which
+    ``remove_stale_temporaries`` renames back when ``target`` is missing and deletes otherwise."""
+    parent = os.path.dirname(os.path.abspath(target))
+    old = os.path.normpath(target) + OLD_SUFFIX
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+    if os.path.isdir(target):
+        os.replace(target, old)
+    os.replace(new, target)
+    fsync_dir(parent)
+    if os.path.isdir(old):
+        shutil.rmtree(old)
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -147,7 +187,13 @@ def remove_stale_temporaries(output_dir: str) -> list[str]:
     """Delete what a killed save left behind (``checkpoints/step-N.tmp``, ``latest.tmp``, ``final.tmp``): never a
     complete checkpoint, which is only ever renamed into place once whole."""
     root = checkpoints_dir(output_dir)
-    stale = [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else []) if n.endswith(TMP_SUFFIX)]
+    names = os.listdir(root) if os.path.isdir(root) else []
+    for name in names:  # a replace killed between its two renames: the old checkpoint is the complete one
+        kept = name[: -len(OLD_SUFFIX)]
+        if name.endswith(OLD_SUFFIX) and _STEP_DIR.match(kept) and not os.path.lexists(os.path.join(root, kept)):
+            os.replace(os.path.join(root, name), os.path.join(root, kept))
+    names = os.listdir(root) if os.path.isdir(root) else []
+    stale = [os.path.join(root, n) for n in names if n.endswith(TMP_SUFFIX)]
     stale += [p for p in [os.path.join(output_dir, FINAL + TMP_SUFFIX)] if os.path.lexists(p)]
     for path in stale:
         if os.path.isdir(path) and not os.path.islink(path):

@@ -227,3 +227,75 @@ def test_load_plan_refuses_what_no_conversion_loads(wrote, world, strategy, rank
         load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
     assert e.value.field_name == "resume_from_checkpoint"
     assert f"written by {world} rank(s) under {wrote}" in str(e.value) and command in str(e.value)
+
+
+# ------------------------------------------------------------------------------ re-saved checkpoints (issue 25)
+class _MainProcess:
+    """The part of an Accelerator that ``convert`` and ``save_checkpoint`` use, for one process."""
+
+    is_main_process = True
+    parallelism_config = None
+
+    def __init__(self, payload=""):
+        self.payload = payload
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, folder):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "model.safetensors"), "w") as f:
+            f.write(self.payload)
+
+
+def _read(folder, name="model.safetensors"):
+    with open(os.path.join(folder, name)) as f:
+        return f.read()
+
+
+def test_a_converted_copy_of_a_re_saved_checkpoint_is_redone(tmp_path, monkeypatch):
+    """A rolled-back run saves step 1 again: the ``step-1.plain`` converted from the first step-1 must not be loaded
+    (it is the old trajectory). Before the fix the copy was reused because its folder existed."""
+    from toolkit.checkpointing import convert
+    from toolkit.checkpointing.checkpoint import save_checkpoint
+
+    calls = []
+
+    def fake(checkpoint, tmp, model):
+        calls.append(checkpoint)
+        with open(os.path.join(tmp, "model.safetensors"), "w") as f:
+            f.write("converted " + _read(checkpoint))
+
+    monkeypatch.setitem(convert._CONVERTERS, "plain", fake)
+    out = str(tmp_path)
+    first = save_checkpoint(_MainProcess("first"), out, 1, None, record={"loop": {"step": 1}})
+    target = convert.convert(_MainProcess(), first, "plain", model=None, log=lambda *_: None)
+    assert _read(target) == "converted first"
+    convert.convert(_MainProcess(), first, "plain", model=None, log=lambda *_: None)
+    assert len(calls) == 1  # the same step-1: reused
+    # a copy left beside a re-saved step-1 (save_checkpoint deletes it; a copy made by a killed run may survive)
+    stale = str(tmp_path / "kept")
+    os.rename(target, stale)
+    save_checkpoint(_MainProcess("second"), out, 1, None, record={"loop": {"step": 1, "again": True}})
+    assert not os.path.exists(target)  # the replaced step's copies went with it
+    os.rename(stale, target)
+    assert not convert.is_current(target, layout.fingerprint(first))
+    convert.convert(_MainProcess(), first, "plain", model=None, log=lambda *_: None)
+    assert len(calls) == 2 and _read(target) == "converted second"
+    assert not os.path.exists(target + layout.OLD_SUFFIX)
+
+
+def test_replacing_a_checkpoint_never_leaves_neither(tmp_path):
+    """The re-save of step-N renames the old one aside (``step-N.old.tmp``) before the new one goes in; a run killed
+    between the two renames gets the old one back from ``remove_stale_temporaries``, never nothing."""
+    out = _make(tmp_path, steps=[1])
+    new = layout.step_dir(out, 1) + layout.TMP_SUFFIX
+    os.makedirs(new)
+    open(os.path.join(new, "model.safetensors"), "w").close()
+    layout.replace_dir(new, layout.step_dir(out, 1))
+    assert _entries(out) == ["step-1"]
+    # killed after the first rename: only step-1.old.tmp and the new step-1.tmp
+    os.rename(layout.step_dir(out, 1), layout.step_dir(out, 1) + layout.OLD_SUFFIX)
+    os.makedirs(new)
+    layout.remove_stale_temporaries(out)
+    assert _entries(out) == ["step-1"] and os.listdir(layout.step_dir(out, 1)) == ["model.safetensors"]

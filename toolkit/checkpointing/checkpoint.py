@@ -50,10 +50,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
             json.dump(record, f, indent=2)
         layout.fsync_tree(tmp)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        layout.fsync_dir(root)
+        for copy in layout.converted_copies(final):  # converted from the step-N this save replaces
+            shutil.rmtree(copy, ignore_errors=True)
+        layout.replace_dir(tmp, final)
         pointer_tmp = os.path.join(root, layout.LATEST + layout.TMP_SUFFIX)
         with open(pointer_tmp, "w") as f:
             f.write(os.path.basename(final))

@@ -2,9 +2,11 @@
 
 ``toolkit.checkpointing.resume.load_plan`` decides (before the weights load) whether a checkpoint loads as written
 or needs one of these; the original is never modified, the converted copy is written to
-``<checkpoint>.<kind>.tmp``, flushed, and renamed to ``<checkpoint>.<kind>`` (``toolkit.layout.converted_dir``), so an interrupted conversion never leaves a
-folder that looks complete, and a second resume reuses the finished one. Conversions run on the main process; every
-rank waits for it (collective).
+``<checkpoint>.<kind>.tmp``, flushed, and renamed to ``<checkpoint>.<kind>`` (``toolkit.layout.converted_dir``), so an
+interrupted conversion never leaves a folder that looks complete, and a second resume reuses the finished one. The
+copy records the fingerprint of the original it came from (``layout.fingerprint``, in ``converted_from.json``): when
+``step-N`` was saved again since (a rolled-back run), the copy is stale and the conversion is redone. Conversions run
+on the main process; every rank waits for it (collective).
 
 - ``universal``: a DeepSpeed ZeRO checkpoint for another data-parallel world size. DeepSpeed refuses that
   (``ZeRORuntimeException ... DP world size of 2 but the current world size is 1``); its own universal format,
@@ -18,6 +20,7 @@ rank waits for it (collective).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -36,24 +39,39 @@ def convert(accelerator, checkpoint: str, kind: str, model, log=print) -> str:
     model about to be prepared (its tied parameters decide which names a plain checkpoint holds)."""
     target = layout.converted_dir(checkpoint, kind)
     if accelerator.is_main_process:
-        if os.path.isdir(target):
+        source = layout.fingerprint(checkpoint)
+        if is_current(target, source):
             log(f"resume: using {target}, converted from {checkpoint} earlier")
         else:
+            stale = " (the copy there was converted from an earlier save of it: redone)" if os.path.isdir(target) else ""
             log(f"resume: converting {checkpoint} into {target} ({kind}), so that this launch can load it; the "
-                "original stays as it is")
-            _write_atomically(target, lambda tmp: _CONVERTERS[kind](checkpoint, tmp, model))
+                f"original stays as it is{stale}")
+            _write_atomically(target, lambda tmp: _CONVERTERS[kind](checkpoint, tmp, model), source)
     accelerator.wait_for_everyone()
     return target
 
 
-def _write_atomically(target: str, write) -> None:
+def is_current(target: str, source: str) -> bool:
+    """``target`` is a finished conversion of the checkpoint whose ``layout.fingerprint`` is ``source``: not of an
+    earlier write of the same ``step-N`` (a copy without the record, from an older toolkit, counts as stale)."""
+    try:
+        with open(os.path.join(target, layout.CONVERTED_FROM)) as f:
+            return json.load(f).get("fingerprint") == source
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _write_atomically(target: str, write, source: str) -> None:
+    """``write(tmp)`` into ``target.tmp``, record ``source`` (the original's fingerprint) in it, flush, and rename it
+    over ``target`` (a stale copy is replaced the way a re-saved checkpoint is: ``layout.replace_dir``)."""
     tmp = target + layout.TMP_SUFFIX
     shutil.rmtree(tmp, ignore_errors=True)  # an earlier conversion that was killed
     os.makedirs(tmp)
     write(tmp)
+    with open(os.path.join(tmp, layout.CONVERTED_FROM), "w") as f:
+        json.dump({"fingerprint": source}, f)
     layout.fsync_tree(tmp)
-    os.replace(tmp, target)
-    layout.fsync_dir(os.path.dirname(os.path.abspath(target)))
+    layout.replace_dir(tmp, target)
 
 
 def _copy_run_files(checkpoint: str, tmp: str) -> None:
