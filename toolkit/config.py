@@ -421,9 +421,10 @@ class RunConfig:
         if args.resume_from_checkpoint == layout.LATEST and layout.latest_checkpoint(args.output_dir) is None:
             raise ConfigError("resume_from_checkpoint",
                               f"'latest' but {layout.checkpoints_dir(args.output_dir)} holds no checkpoint")
-        if args.resume_from_checkpoint is not None or args.overwrite_output_dir:
-            return
-        if getattr(self, "elastic_restart", False):  # the earlier attempt's files (elastic.continue_restart)
+        if args.overwrite_output_dir or getattr(self, "elastic_restart", False):
+            return  # overwrite: moved aside (Checkpointer); a restart: the earlier attempt's files
+        if args.resume_from_checkpoint is not None:
+            self._check_resume_into_output_dir()
             return
         if layout.has_final_model(args.output_dir):
             raise ConfigError(
@@ -443,6 +444,23 @@ class RunConfig:
                 "output_dir",
                 f"{args.output_dir} holds the {layout.METRICS} of an earlier run (it stopped before any checkpoint); "
                 "pick a new output_dir, or set overwrite_output_dir: true (the earlier files are moved aside)",
+            )
+
+    def _check_resume_into_output_dir(self) -> None:
+        """A checkpoint of another output_dir continues only into a folder no run has written to: resumed into
+        another run's folder, the run would replace its final/, append to its metrics.jsonl and rotate its
+        checkpoints away."""
+        args = self.train
+        resume = args.resume_from_checkpoint
+        if resume == layout.LATEST or layout.belongs_to(resume, args.output_dir):
+            return
+        found = layout.earlier_run(args.output_dir)
+        if found is not None:
+            raise ConfigError(
+                "resume_from_checkpoint",
+                f"{resume} is not a checkpoint of output_dir {args.output_dir}, which holds {found}; resuming there "
+                "would overwrite that run's files. Resume into a new output_dir, or set overwrite_output_dir: true "
+                "(the earlier files are moved aside, not deleted)",
             )
 
     def as_dict(self) -> dict[str, Any]:

@@ -81,25 +81,43 @@ def check_restarts_supported() -> None:
 
 # When a rank dies, torch elastic restarts every rank with the same command line and TORCHELASTIC_RESTART_COUNT > 0.
 # Such a restart continues the attempt before it: an unset resume_from_checkpoint means 'latest' when output_dir
-# holds a checkpoint, and the files the earlier attempt left are not "an earlier run" (no refusal). Only when
-# output_dir/config.yaml, written when that attempt started, is this same config: if the first attempt was refused
-# because output_dir held another run, the restart is refused the same way instead of quietly continuing that run.
+# holds a checkpoint, and so does a checkpoint named on the command line once the earlier attempt saved a newer one
+# (resuming the named one again would redo the steps since and save their step-N again); the files the earlier
+# attempt left are not "an earlier run" (no refusal). Only when output_dir/config.yaml, written when that attempt
+# started, is this same config: if the first attempt was refused because output_dir held another run, the restart
+# is refused the same way instead of quietly continuing that run.
 def continue_restart(cfg) -> bool:
-    """Whether ``cfg`` (a ``toolkit.config.RunConfig``) continues an earlier attempt of this same job; if so, an unset
-    ``resume_from_checkpoint`` becomes 'latest' when output_dir holds a checkpoint. Refuses what cannot restart."""
+    """Whether ``cfg`` (a ``toolkit.config.RunConfig``) continues an earlier attempt of this same job; if so,
+    ``resume_from_checkpoint`` becomes 'latest' when output_dir holds a checkpoint newer than the one it names (any,
+    when it names none). Refuses what cannot restart."""
     check_restarts_supported()
     args = cfg.train
     restart = restart_count()
-    if restart <= 0 or args.resume_from_checkpoint is not None or not _config_written_by_this_job(cfg):
+    if restart <= 0 or args.resume_from_checkpoint == layout.LATEST or not _config_written_by_this_job(cfg):
         return False
+    named = args.resume_from_checkpoint
     checkpoint = layout.latest_checkpoint(args.output_dir)
-    if checkpoint is not None:
+    if checkpoint is not None and restart_resumes_latest(named, checkpoint):
         args.resume_from_checkpoint = layout.LATEST
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, like accelerator.print
-        what = (f"resuming from {layout.LATEST} ({checkpoint})" if checkpoint else
-                "no checkpoint yet: starting over")
-        print(f"elastic restart {restart}: resume_from_checkpoint unset, {what}", file=sys.stderr, flush=True)
+        if args.resume_from_checkpoint == layout.LATEST:
+            what = f"resuming from {layout.LATEST} ({checkpoint})"
+        else:
+            what = f"resuming from {named} (no newer checkpoint yet)" if named else "no checkpoint yet: starting over"
+        given = f"resume_from_checkpoint {named}" if named else "resume_from_checkpoint unset"
+        print(f"elastic restart {restart}: {given}, {what}", file=sys.stderr, flush=True)
     return True
+
+
+def restart_resumes_latest(named: str | None, latest: str) -> bool:
+    """A restart resumes ``latest`` (its output_dir's newest checkpoint) rather than the checkpoint the command line
+    names (None: none) when that one is newer: written at a later step, or the named one has no step recorded."""
+    if named is None:
+        return True
+    named_step, latest_step = layout.checkpoint_step(named), layout.checkpoint_step(latest)
+    if latest_step is None:
+        return False
+    return named_step is None or latest_step > named_step
 
 
 def _config_written_by_this_job(cfg) -> bool:

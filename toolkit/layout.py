@@ -155,6 +155,33 @@ def resolve_resume(output_dir: str, resume_from_checkpoint: str | None) -> str |
     return resume_from_checkpoint
 
 
+def belongs_to(checkpoint: str, output_dir: str) -> bool:
+    """``checkpoint`` is one of ``output_dir``'s own (under ``output_dir/checkpoints/``, symlinks resolved)."""
+    root = os.path.realpath(checkpoints_dir(output_dir))
+    return os.path.commonpath([root, os.path.realpath(checkpoint)]) == root
+
+
+def earlier_run(output_dir: str) -> str | None:
+    """What in ``output_dir`` shows that a run already wrote there (a finished model, checkpoints, metrics), or
+    None for a folder no run has written to yet."""
+    if has_final_model(output_dir):
+        return f"a finished run ({FINAL}/)"
+    if list_checkpoints(output_dir):
+        return f"the checkpoints of a run ({CHECKPOINTS}/)"
+    if os.path.isfile(path(output_dir, METRICS)):
+        return f"the {METRICS} of a run"
+    return None
+
+
+def checkpoint_step(checkpoint: str) -> int | None:
+    """The optimizer step ``checkpoint`` was written at (its ``toolkit_state.json``), or None without one."""
+    saved = read_checkpoint_state(checkpoint)
+    try:
+        return int(saved["loop"]["step"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def read_checkpoint_state(checkpoint: str) -> dict | None:
     """The toolkit's own record inside a checkpoint folder (``toolkit_state.json``), or None if it has none."""
     path = os.path.join(checkpoint, CHECKPOINT_STATE)

@@ -48,6 +48,8 @@ def _files(tmp_path_factory, padded_data) -> dict:
     write("a_file", "not a folder")
     write("config.yaml", "learning_rate: 1e-3\n")
     write("bad.yaml", "learning_rate: [1e-3\n")
+    os.makedirs(d / "another_run")  # the metrics of another run that a resume must not write into
+    write("another_run/metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
     return paths
 
 
@@ -150,6 +152,9 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "is not a checkpoint of this toolkit"),
         ("resume latest with none", {"resume_from_checkpoint": "latest", "output_dir": os.path.dirname(ckpt)}, [],
          {}, "resume_from_checkpoint", "holds no checkpoint"),
+        ("resume into another run's folder", {**resume, "output_dir": os.path.dirname(files["another_run/metrics.jsonl"]),
+                                              "overwrite_output_dir": False}, [], {}, "resume_from_checkpoint",
+         "is not a checkpoint of output_dir"),
         ("resume with another seed", {**resume, "seed": 8}, [], {}, "seed", "seed was 7, now 8"),
         ("resume with shuffle off", {**resume, "shuffle": False}, [], {}, "shuffle", "shuffle was True, now False"),
         ("resume with packing", {**resume, "packing": True}, [], {}, "packing", "packing was False, now True"),

@@ -109,3 +109,28 @@ def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(
     with pytest.raises(ConfigError, match="skip_nonfinite_steps: cannot be honoured under DeepSpeed") as err:
         make_accelerator(args)
     assert err.value.field_name == "skip_nonfinite_steps"
+
+
+def _checkpoint(folder, step: int) -> str:
+    """A checkpoint folder as RunConfig sees it (its toolkit_state.json)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "toolkit_state.json"), "w") as f:
+        f.write('{"loop": {"step": %d}}' % step)
+    return str(folder)
+
+
+def test_a_checkpoint_of_another_output_dir_never_resumes_over_another_run(base, tmp_path):
+    """issue 25, 4b: resumed into a folder that holds another (finished) run, the run would replace its final/,
+    append to its metrics.jsonl and rotate its checkpoints away. Refused before anything loads, unless the checkpoint
+    is output_dir's own, the folder is new, or overwrite_output_dir moves the earlier run aside."""
+    other = _checkpoint(tmp_path / "other" / "checkpoints" / "step-2", 2)
+    final = tmp_path / "out" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="resume_from_checkpoint: .* not a checkpoint of output_dir .* finished run"):
+        parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=other)])
+    parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=other, overwrite_output_dir=True)])
+    own = _checkpoint(tmp_path / "out" / "checkpoints" / "step-1", 1)
+    parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=own)])  # its own checkpoint: continues
+    parse_args(["--config", _yaml(tmp_path, **{**base, "output_dir": str(tmp_path / "new")},
+                                  resume_from_checkpoint=other)])  # a new folder: nothing to overwrite

@@ -88,3 +88,40 @@ def test_restarts_across_machines_on_a_store_shared_across_attempts_are_refused(
     restart(0, shared_store=True, machines=2)  # static rendezvous, or c10d without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
     with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         parse_args(_argv(tiny_model, padded_data, str(tmp_path / "two")))
+
+
+def _saved(folder: str, step: int) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, layout.CHECKPOINT_STATE), "w") as f:
+        f.write('{"loop": {"step": %d}}' % step)
+    return folder
+
+
+def test_elastic_restart_of_a_run_launched_from_a_named_checkpoint_resumes_its_own_latest(
+        tiny_model, padded_data, tmp_path, restart, capfd):
+    """issue 25, 4c: launched with --resume_from_checkpoint <another run's step-2>, the first attempt saved step 4
+    and died; the restart resumes step-4 (not step-2 again: redone steps and a re-save of step-N)."""
+    named = _saved(layout.step_dir(str(tmp_path / "earlier"), 2), 2)
+    out = str(tmp_path / "run")
+    argv = _argv(tiny_model, padded_data, out, resume_from_checkpoint=named)
+    restart(0)
+    _first_attempt(argv, out, checkpoint=False)
+    restart(1)  # no checkpoint of its own yet: the named one again
+    assert parse_args(argv).train.resume_from_checkpoint == named
+    _saved(layout.step_dir(out, 4), 4)
+    assert parse_args(argv).train.resume_from_checkpoint == layout.LATEST
+    assert f"elastic restart 1: resume_from_checkpoint {named}, resuming from latest" in capfd.readouterr().err
+    restart(0)  # the first attempt of a new job: refused, output_dir holds another run
+    with pytest.raises(ConfigError, match="resume_from_checkpoint: .* not a checkpoint of output_dir"):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize("named_step, latest_step, resumes_latest", [
+    (None, 3, True),  # nothing named: the latest
+    (2, 4, True), (4, 4, False), (6, 4, False),  # the named one unless the latest is newer
+])
+def test_which_checkpoint_an_elastic_restart_resumes(tmp_path, named_step, latest_step, resumes_latest):
+    from toolkit.elastic import restart_resumes_latest
+
+    named = None if named_step is None else _saved(str(tmp_path / "named"), named_step)
+    assert restart_resumes_latest(named, _saved(str(tmp_path / "latest"), latest_step)) is resumes_latest

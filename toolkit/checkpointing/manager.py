@@ -84,7 +84,8 @@ class Checkpointer:
     def _prepare_output_dir(self) -> None:
         for path in layout.remove_stale_temporaries(self.args.output_dir):
             self.accelerator.print(f"removed {path}, left by a save that was interrupted")
-        if self.plan.checkpoint is None and self.args.overwrite_output_dir:
+        foreign = self.plan.checkpoint is None or not layout.belongs_to(self.plan.checkpoint, self.args.output_dir)
+        if foreign and self.args.overwrite_output_dir:  # a fresh start, or another output_dir's checkpoint
             aside = layout.move_run_aside(self.args.output_dir)
             if aside:
                 self.accelerator.print(f"overwrite_output_dir: the earlier run's files were moved to {aside}")
