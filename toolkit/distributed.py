@@ -129,6 +129,7 @@ def _process_group_per_elastic_attempt() -> None:
 
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
+    elastic.record_launcher()  # a notebook_launcher rank's first toolkit call (toolkit.preemption)
     strategy = launched_strategy()
     _process_group_per_elastic_attempt()
     _check_accumulation_env(args)

@@ -9,7 +9,8 @@ dies; the agent tells the workers which attempt they are through the environment
     TORCHELASTIC_USE_AGENT_STORE  "True": the ranks share the agent's rendezvous store, across attempts
     GROUP_WORLD_SIZE              machines (agents) in the job
 
-The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
+The launcher itself: ``record_launcher`` notes this process's parent when it starts (``toolkit.preemption`` stops
+a rank whose launcher is gone). The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
 checks a config; ``toolkit.distributed`` starts the process group of each attempt under a key prefix of its own.
 
 Imports only ``errors``, ``layout`` and yaml: it runs while a config is parsed, before torch is imported.
@@ -37,6 +38,31 @@ def launched_by_torch_elastic() -> bool:
     """Started by torchrun / ``accelerate launch`` (and ``notebook_launcher``): set on every worker, never on a plain
     process."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+# pid -> the parent it had when first recorded (its launcher). Keyed by pid: a process forked after the record
+# (notebook_launcher's ranks, DataLoader workers) inherits this dict but records its own entry.
+_LAUNCHERS: dict[int, int] = {}
+
+
+def record_launcher() -> None:
+    """Remember this process's parent as its launcher, once per process and only under torch elastic: called when
+    this module is imported (the config is parsed first thing in every recipe) and by
+    ``toolkit.distributed.make_accelerator`` (the first toolkit call inside a ``notebook_launcher`` rank, forked
+    from a kernel that imported this module outside torch elastic). Recorded this early, a launcher that dies during
+    tokenization, model loading or a conversion is seen (``toolkit.preemption``); recorded only when ``train()``
+    starts, the orphan's new parent would be taken for its launcher."""
+    if launched_by_torch_elastic():
+        _LAUNCHERS.setdefault(os.getpid(), os.getppid())
+
+
+def launcher_pid() -> int | None:
+    """The parent pid ``record_launcher`` recorded for this process (recorded now if it was not), None outside
+    torch elastic."""
+    if not launched_by_torch_elastic():
+        return None
+    record_launcher()
+    return _LAUNCHERS.get(os.getpid())
 
 
 def restart_count() -> int:
@@ -134,3 +160,6 @@ def _config_written_by_this_job(cfg) -> bool:
     written.pop("resume_from_checkpoint", None)
     mine.pop("resume_from_checkpoint", None)
     return written == mine
+
+
+record_launcher()  # at import: the earliest point every recipe passes through

@@ -14,7 +14,9 @@ A launcher that dies without forwarding anything (SIGKILL, the OOM killer, a clo
 its ranks running: torch elastic starts each worker in a session of its own, so nothing reaches them, and orphaned
 ranks would go on training and writing into ``output_dir`` while the user relaunches into it. Under torch elastic a
 rank therefore also raises the flag when its parent process changes (the kernel re-parents an orphan): the ranks
-finish the step, save and stop, as on SIGTERM. One ``getppid`` per step; no thread, no ``PR_SET_PDEATHSIG`` (which
+finish the step, save and stop, as on SIGTERM. The launcher's pid is recorded when the process starts
+(``toolkit.elastic.record_launcher``), so a launcher lost during tokenization, model loading or a conversion is seen at
+the first step. One ``getppid`` per step; no thread, no ``PR_SET_PDEATHSIG`` (which
 fires when the *thread* that started the child exits, not the process).
 """
 
@@ -30,7 +32,7 @@ class Preemption:
     def __init__(self, signals=(signal.SIGTERM,)):
         self.received: int | None = None
         self._previous = {}
-        self._launcher = os.getppid() if elastic.launched_by_torch_elastic() else None
+        self._launcher = elastic.launcher_pid()  # recorded at process start (toolkit.elastic.record_launcher)
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -125,3 +125,35 @@ def test_which_checkpoint_an_elastic_restart_resumes(tmp_path, named_step, lates
 
     named = None if named_step is None else _saved(str(tmp_path / "named"), named_step)
     assert restart_resumes_latest(named, _saved(str(tmp_path / "latest"), latest_step)) is resumes_latest
+
+
+def test_the_launcher_is_recorded_when_the_process_starts_not_when_train_does(monkeypatch):
+    """issue 25, 4d: a launcher that dies during tokenization or model loading re-parents the rank before train()
+    builds its Preemption; recorded then, the new parent passed for the launcher and the orphan trained on. The pid
+    is the one of make_accelerator (a notebook_launcher rank's first toolkit call) or of the import."""
+    from toolkit import elastic
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import make_accelerator
+    from toolkit.preemption import Preemption
+
+    parent = {"pid": 111}
+    monkeypatch.setattr(os, "getppid", lambda: parent["pid"])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(elastic, "_LAUNCHERS", {os.getpid() + 1: 5},  # a parent's record, inherited by fork
+                        raising=False)
+    from toolkit import distributed
+
+    def stop_here():  # make_accelerator's next call: no Accelerator needed to see what was recorded before it
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(distributed, "launched_strategy", stop_here)
+    with pytest.raises(RuntimeError, match="stop"):
+        make_accelerator(TrainingArguments(report_to="none"))
+    parent["pid"] = 1  # the launcher died while the model loaded: re-parented to init
+    preemption = Preemption()
+    try:
+        assert preemption._launcher == 111 and preemption.launcher_gone() and preemption.reason() == "launcher gone"
+    finally:
+        preemption.restore()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert elastic.launcher_pid() is None  # a plain process has no launcher to lose
