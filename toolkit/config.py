@@ -349,6 +349,12 @@ class TrainingArguments:
     resume_from_checkpoint: Optional[str] = field(
         default=None, metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints)."}
     )
+    trust_checkpoint: bool = field(
+        default=False, metadata={"help": "Allow resume_from_checkpoint to name a checkpoint outside this output_dir "
+                                         "(another run's, a download). Resuming unpickles parts of a checkpoint "
+                                         "(DeepSpeed's files, DCP's metadata): a checkpoint folder is code; trust "
+                                         "only one you wrote (docs/reliability.md#checkpoints-are-code)."}
+    )
     report_to: str = field(default="tensorboard", metadata={"help": "Trackers: 'tensorboard', 'none', 'all', ..."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
@@ -376,14 +382,26 @@ class TrainingArguments:
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
+        self._check_resume_folder()
+
+    def _check_resume_folder(self) -> None:
+        """A named checkpoint folder: one this toolkit wrote, and output_dir's own unless trust_checkpoint."""
         resume = self.resume_from_checkpoint
         if resume not in (None, layout.LATEST):
             if not os.path.isdir(resume):
                 raise ConfigError("resume_from_checkpoint", f"folder not found: {resume} (or use '{layout.LATEST}')")
             if layout.read_checkpoint_state(resume) is None:
                 raise ConfigError("resume_from_checkpoint",
-                                  f"{resume} is not a checkpoint of this toolkit (no {layout.CHECKPOINT_STATE}); pass "
-                                  f"a {layout.CHECKPOINTS}/step-N folder of a run, or '{layout.LATEST}'")
+                                  f"{resume} is not a checkpoint of this toolkit (no {layout.CHECKPOINT_STATE}): "
+                                  "resuming it would unpickle files this toolkit did not write, and it records no "
+                                  f"position to continue from; pass a {layout.CHECKPOINTS}/step-N folder of a run, "
+                                  f"or '{layout.LATEST}'")
+            if not self.trust_checkpoint and not layout.belongs_to(resume, self.output_dir):
+                raise ConfigError("resume_from_checkpoint",
+                                  f"{resume} is not one of output_dir {self.output_dir}'s checkpoints; resuming "
+                                  "unpickles parts of a checkpoint (DeepSpeed's files, DCP's metadata), so a "
+                                  "checkpoint folder is code: if you trust it (your own run's), set "
+                                  "trust_checkpoint: true (docs/reliability.md#checkpoints-are-code)")
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)

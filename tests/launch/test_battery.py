@@ -153,8 +153,11 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("resume latest with none", {"resume_from_checkpoint": "latest", "output_dir": os.path.dirname(ckpt)}, [],
          {}, "resume_from_checkpoint", "holds no checkpoint"),
         ("resume into another run's folder", {**resume, "output_dir": os.path.dirname(files["another_run/metrics.jsonl"]),
-                                              "overwrite_output_dir": False}, [], {}, "resume_from_checkpoint",
-         "is not a checkpoint of output_dir"),
+                                              "overwrite_output_dir": False, "trust_checkpoint": True}, [], {},
+         "resume_from_checkpoint", "is not a checkpoint of output_dir"),
+        ("resume another run's checkpoint untrusted", {**resume, "output_dir": os.path.join(
+            os.path.dirname(files["a_file"]), "fresh")}, [], {}, "resume_from_checkpoint",
+         "so a checkpoint folder is code: if you trust it (your own run's), set trust_checkpoint: true"),
         ("resume with another seed", {**resume, "seed": 8}, [], {}, "seed", "seed was 7, now 8"),
         ("resume with shuffle off", {**resume, "shuffle": False}, [], {}, "shuffle", "shuffle was True, now False"),
         ("resume with packing", {**resume, "packing": True}, [], {}, "packing", "packing was False, now True"),

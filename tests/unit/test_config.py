@@ -127,10 +127,29 @@ def test_a_checkpoint_of_another_output_dir_never_resumes_over_another_run(base,
     final = tmp_path / "out" / "final"
     final.mkdir(parents=True)
     (final / "config.json").write_text("{}")
+    trusted = {"resume_from_checkpoint": other, "trust_checkpoint": True}  # another run's (point 4e)
     with pytest.raises(ConfigError, match="resume_from_checkpoint: .* not a checkpoint of output_dir .* finished run"):
-        parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=other)])
-    parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=other, overwrite_output_dir=True)])
+        parse_args(["--config", _yaml(tmp_path, **base, **trusted)])
+    parse_args(["--config", _yaml(tmp_path, **base, **trusted, overwrite_output_dir=True)])
     own = _checkpoint(tmp_path / "out" / "checkpoints" / "step-1", 1)
     parse_args(["--config", _yaml(tmp_path, **base, resume_from_checkpoint=own)])  # its own checkpoint: continues
     parse_args(["--config", _yaml(tmp_path, **{**base, "output_dir": str(tmp_path / "new")},
-                                  resume_from_checkpoint=other)])  # a new folder: nothing to overwrite
+                                  **trusted)])  # a new folder: nothing to overwrite
+
+
+def test_a_checkpoint_this_run_did_not_write_is_code_and_resumes_only_when_trusted(base, tmp_path):
+    """issue 25, 4e: resuming unpickles DeepSpeed's files and DCP's metadata. A checkpoint outside output_dir
+    (another run's, a download) resumes only with trust_checkpoint: true; a folder without toolkit_state.json (not
+    this toolkit's: nothing to continue from) never does. Before the fix both were accepted or refused silently as
+    to what loading them runs."""
+    other = _checkpoint(tmp_path / "downloaded" / "step-5", 5)
+    new = {**base, "output_dir": str(tmp_path / "new")}
+    with pytest.raises(ConfigError, match="resume_from_checkpoint: .* checkpoint folder is code.*trust_checkpoint: true"):
+        parse_args(["--config", _yaml(tmp_path, **new, resume_from_checkpoint=other)])
+    assert parse_args(["--config", _yaml(tmp_path, **new, resume_from_checkpoint=other,
+                                         trust_checkpoint=True)]).train.trust_checkpoint
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "pytorch_model.bin").write_text("pickled")
+    with pytest.raises(ConfigError, match="not a checkpoint of this toolkit .* would unpickle"):
+        parse_args(["--config", _yaml(tmp_path, **new, resume_from_checkpoint=str(foreign), trust_checkpoint=True)])

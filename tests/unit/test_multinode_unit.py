@@ -103,7 +103,7 @@ def test_elastic_restart_of_a_run_launched_from_a_named_checkpoint_resumes_its_o
     and died; the restart resumes step-4 (not step-2 again: redone steps and a re-save of step-N)."""
     named = _saved(layout.step_dir(str(tmp_path / "earlier"), 2), 2)
     out = str(tmp_path / "run")
-    argv = _argv(tiny_model, padded_data, out, resume_from_checkpoint=named)
+    argv = _argv(tiny_model, padded_data, out, resume_from_checkpoint=named, trust_checkpoint=True)
     restart(0)
     _first_attempt(argv, out, checkpoint=False)
     restart(1)  # no checkpoint of its own yet: the named one again
