@@ -229,8 +229,10 @@ class DataArguments:
     block_size: Optional[int] = field(
         default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
     )
-    packing: bool = field(
-        default=True, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row."}
+    packing: Optional[bool] = field(
+        default=None, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row. "
+                                        "Unset: the task's default (causal LM: true; chat SFT and classification: "
+                                        "false, and they refuse true)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
     max_train_samples: Optional[int] = field(
@@ -483,8 +485,8 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
         if key not in known:
             raise ConfigError(key, f"unknown field in {source}.{_suggest(key, known)}")
         if value is None:
-            # `seed:` or `packing: null` in YAML: unset is not a value for these (once: a crash in set_seed after
-            # the process group was up, or packing and shuffling silently off).
+            # `seed:` or `shuffle: null` in YAML: unset is not a value for these (once: a crash in set_seed after
+            # the process group was up, or shuffling silently off).
             if key not in optional:
                 raise ConfigError(key, f"is empty (null) in {source}; give it a value or delete the line to use the "
                                        "default")

@@ -100,7 +100,6 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
-        ("null packing", {"packing": None}, [], {}, "packing", "is empty (null)"),
         ("null shuffle", {"shuffle": None}, [], {}, "shuffle", "is empty (null)"),
         ("null learning rate", {"learning_rate": None}, [], {}, "learning_rate", "is empty (null)"),
         ("null max steps", {"max_steps": None}, [], {}, "max_steps", "is empty (null)"),
