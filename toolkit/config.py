@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import sys
@@ -45,6 +46,10 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
+            "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
+            "dvclive": ("dvclive",), "swanlab": ("swanlab",)}
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
@@ -91,6 +96,21 @@ def _one_of(obj, name: str, choices) -> None:
     if value not in choices:
         raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}."
                                 f"{_suggest(value, choices)}")
+
+
+def _check_report_to(value: str) -> None:
+    """A tracker the user named must be installed: accelerate drops a missing one with a warning and the run trains
+    without it (docs/pitfalls.md#missing-tracker); an unknown name raised accelerate's ValueError
+    after the process group was up. 'none' (or empty) logs nowhere; 'all' is whatever is installed."""
+    if value in ("none", "", "all"):
+        return
+    choices = ("none", "all", *TRACKERS)
+    if value not in TRACKERS:
+        raise ConfigError("report_to", f"unknown tracker {value!r}; choose one of {', '.join(choices)}."
+                                       f"{_suggest(value, choices)}")
+    if not any(importlib.util.find_spec(module) for module in TRACKERS[value]):
+        raise ConfigError("report_to", f"{value!r} is not installed (pip install {TRACKERS[value][0]}); install it, "
+                                       "or set report_to: none (or tensorboard, or all: the installed trackers)")
 
 
 def max_positions(model_config) -> int | None:
@@ -357,7 +377,10 @@ class TrainingArguments:
     resume_from_checkpoint: Optional[str] = field(
         default=None, metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints)."}
     )
-    report_to: str = field(default="tensorboard", metadata={"help": "Trackers: 'tensorboard', 'none', 'all', ..."})
+    report_to: str = field(
+        default="tensorboard", metadata={"help": "The tracker: 'tensorboard', 'wandb', 'mlflow', ... (accelerate's; "
+                                                 "it must be installed), 'all' (every installed one) or 'none'."}
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
 
@@ -381,6 +404,7 @@ class TrainingArguments:
         _one_of(self, "optim", OPTIMIZERS)
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
+        _check_report_to(self.report_to)
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")

@@ -51,6 +51,15 @@ def _files(tmp_path_factory, padded_data) -> dict:
     return paths
 
 
+def _missing_tracker() -> str:
+    """A tracker of accelerate's whose package this environment lacks (wandb here)."""
+    import importlib.util
+
+    from toolkit.config import TRACKERS
+
+    return next(name for name, modules in TRACKERS.items() if not any(importlib.util.find_spec(m) for m in modules))
+
+
 def _field_cases() -> list[tuple]:
     """The cases of one field's value: unknown, wrong type, impossible (in the shape of ``_cases``)."""
     return [
@@ -137,6 +146,9 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         # --- output_dir
         ("finished run", {"overwrite_output_dir": False}, [], {}, "output_dir", "already holds a finished run"),
         ("output_dir is a file", {"output_dir": files["a_file"]}, [], {}, "output_dir", "is a file"),
+        # --- trackers: accelerate only logs at debug level and trains without one whose package is missing
+        ("tracker not installed", {"report_to": _missing_tracker()}, [], {}, "report_to", "is not installed"),
+        ("unknown tracker", {"report_to": "tensorbord"}, [], {}, "report_to", "Did you mean 'tensorboard'"),
         # --- precision
         ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
         # --- the launch config

@@ -109,3 +109,24 @@ def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(
     with pytest.raises(ConfigError, match="skip_nonfinite_steps: cannot be honoured under DeepSpeed") as err:
         make_accelerator(args)
     assert err.value.field_name == "skip_nonfinite_steps"
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_work(monkeypatch, tmp_path):
+    """accelerate drops a tracker whose package is missing with a debug line and trains on without it: the user
+    named it, so it is refused; tensorboard (a dependency), none and all (whatever is installed) keep working."""
+    import importlib.util
+
+    from toolkit.config import TrainingArguments
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match="report_to: 'wandb' is not installed") as err:
+        TrainingArguments(output_dir=out, report_to="wandb")
+    assert err.value.field_name == "report_to"
+    with pytest.raises(ConfigError, match="report_to: unknown tracker 'wandbb'.*Did you mean 'wandb'"):
+        TrainingArguments(output_dir=out, report_to="wandbb")
+    for fine in ("tensorboard", "none", "all", ""):
+        TrainingArguments(output_dir=out, report_to=fine)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    TrainingArguments(output_dir=out, report_to="wandb")  # installed: accepted
