@@ -55,9 +55,22 @@ POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
 
 # ----------------------------------------------------------------------------------------------- small checks
+def _closest(name: str, choices) -> str | None:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    if not close:
+        return None
+    # A name that drops the train/eval part (per_device_batch_size) is nearer the eval twin by difflib's ratio only
+    # because "eval_" is one letter shorter than "train_"; the train-side field is what such a name means far more
+    # often, so when both twins are close matches, the train one is preferred.
+    twin = close[0].replace("eval", "train")
+    if "eval" in close[0] and "eval" not in name and twin in close:
+        return twin
+    return close[0]
+
+
 def _suggest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
+    close = _closest(name, choices)
+    return f" Did you mean '{close}'?" if close else ""
 
 
 def _positive(obj, *names, allow_none=False) -> None:
@@ -508,14 +521,18 @@ def _optional_fields() -> set[str]:
             if type(None) in typing.get_args(hint)}
 
 
-def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict]:
-    """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values."""
-    argv, nulls = [], {}
+NULL_WORDS = ("null", "none", "None", "~", "")  # on the command line: unset an optional field (YAML's null)
+
+
+def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict, list[str]]:
+    """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values; also
+    the YAML nulls of optional fields, and the unknown keys (reported with the command line's, all at once)."""
+    argv, nulls, unknown = [], {}, []
     optional = _optional_fields()
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(key, f"unknown field in {source}.{_suggest(key, known)}")
-        if value is None:
+            unknown.append(key)
+        elif value is None:
             # `seed:` or `shuffle: null` in YAML: unset is not a value for these (once: a crash in set_seed after
             # the process group was up, or shuffling silently off).
             if key not in optional:
@@ -530,55 +547,112 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
             raise ConfigError(key, f"expected a single value in {source}, got a mapping")
         else:
             argv += [f"--{key}", str(value)]
-    return argv, nulls
+    return argv, nulls, unknown
+
+
+def _cli_nulls(argv: list[str]) -> tuple[list[str], set[str]]:
+    """``--field null`` (or none, None, ~, "") on the command line unsets an optional field, the way a YAML null
+    does: the tokens are taken out and the field's name returned. A field that cannot be unset keeps its tokens
+    (argparse then names it and the bad value)."""
+    optional, out, unset, i = _optional_fields(), [], set(), 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        if name in optional and (eq or i + 1 < len(argv)) and value in NULL_WORDS:
+            unset.add(name)
+            out = _drop_field(out, name)  # an earlier value of the field on the command line: the last one wins
+            i += 1 if eq else 2
+            continue
+        unset.discard(name)  # a later value wins over an earlier null
+        out.append(token)
+        i += 1
+    return out, unset
+
+
+def _drop_field(argv: list[str], name: str) -> list[str]:
+    """argv without ``--name`` (or ``--name=...``) and the values after it."""
+    out, dropping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            dropping = token[2:].partition("=")[0] == name
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError("config", f"{path} must be a mapping of field: value")
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2."""
+    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2.
+    ``--field null`` on the command line unsets an optional field that the YAML file sets."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     ns, rest = pre.parse_known_args(argv)
+    rest, unset = _cli_nulls(rest)
 
-    yaml_argv, nulls = [], {}
+    yaml_argv, nulls, unknown = [], {}, []
     if ns.config is not None:
-        if not os.path.isfile(ns.config):
-            raise ConfigError("config", f"file not found: {ns.config}")
-        try:
-            with open(ns.config) as f:
-                values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("config", f"{ns.config} is not valid YAML: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError("config", f"{ns.config} must be a mapping of field: value")
-        yaml_argv, nulls = _yaml_to_argv(values, ns.config, field_names())
+        values = {k: v for k, v in _read_yaml(ns.config).items() if k not in unset}  # the command line wins
+        yaml_argv, nulls, unknown = _yaml_to_argv(values, ns.config, field_names())
 
     if "-h" in rest or "--help" in rest:
         _parser().print_help()
         sys.exit(0)
 
-    return _parse(yaml_argv + rest, nulls)
+    return _parse(yaml_argv + rest, {**nulls, **dict.fromkeys(unset)}, unknown, ns.config)
 
 
 def config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
-    argv, nulls = _yaml_to_argv(values, "the given values", field_names())
-    return _parse(argv, nulls)
+    argv, nulls, unknown = _yaml_to_argv(values, "the given values", field_names())
+    return _parse(argv, nulls, unknown, "the given values")
 
 
-def _parse(argv: list[str], nulls: dict) -> RunConfig:
+def _unknown_error(yaml_unknown: list[str], source: str | None, cli_unknown: list[str], known) -> ConfigError:
+    """One error naming every unknown field at once, each with its closest known name."""
+    cli_names = [t.lstrip("-").split("=")[0] for t in cli_unknown]
+    names = yaml_unknown + cli_names
+    if len(names) == 1:
+        where = f"unknown field in {source}." if yaml_unknown else f"unknown argument '{cli_unknown[0]}'."
+        return ConfigError(names[0], f"{where}{_suggest(names[0], known)}")
+
+    def hint(name):
+        close = _closest(name, known)
+        return f": did you mean '{close}'?" if close else ""
+
+    described = [f"'{k}' (in {source}{hint(k)})" for k in yaml_unknown]
+    described += [f"'{t}' (command line{hint(n)})" for t, n in zip(cli_unknown, cli_names)]
+    return ConfigError(", ".join(names), f"{len(names)} unknown fields: {'; '.join(described)}")
+
+
+def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: str | None = None) -> RunConfig:
     """argv tokens (YAML values first, command line after: the last value wins) -> checked RunConfig."""
     known = field_names()
     parser = _parser()
     if nulls:
         parser.set_defaults(**nulls)
     try:
+        # Every unknown field first, all in one message (a run once reported one typo per try).
+        _, remaining = parser.parse_known_args(args=argv)
+        cli_unknown = [r for r in remaining if r.startswith("--")] or remaining[:1]
+        if yaml_unknown or cli_unknown:
+            raise _unknown_error(list(yaml_unknown), source, cli_unknown, known)
         # Each dataclass checks its fields as it is built, RunConfig checks the whole.
-        *groups, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-        if remaining:
-            first = next((r for r in remaining if r.startswith("--")), remaining[0])
-            name = first.lstrip("-").split("=")[0]
-            raise ConfigError(name, f"unknown argument '{first}'.{_suggest(name, known)}")
+        groups = parser.parse_args_into_dataclasses(args=argv)
         return RunConfig(*groups)
     except ConfigError as e:
         raise _name_field(e) from None

@@ -66,6 +66,11 @@ def _field_cases() -> list[tuple]:
         # --- fields: unknown, wrong type, impossible value
         ("typo", {"learning_rat": 1e-3}, [], {}, "learning_rat", "Did you mean 'learning_rate'"),
         ("cli typo", {}, ["--per_device_train_batch_sise", "4"], {}, "per_device_train_batch_sise", "Did you mean"),
+        ("train-side typo", {}, ["--per_device_batch_size", "4"], {}, "per_device_batch_size",
+         "Did you mean 'per_device_train_batch_size'"),
+        ("every typo at once", {"learning_rat": 1e-3}, ["--warmup_step", "1"], {}, "learning_rat, warmup_step",
+         "2 unknown fields"),
+        ("unset on the command line", {}, ["--train_file", "null"], {}, "dataset_name", "set dataset_name"),
         ("not a float", {"learning_rate": "fast"}, [], {}, "learning_rate", "invalid float"),
         ("not an int", {"gradient_accumulation_steps": 2.5}, [], {}, "gradient_accumulation_steps", "invalid int"),
         ("zero batch", {"per_device_train_batch_size": 0}, [], {}, "per_device_train_batch_size", "positive"),

@@ -130,3 +130,45 @@ def test_a_tracker_that_is_not_installed_is_refused_before_work(monkeypatch, tmp
         TrainingArguments(output_dir=out, report_to=fine)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
     TrainingArguments(output_dir=out, report_to="wandb")  # installed: accepted
+
+
+@pytest.mark.parametrize("unset", [["--dataset_name", "null"], ["--dataset_name", "none"], ["--dataset_name", "None"],
+                                   ["--dataset_name", ""], ["--dataset_name=null"],
+                                   ["--dataset_name", "x", "--dataset_name", "null"]])
+def test_the_command_line_unsets_an_optional_yaml_field(base, tmp_path, unset):
+    """Switching a shipped config from a Hub/built-in dataset to one's own file: `--dataset_name null` unsets the
+    YAML's value (every spelling of null kept it, and the run refused dataset_name and train_file together)."""
+    path = _yaml(tmp_path, **{k: v for k, v in base.items() if k != "train_file"}, dataset_name="pydoc",
+                 tokenizer_name=base["model_name_or_path"], max_train_samples=10)
+    cfg = parse_args(["--config", path, *unset, "--train_file", base["train_file"], "--max_train_samples", "none",
+                      "--packing", "null"])
+    assert cfg.data.dataset_name is None and cfg.data.train_file == base["train_file"]
+    assert cfg.data.max_train_samples is None and cfg.data.packing is None
+    assert cfg.model.tokenizer_name == base["model_name_or_path"]  # only the named fields are unset
+    again = parse_args(["--config", path, "--dataset_name", "null", "--dataset_name", "pydoc"])  # the last wins
+    assert again.data.dataset_name == "pydoc"
+    with pytest.raises(ConfigError, match="seed: invalid int value: 'null'"):  # a field that cannot be unset
+        parse_args(["--config", path, "--dataset_name", "null", "--train_file", base["train_file"], "--seed", "null"])
+
+
+def test_every_unknown_field_is_reported_at_once(base, tmp_path):
+    path = _yaml(tmp_path, **base, learning_rat=1e-3, warmup_step=2)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path, "--per_device_batch_size", "4", "--frobnicate", "1"])
+    message = str(err.value)
+    assert err.value.field_name == "learning_rat, warmup_step, per_device_batch_size, frobnicate"
+    assert "4 unknown fields" in message
+    for words in ("'learning_rat' (in", "did you mean 'learning_rate'", "did you mean 'warmup_steps'",
+                  "'--per_device_batch_size' (command line: did you mean 'per_device_train_batch_size'?)",
+                  "'--frobnicate' (command line)"):
+        assert words in message, (words, message)
+
+
+@pytest.mark.parametrize("typo, meant", [("per_device_batch_size", "per_device_train_batch_size"),
+                                         ("per_device_eval_batch_sise", "per_device_eval_batch_size"),
+                                         ("per_device_train_batch", "per_device_train_batch_size"),
+                                         ("eval_step", "eval_steps")])
+def test_a_typo_is_matched_to_the_train_side_name_unless_it_says_eval(base, tmp_path, typo, meant):
+    with pytest.raises(ConfigError, match=f"Did you mean '{meant}'") as err:
+        parse_args(["--config", _yaml(tmp_path, **base), f"--{typo}", "4"])
+    assert err.value.field_name == typo
