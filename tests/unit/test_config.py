@@ -1,5 +1,6 @@
 """Test 6 (bad config): each error names the field, exits non-zero, and comes before any model is loaded."""
 
+import math
 import os
 
 import pytest
@@ -172,3 +173,38 @@ def test_a_typo_is_matched_to_the_train_side_name_unless_it_says_eval(base, tmp_
     with pytest.raises(ConfigError, match=f"Did you mean '{meant}'") as err:
         parse_args(["--config", _yaml(tmp_path, **base), f"--{typo}", "4"])
     assert err.value.field_name == typo
+
+
+@pytest.mark.parametrize("sizes, world, field, words", [
+    ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, 2, "parallelism_config_dp_replicate_size",
+     "need 4 processes, but 2 were launched: pass --parallelism_config_dp_replicate_size 1 to accelerate launch, or "
+     "--num_processes 4"),
+    ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, 3, "num_processes", "pass --num_processes 4"),
+    ({"TP": "2"}, 4, "num_processes", "pass --num_processes 2"),
+])
+def test_parallel_sizes_that_do_not_fill_the_launched_world_are_refused_before_the_accelerator(
+        monkeypatch, tmp_path, sizes, world, field, words):
+    """hsdp.yaml (dp_replicate 2 x dp_shard 2) launched with --num_processes 2 failed inside the Accelerator with
+    torch's raw 'Mesh should not be bigger than default world size 2, but found 4 ranks!'; refused in
+    make_accelerator from the launch's environment, before accelerate is touched, naming the option to pass."""
+    from toolkit import distributed
+    from toolkit.config import TrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name in ("DP_REPLICATE", "DP_SHARD", "TP", "CP"):
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name}_SIZE", sizes.get(name, "1"))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+    def no_accelerator(*a, **k):
+        raise AssertionError("the Accelerator was built before the check")
+
+    monkeypatch.setattr(distributed, "Accelerator", no_accelerator)
+    with pytest.raises(ConfigError) as err:
+        distributed.make_accelerator(TrainingArguments(output_dir=str(tmp_path / "out")))
+    assert err.value.field_name == field and words in str(err.value), str(err.value)
+    monkeypatch.setenv("WORLD_SIZE", str(math.prod(int(v) for v in sizes.values())))
+    distributed._check_parallel_sizes()  # the launched world it needs: accepted
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
+    distributed._check_parallel_sizes()  # a product of 1: accelerate's data parallel over every rank
