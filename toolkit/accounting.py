@@ -59,14 +59,33 @@ def model_shape(config) -> tuple[int, int]:
     return layers, width
 
 
-def peak_flops(device: torch.device, mixed_precision: str, override: float | None) -> float | None:
-    """Peak FLOP/s of one device at the run's precision, or None when unknown."""
+def weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype that holds most of the model's parameter elements (a LoRA adapter's fp32 weights on a bf16 base
+    count for little), or None for a model without parameters."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + (getattr(p, "ds_numel", None) or p.numel())
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def compute_precision(mixed_precision: str, param_dtype: torch.dtype | None = None) -> str:
+    """The key of ``PEAK_FLOPS`` the matmuls run at: accelerate's mixed precision when on (autocast), else the
+    weights' own dtype: weights trained in bf16 or fp16 through ``torch_dtype`` (no mixed precision) run their
+    matmuls at that precision's peak, not fp32's (~15x lower on an H100, which made MFU ~15x too high)."""
+    if mixed_precision in ("bf16", "fp16"):
+        return mixed_precision
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(param_dtype, "fp32")
+
+
+def peak_flops(device: torch.device, mixed_precision: str, override: float | None,
+               param_dtype: torch.dtype | None = None) -> float | None:
+    """Peak FLOP/s of one device at the run's precision (``compute_precision``), or None when unknown."""
     if override:
         return override
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    precision = mixed_precision if mixed_precision in ("bf16", "fp16") else "fp32"
+    precision = compute_precision(mixed_precision, param_dtype)
     for key, table in PEAK_FLOPS.items():
         if key in name:
             return table.get(precision)

@@ -208,6 +208,7 @@ class ChatSFT(CausalLM):
         if cfg.data.packing:
             raise ConfigError("packing", "chat SFT trains one chat per row (packing would let a chat attend to the "
                                          "one before it); set packing: false")
+        cfg.data.packing = False  # unset (None): this task's default
 
     def load_raw(self, args):
         return load_raw_chats(args)

@@ -201,6 +201,7 @@ class SequenceClassification(Task):
     def check(self, cfg) -> None:
         if cfg.data.packing:
             raise ConfigError("packing", "a classifier takes one text per row; set packing: false")
+        cfg.data.packing = False  # unset (None): this task's default
         if cfg.train.loss_chunk_size:
             raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "
                                                  "loss_chunk_size: 0")

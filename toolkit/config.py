@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import sys
@@ -45,14 +46,31 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
+            "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
+            "dvclive": ("dvclive",), "swanlab": ("swanlab",)}
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
 
 # ----------------------------------------------------------------------------------------------- small checks
+def _closest(name: str, choices) -> str | None:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    if not close:
+        return None
+    # A name that drops the train/eval part (per_device_batch_size) is nearer the eval twin by difflib's ratio only
+    # because "eval_" is one letter shorter than "train_"; the train-side field is what such a name means far more
+    # often, so when both twins are close matches, the train one is preferred.
+    twin = close[0].replace("eval", "train")
+    if "eval" in close[0] and "eval" not in name and twin in close:
+        return twin
+    return close[0]
+
+
 def _suggest(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
+    close = _closest(name, choices)
+    return f" Did you mean '{close}'?" if close else ""
 
 
 def _positive(obj, *names, allow_none=False) -> None:
@@ -91,6 +109,21 @@ def _one_of(obj, name: str, choices) -> None:
     if value not in choices:
         raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}."
                                 f"{_suggest(value, choices)}")
+
+
+def _check_report_to(value: str) -> None:
+    """A tracker the user named must be installed: accelerate drops a missing one with a warning and the run trains
+    without it (docs/pitfalls.md#missing-tracker); an unknown name raised accelerate's ValueError
+    after the process group was up. 'none' (or empty) logs nowhere; 'all' is whatever is installed."""
+    if value in ("none", "", "all"):
+        return
+    choices = ("none", "all", *TRACKERS)
+    if value not in TRACKERS:
+        raise ConfigError("report_to", f"unknown tracker {value!r}; choose one of {', '.join(choices)}."
+                                       f"{_suggest(value, choices)}")
+    if not any(importlib.util.find_spec(module) for module in TRACKERS[value]):
+        raise ConfigError("report_to", f"{value!r} is not installed (pip install {TRACKERS[value][0]}); install it, "
+                                       "or set report_to: none (or tensorboard, or all: the installed trackers)")
 
 
 def max_positions(model_config) -> int | None:
@@ -229,17 +262,25 @@ class DataArguments:
     block_size: Optional[int] = field(
         default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
     )
-    packing: bool = field(
-        default=True, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row."}
+    packing: Optional[bool] = field(
+        default=None, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row. "
+                                        "Unset: the task's default (causal LM: true; chat SFT and classification: "
+                                        "false, and they refuse true)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
+    # A seeded sample, not the first N: the first N rows of data sorted by class hold a few classes only.
     max_train_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep the first N training documents (before tokenization and packing)."}
+        default=None, metadata={"help": "Keep N training documents (before tokenization and packing), drawn at "
+                                        "random with the run's seed, in their original order (the same rows on any "
+                                        "world size)."}
     )
     max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep the first N validation documents (before tokenization and packing)."}
+        default=None, metadata={"help": "Keep N validation documents (before tokenization and packing), drawn as "
+                                        "max_train_samples' rows are."}
     )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
+    # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
+    sample_seed = 42
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
 
     def __post_init__(self):
@@ -355,7 +396,10 @@ class TrainingArguments:
                                          "(DeepSpeed's files, DCP's metadata): a checkpoint folder is code; trust "
                                          "only one you wrote (docs/reliability.md#checkpoints-are-code)."}
     )
-    report_to: str = field(default="tensorboard", metadata={"help": "Trackers: 'tensorboard', 'none', 'all', ..."})
+    report_to: str = field(
+        default="tensorboard", metadata={"help": "The tracker: 'tensorboard', 'wandb', 'mlflow', ... (accelerate's; "
+                                                 "it must be installed), 'all' (every installed one) or 'none'."}
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
 
@@ -379,6 +423,7 @@ class TrainingArguments:
         _one_of(self, "optim", OPTIMIZERS)
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
+        _check_report_to(self.report_to)
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
@@ -424,6 +469,7 @@ class RunConfig:
             raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
+        self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         self.elastic_restart = elastic.continue_restart(self)
@@ -511,16 +557,20 @@ def _optional_fields() -> set[str]:
             if type(None) in typing.get_args(hint)}
 
 
-def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict]:
-    """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values."""
-    argv, nulls = [], {}
+NULL_WORDS = ("null", "none", "None", "~", "")  # on the command line: unset an optional field (YAML's null)
+
+
+def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict, list[str]]:
+    """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values; also
+    the YAML nulls of optional fields, and the unknown keys (reported with the command line's, all at once)."""
+    argv, nulls, unknown = [], {}, []
     optional = _optional_fields()
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(key, f"unknown field in {source}.{_suggest(key, known)}")
-        if value is None:
-            # `seed:` or `packing: null` in YAML: unset is not a value for these (once: a crash in set_seed after
-            # the process group was up, or packing and shuffling silently off).
+            unknown.append(key)
+        elif value is None:
+            # `seed:` or `shuffle: null` in YAML: unset is not a value for these (once: a crash in set_seed after
+            # the process group was up, or shuffling silently off).
             if key not in optional:
                 raise ConfigError(key, f"is empty (null) in {source}; give it a value or delete the line to use the "
                                        "default")
@@ -533,55 +583,112 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
             raise ConfigError(key, f"expected a single value in {source}, got a mapping")
         else:
             argv += [f"--{key}", str(value)]
-    return argv, nulls
+    return argv, nulls, unknown
+
+
+def _cli_nulls(argv: list[str]) -> tuple[list[str], set[str]]:
+    """``--field null`` (or none, None, ~, "") on the command line unsets an optional field, the way a YAML null
+    does: the tokens are taken out and the field's name returned. A field that cannot be unset keeps its tokens
+    (argparse then names it and the bad value)."""
+    optional, out, unset, i = _optional_fields(), [], set(), 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        if name in optional and (eq or i + 1 < len(argv)) and value in NULL_WORDS:
+            unset.add(name)
+            out = _drop_field(out, name)  # an earlier value of the field on the command line: the last one wins
+            i += 1 if eq else 2
+            continue
+        unset.discard(name)  # a later value wins over an earlier null
+        out.append(token)
+        i += 1
+    return out, unset
+
+
+def _drop_field(argv: list[str], name: str) -> list[str]:
+    """argv without ``--name`` (or ``--name=...``) and the values after it."""
+    out, dropping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            dropping = token[2:].partition("=")[0] == name
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError("config", f"{path} must be a mapping of field: value")
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2."""
+    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2.
+    ``--field null`` on the command line unsets an optional field that the YAML file sets."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     ns, rest = pre.parse_known_args(argv)
+    rest, unset = _cli_nulls(rest)
 
-    yaml_argv, nulls = [], {}
+    yaml_argv, nulls, unknown = [], {}, []
     if ns.config is not None:
-        if not os.path.isfile(ns.config):
-            raise ConfigError("config", f"file not found: {ns.config}")
-        try:
-            with open(ns.config) as f:
-                values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("config", f"{ns.config} is not valid YAML: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError("config", f"{ns.config} must be a mapping of field: value")
-        yaml_argv, nulls = _yaml_to_argv(values, ns.config, field_names())
+        values = {k: v for k, v in _read_yaml(ns.config).items() if k not in unset}  # the command line wins
+        yaml_argv, nulls, unknown = _yaml_to_argv(values, ns.config, field_names())
 
     if "-h" in rest or "--help" in rest:
         _parser().print_help()
         sys.exit(0)
 
-    return _parse(yaml_argv + rest, nulls)
+    return _parse(yaml_argv + rest, {**nulls, **dict.fromkeys(unset)}, unknown, ns.config)
 
 
 def config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
-    argv, nulls = _yaml_to_argv(values, "the given values", field_names())
-    return _parse(argv, nulls)
+    argv, nulls, unknown = _yaml_to_argv(values, "the given values", field_names())
+    return _parse(argv, nulls, unknown, "the given values")
 
 
-def _parse(argv: list[str], nulls: dict) -> RunConfig:
+def _unknown_error(yaml_unknown: list[str], source: str | None, cli_unknown: list[str], known) -> ConfigError:
+    """One error naming every unknown field at once, each with its closest known name."""
+    cli_names = [t.lstrip("-").split("=")[0] for t in cli_unknown]
+    names = yaml_unknown + cli_names
+    if len(names) == 1:
+        where = f"unknown field in {source}." if yaml_unknown else f"unknown argument '{cli_unknown[0]}'."
+        return ConfigError(names[0], f"{where}{_suggest(names[0], known)}")
+
+    def hint(name):
+        close = _closest(name, known)
+        return f": did you mean '{close}'?" if close else ""
+
+    described = [f"'{k}' (in {source}{hint(k)})" for k in yaml_unknown]
+    described += [f"'{t}' (command line{hint(n)})" for t, n in zip(cli_unknown, cli_names)]
+    return ConfigError(", ".join(names), f"{len(names)} unknown fields: {'; '.join(described)}")
+
+
+def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: str | None = None) -> RunConfig:
     """argv tokens (YAML values first, command line after: the last value wins) -> checked RunConfig."""
     known = field_names()
     parser = _parser()
     if nulls:
         parser.set_defaults(**nulls)
     try:
+        # Every unknown field first, all in one message (a run once reported one typo per try).
+        _, remaining = parser.parse_known_args(args=argv)
+        cli_unknown = [r for r in remaining if r.startswith("--")] or remaining[:1]
+        if yaml_unknown or cli_unknown:
+            raise _unknown_error(list(yaml_unknown), source, cli_unknown, known)
         # Each dataclass checks its fields as it is built, RunConfig checks the whole.
-        *groups, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-        if remaining:
-            first = next((r for r in remaining if r.startswith("--")), remaining[0])
-            name = first.lstrip("-").split("=")[0]
-            raise ConfigError(name, f"unknown argument '{first}'.{_suggest(name, known)}")
+        groups = parser.parse_args_into_dataclasses(args=argv)
         return RunConfig(*groups)
     except ConfigError as e:
         raise _name_field(e) from None

@@ -103,10 +103,22 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
                 train, validation = holdout(raw["train"], fraction)
             raw = DatasetDict({"train": train, "validation": validation})
     if args.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+        raw["train"] = sample_rows(raw["train"], args.max_train_samples, args.sample_seed)
     if args.max_eval_samples and "validation" in raw:
-        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+        raw["validation"] = sample_rows(raw["validation"], args.max_eval_samples, args.sample_seed)
     return raw
+
+
+def sample_rows(split, n: int, seed: int):
+    """``n`` rows drawn at random (seeded) from ``split``, in their original relative order; all of it if n >= its
+    length. Not the first n: on data sorted by class or by source (the built-in ``stdlib-docstrings``) those are a
+    few classes only. Every rank draws the same rows (Python's ``random`` with the run's seed, no process state),
+    so the sample is the same on any world size; a different seed draws different rows."""
+    import random
+
+    if n >= len(split):
+        return split
+    return split.select(sorted(random.Random(seed).sample(range(len(split)), n)))
 
 
 def text_column(args: DataArguments) -> str:
@@ -167,6 +179,7 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
     column = text_column(args)
     eos = tokenizer.eos_token_id
     encode, how = token_encoder(tokenizer)
+    packing = args.packing is not False  # unset (None): the causal LM's default, as CausalLM.check resolves it
 
     def tokenize(batch):
         texts = [t if isinstance(t, str) else "" for t in batch[column]]
@@ -183,7 +196,7 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
         for name, split in raw.items()
     })
 
-    if args.packing:
+    if packing:
         grouped = DatasetDict({name: pack(split, block_size, map_kwargs) for name, split in tokenized.items()})
     else:
         # A row with fewer than 2 tokens has no next-token target: drop it rather than feed a zero-token loss.
@@ -194,11 +207,11 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
             **map_kwargs,
         ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
 
-    what = f"fewer than {block_size} tokens in all (packing)" if args.packing else "rows all shorter than 2 tokens"
+    what = f"fewer than {block_size} tokens in all (packing)" if packing else "rows all shorter than 2 tokens"
     if "validation" in grouped and len(grouped["validation"]) == 0:
         # Otherwise evaluation would silently never happen.
         raise ConfigError(
-            "block_size" if args.packing else ("validation_file" if args.validation_file else "dataset_name"),
+            "block_size" if packing else ("validation_file" if args.validation_file else "dataset_name"),
             f"the validation split has no rows after tokenization: {what}; use more validation data or a smaller "
             "block_size, or validation_split_percentage: 0 (without validation_file) to train without evaluation",
         )

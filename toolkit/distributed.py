@@ -19,6 +19,7 @@ point, so the accelerate range is pinned and ``check_world`` refuses any run who
 from __future__ import annotations
 
 import atexit
+import math
 import os
 from contextlib import contextmanager
 
@@ -61,6 +62,29 @@ def launched_parallel_sizes() -> dict:
         return {}
     return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
             for name in ("dp_replicate", "dp_shard", "tp", "cp")}
+
+
+def _check_parallel_sizes() -> None:
+    """The launch config's parallelism sizes must multiply to the launched world size (a product of 1 is accelerate's
+    "plain data parallel over every rank"). Otherwise torch's device mesh fails inside the Accelerator with a raw
+    RuntimeError after the process group is up (docs/pitfalls.md#mesh-size): hsdp.yaml (2 x 2) with
+    ``--num_processes 2``."""
+    sizes, world = launched_parallel_sizes(), launched_world_size()
+    product = math.prod(sizes.values()) if sizes else 1
+    if product in (1, world):
+        return
+    shown = " x ".join(f"{name} {size}" for name, size in sizes.items())
+    others = product // sizes["dp_replicate"]
+    # Only HSDP's replicate degree is suggested: with tp or cp, another dp degree is refused (check_parallelism).
+    if world % others == 0 and sizes["tp"] == sizes["cp"] == 1:
+        raise ConfigError("parallelism_config_dp_replicate_size",
+                          f"the launch config's parallelism sizes ({shown}) need {product} processes, but {world} "
+                          f"were launched: pass --parallelism_config_dp_replicate_size {world // others} to accelerate "
+                          f"launch, or --num_processes {product}")
+    raise ConfigError("num_processes", f"the launch config's parallelism sizes ({shown}) need {product} processes, "
+                                       f"but {world} were launched: pass --num_processes {product} to accelerate "
+                                       "launch, or --parallelism_config_*_size values whose product is "
+                                       f"{world}")
 
 
 def cpu_shim_enabled() -> bool:
@@ -135,6 +159,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _check_accumulation_env(args)
     _check_mixed_precision(kwargs.get("mixed_precision"))
     _check_skip_nonfinite(args, strategy)
+    _check_parallel_sizes()
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from toolkit import layout
-from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops
+from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
 from toolkit.config import RunConfig, TrainingArguments, write_config
 from toolkit.distributed import (
@@ -364,7 +364,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                data_parallel_size=dp,
                checkpointer=Checkpointer(accelerator, cfg, resume, model, optimizer, scheduler, tokenizer),
                flops_per_token=per_token, peak_flops=peak_flops(accelerator.device, accelerator.mixed_precision,
-                                                                args.peak_flops))
+                                                                args.peak_flops, weights_dtype(model)))
 
 
 def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, resumed_from: str | None,

@@ -90,6 +90,10 @@ class CausalLM(Task):
     peft_task_type = "CAUSAL_LM"
     best_metric = ("perplexity", min)  # the eval metric whose best value the summary reports, and which is best
 
+    def check(self, cfg) -> None:
+        if cfg.data.packing is None:  # unset: this task's default (chat SFT and classification: false)
+            cfg.data.packing = True
+
     def load_raw(self, args):
         return data.load_raw_datasets(args)
 

@@ -53,12 +53,26 @@ def _files(tmp_path_factory, padded_data) -> dict:
     return paths
 
 
+def _missing_tracker() -> str:
+    """A tracker of accelerate's whose package this environment lacks (wandb here)."""
+    import importlib.util
+
+    from toolkit.config import TRACKERS
+
+    return next(name for name, modules in TRACKERS.items() if not any(importlib.util.find_spec(m) for m in modules))
+
+
 def _field_cases() -> list[tuple]:
     """The cases of one field's value: unknown, wrong type, impossible (in the shape of ``_cases``)."""
     return [
         # --- fields: unknown, wrong type, impossible value
         ("typo", {"learning_rat": 1e-3}, [], {}, "learning_rat", "Did you mean 'learning_rate'"),
         ("cli typo", {}, ["--per_device_train_batch_sise", "4"], {}, "per_device_train_batch_sise", "Did you mean"),
+        ("train-side typo", {}, ["--per_device_batch_size", "4"], {}, "per_device_batch_size",
+         "Did you mean 'per_device_train_batch_size'"),
+        ("every typo at once", {"learning_rat": 1e-3}, ["--warmup_step", "1"], {}, "learning_rat, warmup_step",
+         "2 unknown fields"),
+        ("unset on the command line", {}, ["--train_file", "null"], {}, "dataset_name", "set dataset_name"),
         ("not a float", {"learning_rate": "fast"}, [], {}, "learning_rate", "invalid float"),
         ("not an int", {"gradient_accumulation_steps": 2.5}, [], {}, "gradient_accumulation_steps", "invalid int"),
         ("zero batch", {"per_device_train_batch_size": 0}, [], {}, "per_device_train_batch_size", "positive"),
@@ -102,7 +116,6 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
-        ("null packing", {"packing": None}, [], {}, "packing", "is empty (null)"),
         ("null shuffle", {"shuffle": None}, [], {}, "shuffle", "is empty (null)"),
         ("null learning rate", {"learning_rate": None}, [], {}, "learning_rate", "is empty (null)"),
         ("null max steps", {"max_steps": None}, [], {}, "max_steps", "is empty (null)"),
@@ -140,6 +153,9 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         # --- output_dir
         ("finished run", {"overwrite_output_dir": False}, [], {}, "output_dir", "already holds a finished run"),
         ("output_dir is a file", {"output_dir": files["a_file"]}, [], {}, "output_dir", "is a file"),
+        # --- trackers: accelerate only logs at debug level and trains without one whose package is missing
+        ("tracker not installed", {"report_to": _missing_tracker()}, [], {}, "report_to", "is not installed"),
+        ("unknown tracker", {"report_to": "tensorbord"}, [], {}, "report_to", "Did you mean 'tensorboard'"),
         # --- precision
         ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
         # --- the launch config

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from toolkit.accounting import PEAK_FLOPS, count_parameters, flops_per_token, model_shape, peak_flops, peak_memory_gb
+from toolkit.accounting import (
+    PEAK_FLOPS,
+    compute_precision,
+    count_parameters,
+    flops_per_token,
+    model_shape,
+    peak_flops,
+    peak_memory_gb,
+    weights_dtype,
+)
 
 
 def _gpt2_124m():
@@ -31,3 +40,20 @@ def test_peak_flops_and_memory():
     assert peak_flops(cpu, "bf16", 2.5e12) == 2.5e12  # the peak_flops field wins
     assert PEAK_FLOPS["H100"]["bf16"] == 989e12 and PEAK_FLOPS["A100"]["fp32"] == 19.5e12
     assert 0.01 < peak_memory_gb(cpu) < 64
+
+
+def test_weights_trained_in_16_bit_use_the_16_bit_peak(monkeypatch):
+    """torch_dtype: bfloat16 without mixed precision runs its matmuls in bf16: the bf16 peak, not fp32's (which made
+    MFU ~15x too high on an H100). Mixed precision, when on, is what autocast computes in."""
+    assert compute_precision("no", torch.bfloat16) == "bf16"
+    assert compute_precision("no", torch.float16) == "fp16"
+    assert compute_precision("no", torch.float32) == "fp32" and compute_precision("no") == "fp32"
+    assert compute_precision("bf16", torch.float32) == "bf16" and compute_precision("fp16", None) == "fp16"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 2))  # a LoRA-like
+    assert weights_dtype(model) == torch.bfloat16  # most elements decide
+    assert weights_dtype(torch.nn.ReLU()) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    assert peak_flops(gpu, "no", None, torch.bfloat16) == 989e12
+    assert peak_flops(gpu, "no", None, torch.float32) == peak_flops(gpu, "no", None) == 67e12
+    assert peak_flops(gpu, "bf16", None, torch.float32) == 989e12

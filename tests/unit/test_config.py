@@ -1,5 +1,6 @@
 """Test 6 (bad config): each error names the field, exits non-zero, and comes before any model is loaded."""
 
+import math
 import os
 
 import pytest
@@ -153,3 +154,101 @@ def test_a_checkpoint_this_run_did_not_write_is_code_and_resumes_only_when_trust
     (foreign / "pytorch_model.bin").write_text("pickled")
     with pytest.raises(ConfigError, match="not a checkpoint of this toolkit .* would unpickle"):
         parse_args(["--config", _yaml(tmp_path, **new, resume_from_checkpoint=str(foreign), trust_checkpoint=True)])
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_work(monkeypatch, tmp_path):
+    """accelerate drops a tracker whose package is missing with a debug line and trains on without it: the user
+    named it, so it is refused; tensorboard (a dependency), none and all (whatever is installed) keep working."""
+    import importlib.util
+
+    from toolkit.config import TrainingArguments
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match="report_to: 'wandb' is not installed") as err:
+        TrainingArguments(output_dir=out, report_to="wandb")
+    assert err.value.field_name == "report_to"
+    with pytest.raises(ConfigError, match="report_to: unknown tracker 'wandbb'.*Did you mean 'wandb'"):
+        TrainingArguments(output_dir=out, report_to="wandbb")
+    for fine in ("tensorboard", "none", "all", ""):
+        TrainingArguments(output_dir=out, report_to=fine)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    TrainingArguments(output_dir=out, report_to="wandb")  # installed: accepted
+
+
+@pytest.mark.parametrize("unset", [["--dataset_name", "null"], ["--dataset_name", "none"], ["--dataset_name", "None"],
+                                   ["--dataset_name", ""], ["--dataset_name=null"],
+                                   ["--dataset_name", "x", "--dataset_name", "null"]])
+def test_the_command_line_unsets_an_optional_yaml_field(base, tmp_path, unset):
+    """Switching a shipped config from a Hub/built-in dataset to one's own file: `--dataset_name null` unsets the
+    YAML's value (every spelling of null kept it, and the run refused dataset_name and train_file together)."""
+    path = _yaml(tmp_path, **{k: v for k, v in base.items() if k != "train_file"}, dataset_name="pydoc",
+                 tokenizer_name=base["model_name_or_path"], max_train_samples=10)
+    cfg = parse_args(["--config", path, *unset, "--train_file", base["train_file"], "--max_train_samples", "none",
+                      "--packing", "null"])
+    assert cfg.data.dataset_name is None and cfg.data.train_file == base["train_file"]
+    assert cfg.data.max_train_samples is None and cfg.data.packing is None
+    assert cfg.model.tokenizer_name == base["model_name_or_path"]  # only the named fields are unset
+    again = parse_args(["--config", path, "--dataset_name", "null", "--dataset_name", "pydoc"])  # the last wins
+    assert again.data.dataset_name == "pydoc"
+    with pytest.raises(ConfigError, match="seed: invalid int value: 'null'"):  # a field that cannot be unset
+        parse_args(["--config", path, "--dataset_name", "null", "--train_file", base["train_file"], "--seed", "null"])
+
+
+def test_every_unknown_field_is_reported_at_once(base, tmp_path):
+    path = _yaml(tmp_path, **base, learning_rat=1e-3, warmup_step=2)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path, "--per_device_batch_size", "4", "--frobnicate", "1"])
+    message = str(err.value)
+    assert err.value.field_name == "learning_rat, warmup_step, per_device_batch_size, frobnicate"
+    assert "4 unknown fields" in message
+    for words in ("'learning_rat' (in", "did you mean 'learning_rate'", "did you mean 'warmup_steps'",
+                  "'--per_device_batch_size' (command line: did you mean 'per_device_train_batch_size'?)",
+                  "'--frobnicate' (command line)"):
+        assert words in message, (words, message)
+
+
+@pytest.mark.parametrize("typo, meant", [("per_device_batch_size", "per_device_train_batch_size"),
+                                         ("per_device_eval_batch_sise", "per_device_eval_batch_size"),
+                                         ("per_device_train_batch", "per_device_train_batch_size"),
+                                         ("eval_step", "eval_steps")])
+def test_a_typo_is_matched_to_the_train_side_name_unless_it_says_eval(base, tmp_path, typo, meant):
+    with pytest.raises(ConfigError, match=f"Did you mean '{meant}'") as err:
+        parse_args(["--config", _yaml(tmp_path, **base), f"--{typo}", "4"])
+    assert err.value.field_name == typo
+
+
+@pytest.mark.parametrize("sizes, world, field, words", [
+    ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, 2, "parallelism_config_dp_replicate_size",
+     "need 4 processes, but 2 were launched: pass --parallelism_config_dp_replicate_size 1 to accelerate launch, or "
+     "--num_processes 4"),
+    ({"DP_REPLICATE": "2", "DP_SHARD": "2"}, 3, "num_processes", "pass --num_processes 4"),
+    ({"TP": "2"}, 4, "num_processes", "pass --num_processes 2"),
+])
+def test_parallel_sizes_that_do_not_fill_the_launched_world_are_refused_before_the_accelerator(
+        monkeypatch, tmp_path, sizes, world, field, words):
+    """hsdp.yaml (dp_replicate 2 x dp_shard 2) launched with --num_processes 2 failed inside the Accelerator with
+    torch's raw 'Mesh should not be bigger than default world size 2, but found 4 ranks!'; refused in
+    make_accelerator from the launch's environment, before accelerate is touched, naming the option to pass."""
+    from toolkit import distributed
+    from toolkit.config import TrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name in ("DP_REPLICATE", "DP_SHARD", "TP", "CP"):
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name}_SIZE", sizes.get(name, "1"))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+    def no_accelerator(*a, **k):
+        raise AssertionError("the Accelerator was built before the check")
+
+    monkeypatch.setattr(distributed, "Accelerator", no_accelerator)
+    with pytest.raises(ConfigError) as err:
+        distributed.make_accelerator(TrainingArguments(output_dir=str(tmp_path / "out")))
+    assert err.value.field_name == field and words in str(err.value), str(err.value)
+    monkeypatch.setenv("WORLD_SIZE", str(math.prod(int(v) for v in sizes.values())))
+    distributed._check_parallel_sizes()  # the launched world it needs: accepted
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
+    distributed._check_parallel_sizes()  # a product of 1: accelerate's data parallel over every rank

@@ -285,3 +285,35 @@ def test_classification_collator_counts_examples():
     batch = ClassificationCollator(0)([{"input_ids": [5, 6, 7], "labels": 1}, {"input_ids": [5], "labels": 0}])
     assert batch["labels"].tolist() == [1, 0] and batch["num_targets"] == 2 and batch["num_tokens"] == 4
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("recipe, task_class", [("gpt2.py", "CausalLM"), ("sft.py", "ChatSFT"),
+                                                ("classify.py", "SequenceClassification")])
+def test_each_recipe_runs_its_defaults_with_only_model_data_and_output(recipe, task_class, tiny_model, padded_data,
+                                                                       tmp_path):
+    """A new user's first command names only the model, the data and the output folder: every recipe's task must
+    accept its own defaults (chat SFT once refused the default packing: true). Unset packing is the task's default;
+    an explicit packing: true stays refused where the task cannot pack."""
+    import os
+
+    from helpers import RECIPE
+
+    from toolkit import chat, classification, tasks
+    from toolkit.config import parse_args
+
+    source = open(os.path.join(os.path.dirname(RECIPE), recipe)).read()
+    assert f"{task_class}()" in source or (task_class == "CausalLM" and "task=" not in source)
+    task = {"CausalLM": tasks.CausalLM, "ChatSFT": chat.ChatSFT,
+            "SequenceClassification": classification.SequenceClassification}[task_class]()
+    argv = ["--model_name_or_path", tiny_model, "--train_file", padded_data["train_file"],
+            "--output_dir", str(tmp_path / "out")]
+    cfg = parse_args(argv)
+    task.check(cfg)
+    assert cfg.data.packing is (task_class == "CausalLM")
+    explicit = parse_args([*argv, "--packing", "true"])
+    if task_class == "CausalLM":
+        task.check(explicit)
+        assert explicit.data.packing is True
+    else:
+        with pytest.raises(ConfigError, match="packing"):
+            task.check(explicit)
