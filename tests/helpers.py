@@ -154,12 +154,35 @@ def kill_job(pid: int) -> None:
             pass
 
 
-def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``env``: variables set for this command on top of ``subprocess_env()``."""
+    proc = subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None
+            ) -> list[subprocess.CompletedProcess]:
+    """Independent commands all at once, each as ``run(cmd, check=False, env=...)`` would run it: their start-ups
+    (imports, single-threaded) overlap instead of adding up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs = envs or [None] * len(cmds)
+    with ThreadPoolExecutor(max_workers=len(cmds) or 1) as pool:
+        return list(pool.map(lambda c: run(c[0], check=False, timeout=timeout, env=c[1]), zip(cmds, envs)))
+
+
+def launch_command(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
+                   launcher_args: tuple = ()) -> list[str]:
+    """The command ``launch`` runs."""
+    if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
+        return [sys.executable, script, *script_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
+            *script_args]
 
 
 def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
@@ -167,11 +190,7 @@ def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.ya
     """``accelerate launch``, or plain ``python`` for one process with the DDP config (the user's two ways to run; one
     process under DeepSpeed or FSDP goes through ``accelerate launch --num_processes 1``, as it must).
     ``launcher_args``: more options for ``accelerate launch`` (e.g. ``--mixed_precision bf16``)."""
-    if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
-        return run([sys.executable, script, *script_args], check=check, timeout=timeout)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-           "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
-           *script_args]
+    cmd = launch_command(script_args, num_processes, config, script, launcher_args)
     return run(cmd, check=check, timeout=timeout)
 
 
