@@ -16,19 +16,23 @@ import torch
 import yaml
 from helpers import (
     CONFIGS,
+    RECIPE,
     SCRIPTS,
     Runs,
     args_from,
     assert_plan_matches_held_bytes,
     copy_checkpoint,
     launch,
+    launch_command,
     load_weights,
     max_abs_diff,
     read_probes,
+    run_all,
     tree_hash,
 )
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
+SILENT_FALLBACK = ["zero2.yaml", "fsdp.yaml"]  # configs of test_silent_fallback_is_refused
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3)
@@ -269,15 +273,40 @@ def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strate
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-6)
 
 
-def test_checkpointing_asked_twice_is_refused(tmp_path, tiny_model, padded_data):
-    config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
+@pytest.fixture(scope="module")
+def refusals(request, tmp_path_factory, tiny_model, padded_data):
+    """The 2-rank launches of the quick refusal tests below (each stops before the weights load), started all at once,
+    those of the tests selected in this session only: test id -> (the finished launch, its output_dir)."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    root = tmp_path_factory.mktemp("refusals")
+    cases = {}  # test id -> (launch arguments, extra environment)
+
+    def case(name, config, script=PROBE, env=None, **extra):
+        out = root / name.replace("[", "-").replace("]", "")
+        cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(out),
+               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, **extra}
+        if name in selected:
+            cases[name] = (launch_command(args_from(cfg), config=config, script=script), env, str(out))
+
+    case("test_checkpointing_asked_twice_is_refused", script=RECIPE, gradient_checkpointing=True,
+         config=_launch_config_with(root, "fsdp.yaml", fsdp_activation_checkpointing=True))
+    zero2 = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
+    zero2["deepspeed_config"]["gradient_accumulation_steps"] = 4
+    (root / "zero2_gas4.yaml").write_text(yaml.safe_dump(zero2))
+    case("test_mismatched_accumulation_in_deepspeed_section_fails", config=str(root / "zero2_gas4.yaml"))
+    for config in SILENT_FALLBACK:
+        case(f"test_silent_fallback_is_refused[{config}]", config=config, env={"TOOLKIT_CPU_SHIM": "0"})
+    names = list(cases)
+    procs = run_all([cases[n][0] for n in names], envs=[cases[n][1] for n in names])
+    return {n: (proc, cases[n][2]) for n, proc in zip(names, procs)}
+
+
+def test_checkpointing_asked_twice_is_refused(request, refusals):
+    proc, out = refusals[request.node.name]
     words = "gradient_checkpointing: the launch config already sets fsdp_activation_checkpointing"
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "gradient_checkpointing": True}
-    proc = launch(args_from(cfg), config=config, check=False)
     assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
     assert f"config error: {words}" in proc.stderr
-    assert "weights train in" not in proc.stdout and not os.path.exists(tmp_path / "out" / "final")
+    assert "weights train in" not in proc.stdout and not os.path.exists(os.path.join(out, "final"))
 
 
 @pytest.mark.slow
@@ -343,26 +372,17 @@ def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, 
     assert "weights train in" not in proc.stdout and not (out / "final").exists()
 
 
-def test_mismatched_accumulation_in_deepspeed_section_fails(tmp_path, tiny_model, padded_data):
-    config = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
-    config["deepspeed_config"]["gradient_accumulation_steps"] = 4
-    path = tmp_path / "zero2_gas4.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-    proc = launch(args_from(cfg), config=str(path), script=PROBE, check=False)
+def test_mismatched_accumulation_in_deepspeed_section_fails(request, refusals):
+    proc, _ = refusals[request.node.name]  # zero2.yaml with gradient_accumulation_steps 4 in its DeepSpeed section
     assert proc.returncode != 0
     assert "config error: gradient_accumulation_steps: the accelerate config sets 4" in proc.stderr
     assert "recipe says 2" in proc.stderr
 
 
-@pytest.mark.parametrize("config", ["zero2.yaml", "fsdp.yaml"])
-def test_silent_fallback_is_refused(tmp_path, tiny_model, padded_data, config, monkeypatch):
+@pytest.mark.parametrize("config", SILENT_FALLBACK)
+def test_silent_fallback_is_refused(request, refusals, config):
     """Without the CPU shim accelerate quietly runs 2 independent 1-process jobs; check_world must stop that."""
-    monkeypatch.setenv("TOOLKIT_CPU_SHIM", "0")
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-    proc = launch(args_from(cfg), config=config, script=PROBE, check=False)
+    proc, out = refusals[request.node.name]  # launched with TOOLKIT_CPU_SHIM=0
     assert proc.returncode != 0
     assert "launched 2 processes but the Accelerator sees 1" in proc.stderr
-    assert not os.path.exists(tmp_path / "out" / "final")
+    assert not os.path.exists(os.path.join(out, "final"))
