@@ -7,9 +7,22 @@ Shared helpers (launching, weights, comparisons) are in helpers.py; test modules
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from helpers import execute_quickstart
+from helpers import LAUNCH_LOG_ENV, execute_quickstart, log_launches
+
+
+def pytest_configure(config):
+    if os.environ.get(LAUNCH_LOG_ENV):  # every subprocess's command and wall time, for tests/scripts/launch_log.py
+        log_launches(os.environ[LAUNCH_LOG_ENV])
+
+
+@pytest.fixture(scope="session")
+def shared_runs() -> dict:
+    """Finished probe runs by everything that decides their output (helpers.Runs), for every module of the session:
+    the same run asked for by two modules launches once."""
+    return {}
 
 
 @pytest.fixture(scope="session")

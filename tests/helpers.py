@@ -21,6 +21,60 @@ NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 sys.path.insert(0, SCRIPTS)  # the probes (probe_run.PROBE_IDS) are imported by tests
 
 
+LAUNCH_LOG_ENV = "TOOLKIT_TEST_LAUNCH_LOG"
+
+
+def log_launches(path: str) -> None:
+    """Append one JSON line to ``path`` for every subprocess that ends from now on (this process's ``subprocess.Popen``
+    replaced by a subclass): the test that started it (``PYTEST_CURRENT_TEST``), the command, its wall time and exit
+    code. conftest.py turns it on when ``TOOLKIT_TEST_LAUNCH_LOG`` names a file; tests/scripts/launch_log.py sums it per
+    test file."""
+    base = subprocess.Popen
+    if getattr(base, "_toolkit_logged", False):
+        return
+
+    class LoggedPopen(base):
+        _toolkit_logged = True
+
+        def __init__(self, args, *a, **kw):
+            self._log_started, self._log_done = time.time(), False
+            self._log_cpu = _children_cpu()
+            self._log_test = os.environ.get("PYTEST_CURRENT_TEST", "")
+            super().__init__(args, *a, **kw)
+
+        def _log_end(self) -> None:
+            if self._log_done or self.returncode is None:
+                return
+            self._log_done = True
+            cmd = self.args if isinstance(self.args, (list, tuple)) else [str(self.args)]
+            line = {"test": self._log_test, "cmd": " ".join(map(str, cmd))[:600], "rc": self.returncode,
+                    "seconds": round(time.time() - self._log_started, 2), "ended": round(time.time(), 2),
+                    # CPU of every finished process below this one (ranks included) meanwhile: less noisy than the
+                    # wall time on a shared machine; overlapping launches (multinode) count each other's
+                    "cpu_seconds": round(_children_cpu() - self._log_cpu, 2)}
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+        def wait(self, timeout=None):
+            rc = super().wait(timeout)
+            self._log_end()
+            return rc
+
+        def poll(self):
+            rc = super().poll()
+            self._log_end()
+            return rc
+
+    subprocess.Popen = LoggedPopen
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def subprocess_env() -> dict:
     """The environment of every subprocess a test starts: offline, one thread per rank, the repo importable."""
     env = dict(os.environ)
@@ -100,25 +154,44 @@ def kill_job(pid: int) -> None:
             pass
 
 
-def run(cmd: list[str], check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``env``: variables set for this command on top of ``subprocess_env()``."""
+    proc = subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
 
 
+def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None
+            ) -> list[subprocess.CompletedProcess]:
+    """Independent commands all at once, each as ``run(cmd, check=False, env=...)`` would run it: their start-ups
+    (imports, single-threaded) overlap instead of adding up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    envs = envs or [None] * len(cmds)
+    with ThreadPoolExecutor(max_workers=len(cmds) or 1) as pool:
+        return list(pool.map(lambda c: run(c[0], check=False, timeout=timeout, env=c[1]), zip(cmds, envs)))
+
+
+def launch_command(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
+                   launcher_args: tuple = ()) -> list[str]:
+    """The command ``launch`` runs."""
+    if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
+        return [sys.executable, script, *script_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
+            *script_args]
+
+
 def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
-           check: bool = True, launcher_args: tuple = ()) -> subprocess.CompletedProcess:
+           check: bool = True, launcher_args: tuple = (), timeout: int = 600) -> subprocess.CompletedProcess:
     """``accelerate launch``, or plain ``python`` for one process with the DDP config (the user's two ways to run; one
     process under DeepSpeed or FSDP goes through ``accelerate launch --num_processes 1``, as it must).
     ``launcher_args``: more options for ``accelerate launch`` (e.g. ``--mixed_precision bf16``)."""
-    if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
-        return run([sys.executable, script, *script_args], check=check)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-           "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
-           *script_args]
-    return run(cmd, check=check)
+    cmd = launch_command(script_args, num_processes, config, script, launcher_args)
+    return run(cmd, check=check, timeout=timeout)
 
 
 def args_from(d: dict) -> list[str]:
@@ -130,35 +203,141 @@ def args_from(d: dict) -> list[str]:
 
 class Runs:
     """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py), keyed by name, so that
-    several tests share one launch (each costs ~10 s of process start)."""
+    several tests share one launch (each costs ~5-10 s of process start).
 
-    def __init__(self, tmp, model: str, data: dict, common: dict):
+    Runs declared with ``plan`` are launched together: the first ``get`` of a planned run launches every planned run
+    not yet done with the same launch config and world size in one launch (tests/scripts/probe_runs.py: one run after
+    another in the same ranks, each with its own output_dir, bit-identical to lone launches), in the order planned; a
+    run that resumes another's checkpoint (``copy_from``) joins once that run is done or earlier in the same launch.
+
+    ``shared`` (the session fixture ``shared_runs``): a registry of finished runs by everything that decides their
+    output (script, launch config and its content, world size, every field); a run another module already made is
+    read from there instead of launched again. Runs seeded with a checkpoint are never shared."""
+
+    def __init__(self, tmp, model: str, data: dict, common: dict, shared: dict | None = None):
         self.tmp, self.model, self.data, self.common, self.done = tmp, model, data, common, {}
+        self.shared = shared
+        self.planned: dict[str, dict] = {}
+
+    def _cfg(self, out: str, micro: int, accum: int, extra: dict) -> dict:
+        cfg = {**self.common, **self.data, "model_name_or_path": self.model, "output_dir": out,
+               "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
+        return {k: v for k, v in cfg.items() if v is not None}  # None: leave the field at its default
+
+    def _shared_key(self, config: str, world: int, micro: int, accum: int, extra: dict) -> str:
+        path = config if os.path.isabs(config) else os.path.join(CONFIGS, config)
+        cfg = self._cfg("", micro, accum, extra)
+        del cfg["output_dir"]
+        return json.dumps(["probe_run.py", open(path).read(), world, sorted(cfg.items())], default=str)
+
+    def plan(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict,
+             copy_from: tuple[str, int] | None = None) -> None:
+        """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
+        planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``)."""
+        assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
+        self.planned[name] = dict(config=config or "ddp.yaml", world=world, micro=micro, accum=accum, extra=extra,
+                                  copy_from=copy_from)
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
+        if name in self.planned:
+            spec = self.planned[name]
+            assert (spec["config"], spec["world"], spec["micro"], spec["accum"], spec["extra"]) == (
+                config or "ddp.yaml", world, micro, accum, extra), f"{name}: asked for otherwise than planned"
+            if spec["copy_from"]:
+                source, step = spec["copy_from"]
+                assert isinstance(prepare, CopyCheckpoint) and prepare.step == step, f"{name}: planned otherwise"
+                assert prepare.run_dir == self.get_planned(source), f"{name}: planned from another run"
+            else:
+                assert prepare is None, f"{name}: planned without a checkpoint"
+            return self.get_planned(name)
         if name not in self.done:
+            config = config or "ddp.yaml"
+            key = None if prepare else self._shared_key(config, world, micro, accum, extra)
+            if self.shared is not None and key in self.shared:
+                self.done[name] = self.shared[key]
+                return self.done[name]
             out = str(self.tmp / name)
             if prepare:
                 prepare(out)
-            cfg = {**self.common, **self.data, "model_name_or_path": self.model, "output_dir": out,
-                   "per_device_train_batch_size": micro, "gradient_accumulation_steps": accum, **extra}
-            cfg = {k: v for k, v in cfg.items() if v is not None}  # None: leave the field at its default
-            launch(args_from(cfg), num_processes=world, config=config or "ddp.yaml",
+            launch(args_from(self._cfg(out, micro, accum, extra)), num_processes=world, config=config,
                    script=os.path.join(SCRIPTS, "probe_run.py"))
             self.done[name] = out
+            if self.shared is not None and key is not None:
+                self.shared[key] = out
+        return self.done[name]
+
+    def get_planned(self, name: str, _launching: tuple = ()) -> str:
+        """The output_dir of a planned run, launched (with every planned run that can join it) if not done yet."""
+        if name in self.done:
+            return self.done[name]
+        spec = self.planned[name]
+        kind = (spec["config"], spec["world"])
+        if spec["copy_from"]:
+            self.get_planned(spec["copy_from"][0], _launching)  # its source's launch first
+        # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
+        # (unless that kind waits on this one: then they wait for a later launch).
+        for other, s in list(self.planned.items()):
+            source = s["copy_from"] and s["copy_from"][0]
+            if other in self.done or (s["config"], s["world"]) != kind or not source or source in self.done:
+                continue
+            source_kind = (self.planned[source]["config"], self.planned[source]["world"])
+            if source_kind != kind and source_kind not in _launching:
+                self.get_planned(source, (*_launching, kind))
+        batch: list[str] = []
+        for other, s in self.planned.items():
+            if other in self.done or (s["config"], s["world"]) != kind:
+                continue
+            if s["copy_from"] and s["copy_from"][0] not in self.done and s["copy_from"][0] not in batch:
+                continue  # its source is of another kind, not run yet: a later launch
+            batch.append(other)
+        runs = []
+        for other in batch:
+            s = self.planned[other]
+            key = None if s["copy_from"] else self._shared_key(s["config"], s["world"], s["micro"], s["accum"],
+                                                                s["extra"])
+            if self.shared is not None and key in self.shared:
+                self.done[other] = self.shared[key]
+                continue
+            out = str(self.tmp / other)
+            run = {"name": other, "key": key, "out": out,
+                   "argv": args_from(self._cfg(out, s["micro"], s["accum"], s["extra"]))}
+            if s["copy_from"]:
+                source, step = s["copy_from"]
+                if source in self.done:  # made before this launch: seeded here
+                    CopyCheckpoint(self.done[source], step)(out)
+                else:  # made earlier in this launch: seeded there, after it
+                    run["copy_from"] = [str(self.tmp / source), step, out]
+            runs.append(run)
+        if len(runs) == 1 and "copy_from" not in runs[0]:
+            launch(runs[0]["argv"], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_run.py"))
+        elif runs:
+            path = self.tmp / f"runs-{len(list(self.tmp.glob('runs-*.json')))}.json"
+            path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from")} for r in runs]))
+            launch([str(path)], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_runs.py"),
+                   timeout=600 + 300 * len(runs))
+        for r in runs:
+            self.done[r["name"]] = r["out"]
+            if self.shared is not None and r["key"] is not None:
+                self.shared[r["key"]] = r["out"]
         return self.done[name]
 
 
-def copy_checkpoint(run_dir: str, step: int):
+class CopyCheckpoint:
     """A ``prepare`` for ``Runs.get``: seed a new output_dir with ``run_dir``'s checkpoint of ``step`` (a resumed run
     then finds it as ``latest``)."""
-    import shutil
 
-    def prepare(out: str) -> None:
-        name = os.path.join("checkpoints", f"step-{step}")
-        shutil.copytree(os.path.join(run_dir, name), os.path.join(out, name))
+    def __init__(self, run_dir: str, step: int):
+        self.run_dir, self.step = run_dir, step
 
-    return prepare
+    def __call__(self, out: str) -> None:
+        import shutil
+
+        name = os.path.join("checkpoints", f"step-{self.step}")
+        shutil.copytree(os.path.join(self.run_dir, name), os.path.join(out, name))
+
+
+def copy_checkpoint(run_dir: str, step: int) -> CopyCheckpoint:
+    return CopyCheckpoint(run_dir, step)
 
 
 def tree_hash(folder: str) -> str:

@@ -35,10 +35,41 @@ class CoreRuns(Runs):
         world, micro, accum = LAYOUTS[layout] if isinstance(layout, str) else layout
         return super().get(name, "ddp.yaml", world, micro, accum, extra, prepare=prepare)
 
+    def plan_layout(self, name, layout, extra, copy_from=None):
+        world, micro, accum = LAYOUTS[layout] if isinstance(layout, str) else layout
+        self.plan(name, "ddp.yaml", world, micro, accum, extra, copy_from=copy_from)
+
+
+# 48 rows / global batch 8 = 6 steps per epoch: 9 steps cross into epoch 1 (a new permutation), and step 6 is an
+# epoch's last step.
+SGD_ACROSS_EPOCHS = {**SGD, "max_steps": 9, "save_steps": 3}
+BROKEN_CLIPPING = [({"max_grad_norm": 0}, "no clipping"), ({"max_grad_norm": math.sqrt(2)}, "a norm off by sqrt(2)")]
+OTHER_SPLITS = [("1x8x1", "1x4x2"), ("2x2x2", "1x8x1")]  # (writer, reader) of a resume
+RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
+COMM = {**ADAMW, "max_steps": 3, "save_steps": 1, "save_total_limit": 2, "packing": True, "block_size": 16,
+        "report_to": "tensorboard"}
+
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data):
-    return CoreRuns(tmp_path_factory.mktemp("core"), tiny_model, padded_data, COMMON)
+def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+    """Every run below, planned: the 2-rank runs share a launch, and so do the 1-process ones (helpers.Runs.plan)."""
+    r = CoreRuns(tmp_path_factory.mktemp("core"), tiny_model, padded_data, COMMON, shared=shared_runs)
+    for layout in ("2x2x2", "1x8x1", "1x2x4"):
+        r.plan_layout(f"sgd_{layout}", layout, SGD)
+    r.plan_layout("sgd_2x2x2_buggy", "2x2x2", {**SGD, "loss_normalization": "per_micro_batch", "max_steps": 3})
+    for layout in ("2x2x2", "1x8x1"):
+        r.plan_layout(f"adamw_{layout}", layout, ADAMW)
+    for broken, why in BROKEN_CLIPPING:
+        r.plan_layout(f"adamw_2x2x2_{why.replace(' ', '_')}", "2x2x2", {**ADAMW, **broken})
+    r.plan_layout("adamw_2x2x2_resumed", "2x2x2", RESUME, copy_from=("adamw_2x2x2", 3))
+    for writer, reader in OTHER_SPLITS:
+        r.plan_layout(f"adamw_{writer}_resumed_as_{reader}", reader, RESUME, copy_from=(f"adamw_{writer}", 3))
+    for layout in ("2x2x2", "1x8x1"):
+        r.plan_layout(f"sgd9_{layout}", layout, SGD_ACROSS_EPOCHS)
+    r.plan_layout("sgd9_2x2x2_resumed_at_6", "2x2x2", {**SGD_ACROSS_EPOCHS, "resume_from_checkpoint": "latest"},
+                  copy_from=("sgd9_2x2x2", 6))
+    r.plan_layout("comm_2x1x4", (2, 1, 4), COMM)
+    return r
 
 
 def ckpt(out, step):
@@ -98,8 +129,7 @@ def test_adamw_with_clipping_equivalence(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken, why", [({"max_grad_norm": 0}, "no clipping"),
-                                         ({"max_grad_norm": math.sqrt(2)}, "a norm off by sqrt(2)")])
+@pytest.mark.parametrize("broken, why", BROKEN_CLIPPING)
 def test_adamw_tolerance_still_catches_clipping_errors(runs, broken, why):
     """The AdamW check is not loosened into blindness: a 2-rank run that skips clipping, or clips against a norm
     sqrt(2) too small (the norm of one rank's shard instead of the global one; the same as a threshold sqrt(2) too
@@ -127,7 +157,7 @@ def test_resume_mid_run_equals_straight_run(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("writer, reader", [("1x8x1", "1x4x2"), ("2x2x2", "1x8x1")])
+@pytest.mark.parametrize("writer, reader", OTHER_SPLITS)
 def test_resume_with_another_split_of_the_same_global_batch(runs, writer, reader):
     """The global batch is what a checkpoint fixes, not its split: 8 x 1 resumed as 4 x 2 (accelerate restores its
     own micro-step counter, which once put the boundary mid-step), and 2 ranks resumed as 1 process."""
@@ -154,11 +184,6 @@ def test_resume_with_another_global_batch_is_refused(runs, tmp_path, padded_data
     assert "global batch of 8 rows, this run has 4" in proc.stderr
     assert not os.path.exists(final(str(out)))
     assert "weights train in" not in proc.stdout  # refused before the weights load
-
-
-# 48 rows / global batch 8 = 6 steps per epoch: 9 steps cross into epoch 1 (a new permutation), and step 6 is an
-# epoch's last step.
-SGD_ACROSS_EPOCHS = {**SGD, "max_steps": 9, "save_steps": 3}
 
 
 @pytest.mark.slow
@@ -191,8 +216,7 @@ def test_resume_at_an_epochs_last_step(runs):
 @pytest.mark.slow
 def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
     """Accumulation 4: gradient all-reduces happen on the 4th micro-step only; final/ reloads with the same logits."""
-    out = runs.get("comm_2x1x4", (2, 1, 4), {**ADAMW, "max_steps": 3, "save_steps": 1, "save_total_limit": 2,
-                                              "packing": True, "block_size": 16, "report_to": "tensorboard"})
+    out = runs.get("comm_2x1x4", (2, 1, 4), COMM)
     for rank in (0, 1):
         probe = json.load(open(os.path.join(out, "probe", f"comm_rank{rank}.json")))
         calls = {(s, m): c for s, m, c in probe["per_micro_step"]}
@@ -233,8 +257,10 @@ def test_data_order_two_ranks(tmp_path):
     from toolkit.order import GlobalBatchSampler
 
     n, micro, accum, seed = 40, 2, 2, 5
-    out = str(tmp_path / "order.json")
-    launch([out, str(n), str(micro), str(accum), str(seed)], script=os.path.join(SCRIPTS, "order_probe.py"))
+    out, out2 = str(tmp_path / "order.json"), str(tmp_path / "order_skip.json")
+    # one launch, two passes in the same ranks: from the start, and from step 2 (as a resume)
+    launch([out, str(n), str(micro), str(accum), str(seed), "0", out2, "2"],
+           script=os.path.join(SCRIPTS, "order_probe.py"))
     ranks = json.load(open(out))["ranks"]
     assert len(ranks) == 2
     ref = GlobalBatchSampler(n, micro * 2 * accum, 1, 1, seed=seed, shuffle=True)  # 1 process, batch 8
@@ -250,8 +276,6 @@ def test_data_order_two_ranks(tmp_path):
         epochs.append(steps)
     assert epochs[0] != epochs[1]
 
-    out2 = str(tmp_path / "order_skip.json")
-    launch([out2, str(n), str(micro), str(accum), str(seed), "2"], script=os.path.join(SCRIPTS, "order_probe.py"))
     skipped = json.load(open(out2))["ranks"]
     for rank in range(2):
         assert skipped[rank][0] == ranks[rank][0][2:]

@@ -27,8 +27,9 @@ TIMEOUT = 420  # seconds for a whole multi-process job (about 20-50 s here, on 2
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data):
-    return Runs(tmp_path_factory.mktemp("multinode"), tiny_model, padded_data, COMMON)
+def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+    # the single-machine reference is test_strategies.py's 2-rank DDP SGD run: launched once per session
+    return Runs(tmp_path_factory.mktemp("multinode"), tiny_model, padded_data, COMMON, shared=shared_runs)
 
 
 @pytest.fixture(scope="module")

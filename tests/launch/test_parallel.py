@@ -25,7 +25,10 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, padded_data):
-    return Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON)
+    r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON)
+    r.plan("hsdp", "hsdp.yaml", 4, 2, 1, {})  # and its resumed run after it, in the same launch
+    r.plan("hsdp_resumed", "hsdp.yaml", 4, 2, 1, {"resume_from_checkpoint": "latest"}, copy_from=("hsdp", 2))
+    return r
 
 
 def _probe(out: str, rank: int) -> dict:
@@ -57,7 +60,16 @@ def test_hsdp_exports_full_weights_and_resumes(runs):
 # ------------------------------------------------------------------------------------------- tensor parallel
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory, tiny_llama, padded_data):
-    return Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, COMMON)  # save_steps 2: the TP run checkpoints
+    r = Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, COMMON)  # save_steps 2: the TP run checkpoints
+    r.plan("tp", "tp.yaml", 2, 8, 1, {})  # the TP runs below share a launch
+    r.plan("tp_adamw", "tp.yaml", 2, 8, 1, TP_ADAMW)
+    r.plan("tp_adamw_resumed", "tp.yaml", 2, 8, 1, {**TP_ADAMW, "resume_from_checkpoint": "latest"},
+           copy_from=("tp_adamw", 2))
+    return r
+
+
+TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
+            "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
 
 
 def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
@@ -82,8 +94,7 @@ def test_tensor_parallel_checkpoint_resumes_exactly(tp_runs):
     """A TP run's step-2 checkpoint (weights and optimizer state as torch.distributed.checkpoint folders of the
     shards, the rest from accelerate's save_state), resumed on the same layout, ends bit-identical to the run that
     went on. AdamW with clipping and decay: the moments of both ranks' shards must come back (without them: 1.5e-2)."""
-    adamw = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
-             "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
+    adamw = TP_ADAMW
     tp = tp_runs.get("tp_adamw", "tp.yaml", 2, 8, 1, adamw)
     step2 = os.path.join(tp, "checkpoints", "step-2")
     assert {"pytorch_model_tp", "optimizer_tp", "scheduler.bin", "random_states_1.pkl"} <= set(os.listdir(step2))

@@ -43,10 +43,11 @@ def _dtypes(folder: str) -> set:
 def test_bf16_checkpoint_trains_in_fp32_like_its_fp32_copy(tmp_path_factory, stored, padded_data):
     assert _dtypes(stored["bf16"]) == {"BF16"} and _dtypes(stored["fp32"]) == {"F32"}
     runs = Runs(tmp_path_factory.mktemp("precision"), None, padded_data, COMMON)
+    for name, folder in stored.items():  # both in one launch
+        runs.plan(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
     outs = {}
     for name, folder in stored.items():
-        runs.model = folder
-        outs[name] = runs.get(f"from_{name}", "ddp.yaml", 2, 2, 2, {})
+        outs[name] = runs.get(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
     a, b = (load_weights(os.path.join(outs[n], "final")) for n in ("bf16", "fp32"))
     assert max_abs_diff(a, b) <= 1e-6
     assert max_abs_diff(a, load_weights(stored["fp32"])) > 1e-2, "the runs must actually train"
@@ -95,9 +96,10 @@ BF16_TOLERANCE = {"ddp.yaml": 2e-3, "fsdp.yaml": 4e-3, "zero2.yaml": 1.2e-2, "ze
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory, tiny_model, padded_data):
-    """One set of runs for every strategy below: the one-process bf16 and fp32 references launch once."""
-    return Runs(tmp_path_factory.mktemp("bf16"), tiny_model, padded_data, COMMON)
+def bf16_runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+    """One set of runs for every strategy below: the one-process bf16 and fp32 references launch once (the fp32 one
+    is test_strategies.py's SGD reference: once per session)."""
+    return Runs(tmp_path_factory.mktemp("bf16"), tiny_model, padded_data, COMMON, shared=shared_runs)
 
 
 @pytest.mark.slow

@@ -16,19 +16,23 @@ import torch
 import yaml
 from helpers import (
     CONFIGS,
+    RECIPE,
     SCRIPTS,
     Runs,
     args_from,
     assert_plan_matches_held_bytes,
     copy_checkpoint,
     launch,
+    launch_command,
     load_weights,
     max_abs_diff,
     read_probes,
+    run_all,
     tree_hash,
 )
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
+SILENT_FALLBACK = ["zero2.yaml", "fsdp.yaml"]  # configs of test_silent_fallback_is_refused
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3)
@@ -65,9 +69,46 @@ class StrategyRuns(Runs):
         return self.get(f"{name}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, extra, **kw)
 
 
+# (strategy, writer ranks, reader ranks) of test_resume_on_another_world_size; ranks -> (micro batch, accumulation)
+RESUME_WORLDS = [("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2), ("zero3", 2, 1), ("zero3", 1, 2), ("zero2", 2, 1)]
+SPLIT = {1: (4, 2), 2: (2, 2)}
+# (strategy, switch) of test_memory_switches_train_like_the_plain_run
+SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"), ("fsdp", "fsdp_activation_checkpointing"),
+            ("ddp", "loss_chunk_size"), ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size"),
+            ("zero3", "loss_chunk_size")]
+SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
+RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
+
+
+def scratch(tiny_model) -> dict:
+    return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data):
-    return StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON)
+def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+    """Every run below, planned: the runs of one launch config and world size share a launch (helpers.Runs.plan)."""
+    r = StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON, shared=shared_runs)
+    for name, extra in (("sgd", SGD), ("adamw", ADAMW), ("scratch_sgd", scratch(tiny_model))):
+        r.plan(f"{name}_1x8x1", None, 1, 8, 1, extra)
+    for strategy in CORE + ["zero3_offload"]:
+        r.plan(f"sgd_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, SGD)
+    for strategy in CORE:
+        r.plan(f"adamw_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, ADAMW)
+    r.plan("scratch_sgd_zero3", STRATEGIES["zero3"][0], 2, 2, 2, scratch(tiny_model))
+    for strategy in ("zero3", "fsdp1"):
+        r.plan(f"adamw_resumed_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, RESUME, copy_from=(f"adamw_{strategy}", 2))
+    for strategy in sorted({s for s, writer, _ in RESUME_WORLDS if writer == 1}):
+        r.plan(f"adamw_{strategy}_1x4x2", STRATEGIES[strategy][0], 1, *SPLIT[1], ADAMW)
+    for strategy, writer, reader in RESUME_WORLDS:
+        source = f"adamw_{strategy}" if writer == 2 else f"adamw_{strategy}_1x4x2"
+        r.plan(f"adamw_{strategy}_{writer}to{reader}", STRATEGIES[strategy][0], reader, *SPLIT[reader], RESUME,
+               copy_from=(source, 2))
+    for strategy, switch in SWITCHES:
+        if switch in SWITCH_VALUES:
+            r.plan(f"sgd_{switch}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, {**SGD, switch: SWITCH_VALUES[switch]})
+    for ranks in (1, 2):
+        r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
+    return r
 
 
 def final(out):
@@ -156,9 +197,8 @@ def test_adamw_with_clipping_matches_one_process(runs, strategy, tiny_model):
 def test_zero3_from_scratch_initialises_like_one_process(runs, tiny_model):
     """A model built from a config (no weights): transformers would build it inside deepspeed.zero.Init under ZeRO-3,
     a different random init from the same seed (0.36 off after 3 steps) unless zero3_init_flag: false is honoured."""
-    scratch = {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
-    out = runs.strategy("zero3", "scratch_sgd", scratch)
-    ref = runs.reference("scratch_sgd", scratch)
+    out = runs.strategy("zero3", "scratch_sgd", scratch(tiny_model))
+    ref = runs.reference("scratch_sgd", scratch(tiny_model))
     assert max_abs_diff(load_weights(final(out)), load_weights(final(ref))) <= 1e-6
 
 
@@ -185,11 +225,10 @@ def test_resume_equals_straight_run(runs, strategy):
 # Measured here: ZeRO-3 8e-9 both ways (before the fixes in toolkit.checkpointing.checkpoint.load_checkpoint: 9.3e-5), ZeRO-2
 # 1.1e-8, FSDP2 1.2e-7, DDP 3e-8 (DDP 2 -> 1 is test_core.py::test_resume_with_another_split_of_the_same_global_batch).
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, writer, reader", [("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2), ("zero3", 2, 1),
-                                                      ("zero3", 1, 2), ("zero2", 2, 1)])
+@pytest.mark.parametrize("strategy, writer, reader", RESUME_WORLDS)
 def test_resume_on_another_world_size(runs, strategy, writer, reader):
     config = STRATEGIES[strategy][0]
-    split = {1: (4, 2), 2: (2, 2)}  # ranks -> (micro batch, accumulation): a global batch of 8 either way
+    split = SPLIT  # ranks -> (micro batch, accumulation): a global batch of 8 either way
     if writer == 2:
         straight = runs.strategy(strategy, "adamw", ADAMW)
     else:
@@ -221,31 +260,53 @@ def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
 # handed to transformers (distributed.resolve_activation_checkpointing). The memory each saves is measured in
 # bench/memory.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, switch", [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"),
-                                              ("fsdp", "fsdp_activation_checkpointing"), ("ddp", "loss_chunk_size"),
-                                              ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size"),
-                                              ("zero3", "loss_chunk_size")])
+@pytest.mark.parametrize("strategy, switch", SWITCHES)
 def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strategy, switch):
     plain = runs.strategy(strategy, "sgd", SGD)
     if switch == "fsdp_activation_checkpointing":  # FSDP's own, honoured from the launch config (applied in prepare)
         config = _launch_config_with(tmp_path_factory.mktemp("ac"), "fsdp.yaml", fsdp_activation_checkpointing=True)
         out = runs.get("sgd_fsdp_activation_checkpointing", config, 2, 2, 2, SGD)
     else:
-        value = {"gradient_checkpointing": True, "loss_chunk_size": 24}[switch]
+        value = SWITCH_VALUES[switch]
         out = runs.strategy(strategy, f"sgd_{switch}", {**SGD, switch: value})
     assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) <= 1e-6
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-6)
 
 
-def test_checkpointing_asked_twice_is_refused(tmp_path, tiny_model, padded_data):
-    config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
+@pytest.fixture(scope="module")
+def refusals(request, tmp_path_factory, tiny_model, padded_data):
+    """The 2-rank launches of the quick refusal tests below (each stops before the weights load), started all at once,
+    those of the tests selected in this session only: test id -> (the finished launch, its output_dir)."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    root = tmp_path_factory.mktemp("refusals")
+    cases = {}  # test id -> (launch arguments, extra environment)
+
+    def case(name, config, script=PROBE, env=None, **extra):
+        out = root / name.replace("[", "-").replace("]", "")
+        cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(out),
+               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, **extra}
+        if name in selected:
+            cases[name] = (launch_command(args_from(cfg), config=config, script=script), env, str(out))
+
+    case("test_checkpointing_asked_twice_is_refused", script=RECIPE, gradient_checkpointing=True,
+         config=_launch_config_with(root, "fsdp.yaml", fsdp_activation_checkpointing=True))
+    zero2 = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
+    zero2["deepspeed_config"]["gradient_accumulation_steps"] = 4
+    (root / "zero2_gas4.yaml").write_text(yaml.safe_dump(zero2))
+    case("test_mismatched_accumulation_in_deepspeed_section_fails", config=str(root / "zero2_gas4.yaml"))
+    for config in SILENT_FALLBACK:
+        case(f"test_silent_fallback_is_refused[{config}]", config=config, env={"TOOLKIT_CPU_SHIM": "0"})
+    names = list(cases)
+    procs = run_all([cases[n][0] for n in names], envs=[cases[n][1] for n in names])
+    return {n: (proc, cases[n][2]) for n, proc in zip(names, procs)}
+
+
+def test_checkpointing_asked_twice_is_refused(request, refusals):
+    proc, out = refusals[request.node.name]
     words = "gradient_checkpointing: the launch config already sets fsdp_activation_checkpointing"
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "gradient_checkpointing": True}
-    proc = launch(args_from(cfg), config=config, check=False)
     assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
     assert f"config error: {words}" in proc.stderr
-    assert "weights train in" not in proc.stdout and not os.path.exists(tmp_path / "out" / "final")
+    assert "weights train in" not in proc.stdout and not os.path.exists(os.path.join(out, "final"))
 
 
 @pytest.mark.slow
@@ -311,26 +372,17 @@ def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, 
     assert "weights train in" not in proc.stdout and not (out / "final").exists()
 
 
-def test_mismatched_accumulation_in_deepspeed_section_fails(tmp_path, tiny_model, padded_data):
-    config = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
-    config["deepspeed_config"]["gradient_accumulation_steps"] = 4
-    path = tmp_path / "zero2_gas4.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-    proc = launch(args_from(cfg), config=str(path), script=PROBE, check=False)
+def test_mismatched_accumulation_in_deepspeed_section_fails(request, refusals):
+    proc, _ = refusals[request.node.name]  # zero2.yaml with gradient_accumulation_steps 4 in its DeepSpeed section
     assert proc.returncode != 0
     assert "config error: gradient_accumulation_steps: the accelerate config sets 4" in proc.stderr
     assert "recipe says 2" in proc.stderr
 
 
-@pytest.mark.parametrize("config", ["zero2.yaml", "fsdp.yaml"])
-def test_silent_fallback_is_refused(tmp_path, tiny_model, padded_data, config, monkeypatch):
+@pytest.mark.parametrize("config", SILENT_FALLBACK)
+def test_silent_fallback_is_refused(request, refusals, config):
     """Without the CPU shim accelerate quietly runs 2 independent 1-process jobs; check_world must stop that."""
-    monkeypatch.setenv("TOOLKIT_CPU_SHIM", "0")
-    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
-           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-    proc = launch(args_from(cfg), config=config, script=PROBE, check=False)
+    proc, out = refusals[request.node.name]  # launched with TOOLKIT_CPU_SHIM=0
     assert proc.returncode != 0
     assert "launched 2 processes but the Accelerator sees 1" in proc.stderr
-    assert not os.path.exists(tmp_path / "out" / "final")
+    assert not os.path.exists(os.path.join(out, "final"))
