@@ -53,10 +53,6 @@ class Checkpointer:
         self.merge_lora = cfg.model.merge_lora
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
 
-    @property
-    def resumed_from(self) -> str | None:
-        return self.plan.checkpoint
-
     def load(self, state) -> str | None:
         """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
         the loop's position into ``state``; then, on the main process, clear a killed save's leftovers and move an
