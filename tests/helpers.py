@@ -231,12 +231,15 @@ class Runs:
         return json.dumps(["probe_run.py", open(path).read(), world, sorted(cfg.items())], default=str)
 
     def plan(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict,
-             copy_from: tuple[str, int] | None = None) -> None:
+             copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True) -> None:
         """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
-        planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``)."""
+        planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``).
+        ``recipe``: which of recipes/ runs it (gpt2, sft, classify); ``probe``: with probe_run.py's callbacks (gpt2
+        only)."""
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
+        assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"
         self.planned[name] = dict(config=config or "ddp.yaml", world=world, micro=micro, accum=accum, extra=extra,
-                                  copy_from=copy_from)
+                                  copy_from=copy_from, recipe=recipe, probe=probe)
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
         if name in self.planned:
@@ -293,13 +296,13 @@ class Runs:
         runs = []
         for other in batch:
             s = self.planned[other]
-            key = None if s["copy_from"] else self._shared_key(s["config"], s["world"], s["micro"], s["accum"],
-                                                                s["extra"])
+            key = None if s["copy_from"] or (s["recipe"], s["probe"]) != ("gpt2", True) else self._shared_key(
+                s["config"], s["world"], s["micro"], s["accum"], s["extra"])
             if self.shared is not None and key in self.shared:
                 self.done[other] = self.shared[key]
                 continue
             out = str(self.tmp / other)
-            run = {"name": other, "key": key, "out": out,
+            run = {"name": other, "key": key, "out": out, "recipe": s["recipe"], "probe": s["probe"],
                    "argv": args_from(self._cfg(out, s["micro"], s["accum"], s["extra"]))}
             if s["copy_from"]:
                 source, step = s["copy_from"]
@@ -308,11 +311,12 @@ class Runs:
                 else:  # made earlier in this launch: seeded there, after it
                     run["copy_from"] = [str(self.tmp / source), step, out]
             runs.append(run)
-        if len(runs) == 1 and "copy_from" not in runs[0]:
+        if len(runs) == 1 and "copy_from" not in runs[0] and (runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True):
             launch(runs[0]["argv"], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_run.py"))
         elif runs:
             path = self.tmp / f"runs-{len(list(self.tmp.glob('runs-*.json')))}.json"
-            path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from")} for r in runs]))
+            path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from"), "recipe": r["recipe"],
+                                         "probe": r["probe"]} for r in runs]))
             launch([str(path)], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_runs.py"),
                    timeout=600 + 300 * len(runs))
         for r in runs:

@@ -1,11 +1,10 @@
 """``python -m toolkit plan`` run as a command (a subprocess) on a 7B Llama config (meta device, no weights). The
 arithmetic itself is checked in process in tests/unit/test_plan.py."""
 
-import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, subprocess_env
+from helpers import run_all
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +16,22 @@ def llama7b(tmp_path_factory):
     return str(folder)
 
 
-def test_the_command(llama7b):
-    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", f"{llama7b}/config.json", "--gpus", "8",
-                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+@pytest.fixture(scope="module")
+def commands(request, llama7b, tmp_path_factory):
+    """The ``toolkit plan`` commands of the tests below (those selected in this session), started at once
+    (helpers.run_all): test name -> the finished process."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    def plan(model: str) -> list[str]:
+        return [sys.executable, "-m", "toolkit", "plan", "--model", model, "--gpus", "8", "--gpu-memory", "80GB"]
+
+    cmds = {"test_the_command": plan(f"{llama7b}/config.json"),
+            "test_a_model_that_is_not_there_is_one_clear_line": plan(str(tmp_path_factory.mktemp("plan") / "missing"))}
+    cmds = {name: cmd for name, cmd in cmds.items() if name in selected}
+    return dict(zip(cmds, run_all(list(cmds.values()), timeout=120)))
+
+
+def test_the_command(request, commands):
+    proc = commands[request.node.name]  # toolkit plan --model <Llama-2-7B's config.json> --gpus 8 --gpu-memory 80GB
     assert proc.returncode == 0, proc.stderr
     lines = {line[:17].strip(): line for line in proc.stdout.splitlines() if line.split()}  # the strategy column
     assert "6.74 B parameters" in proc.stdout
@@ -31,8 +42,6 @@ def test_the_command(llama7b):
     assert "accelerate_configs/hsdp.yaml" in lines["HSDP"] and "accelerate_configs/tp.yaml" in lines["TP"]
 
 
-def test_a_model_that_is_not_there_is_one_clear_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", str(tmp_path / "missing"), "--gpus", "8",
-                           "--gpu-memory", "80GB"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+def test_a_model_that_is_not_there_is_one_clear_line(request, commands):
+    proc = commands[request.node.name]  # toolkit plan --model <a folder that does not exist> --gpus 8 ...
     assert proc.returncode == 2 and proc.stderr.startswith("plan error: --model ") and "Traceback" not in proc.stderr

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import (
     ROOT,
-    SCRIPTS,
+    Runs,
     args_from,
     assert_plan_matches_held_bytes,
     copy_checkpoint,
@@ -29,9 +29,6 @@ from helpers import (
 pytestmark = pytest.mark.slow
 
 SFT = os.path.join(ROOT, "recipes", "sft.py")
-CLASSIFY = os.path.join(ROOT, "recipes", "classify.py")
-GPT2 = os.path.join(ROOT, "recipes", "gpt2.py")
-PROBE = os.path.join(SCRIPTS, "probe_run.py")  # recipes/gpt2.py with a callback that records each rank's state
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
@@ -99,48 +96,73 @@ CLASSIFY_DATA = dict(dataset_name="stdlib-docstrings", max_train_samples=48, max
                      block_size=64)
 
 
-def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(tmp_path, tiny_bert):
+def _classify(tiny_bert) -> dict:
+    return {**SGD, **CLASSIFY_DATA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "eval_on_start": True}
+
+
+def _classify_lora(tiny_bert) -> dict:
+    return {**SGD, **CLASSIFY_DATA, **LORA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "merge_lora": False}
+
+
+def _lora(tiny_model, padded_data) -> dict:
+    return {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data):
+    """The classifier and LoRA runs below, planned: those of one launch config and world size share a launch
+    (helpers.Runs.plan; each run its own recipe: recipes/classify.py, or recipes/gpt2.py with or without the probes)."""
+    r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {})
+    r.plan("classify_one", "ddp.yaml", 1, 8, 1, _classify(tiny_bert), recipe="classify", probe=False)
+    r.plan("classify_two", "fsdp.yaml", 2, 2, 2, _classify(tiny_bert), recipe="classify", probe=False)
+    for config in ("ddp.yaml", "fsdp.yaml"):
+        r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)
+    for name in LORA_STRATEGIES:
+        r.plan(f"lora_{name}", f"{name}.yaml", 2, 2, 2, _lora(tiny_model, padded_data))
+    r.plan("lora_resumed", "ddp.yaml", 2, 2, 2, {**_lora(tiny_model, padded_data), "resume_from_checkpoint": "latest"},
+           copy_from=("lora_ddp", 2), probe=False)  # recipes/gpt2.py itself
+    return r
+
+
+def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(runs, tiny_bert):
     # The two ranks run under FSDP2: BERT's _no_split_modules names BertEmbeddings, which made accelerate's
     # fully_shard of the word embeddings fail (distributed.keep_embeddings_out_of_fsdp_units).
-    cfg = {**SGD, **CLASSIFY_DATA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "eval_on_start": True}
-    _run(CLASSIFY, str(tmp_path / "one"), cfg)
-    _run(CLASSIFY, str(tmp_path / "two"), cfg, world=2, micro=2, accum=2, config="fsdp.yaml")
-    diff = max_abs_diff(load_weights(str(tmp_path / "one" / "final")), load_weights(str(tmp_path / "two" / "final")))
+    cfg = _classify(tiny_bert)
+    dirs = {"one": runs.get("classify_one", "ddp.yaml", 1, 8, 1, cfg),
+            "two": runs.get("classify_two", "fsdp.yaml", 2, 2, 2, cfg)}
+    diff = max_abs_diff(load_weights(os.path.join(dirs["one"], "final")), load_weights(os.path.join(dirs["two"], "final")))
     assert diff <= 1e-6, diff
     for run in ("one", "two"):
-        evals = [r for r in _rows(str(tmp_path / run)) if "eval_loss" in r]
+        evals = [r for r in _rows(dirs[run]) if "eval_loss" in r]
         # 17 rows over 2 ranks in batches of 3: accelerate pads the last batch; gather_for_metrics drops the repeats
         assert [r["eval_samples"] for r in evals] == [17, 17]
         assert all(0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 for r in evals)
-    with open(tmp_path / "two" / "final" / "config.json") as f:
+    with open(os.path.join(dirs["two"], "final", "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 6
 
 
-def test_classifier_lora_under_fsdp_equals_ddp(tmp_path, tiny_bert):
-    cfg = {**SGD, **CLASSIFY_DATA, **LORA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "merge_lora": False}
-    for config in ("ddp.yaml", "fsdp.yaml"):
-        _run(CLASSIFY, str(tmp_path / config), cfg, world=2, micro=2, accum=2, config=config)
-    ddp, fsdp = _adapter(str(tmp_path / "ddp.yaml")), _adapter(str(tmp_path / "fsdp.yaml"))
+def test_classifier_lora_under_fsdp_equals_ddp(runs, tiny_bert):
+    cfg = _classify_lora(tiny_bert)
+    dirs = {config: runs.get(f"classify_lora_{config}", config, 2, 2, 2, cfg) for config in ("ddp.yaml", "fsdp.yaml")}
+    ddp, fsdp = _adapter(dirs["ddp.yaml"]), _adapter(dirs["fsdp.yaml"])
     assert any("lora_B" in k for k in ddp) and any("classifier" in k for k in ddp)  # the new head trains in full
     assert max_abs_diff(ddp, fsdp) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------- LoRA
+LORA_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
+
+
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory, tiny_model, padded_data):
+def lora_runs(runs, tiny_model, padded_data):
     """The same LoRA job under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 ranks x 2 x 2; through probe_run.py, which records
-    the bytes each rank holds), and DDP resumed from its step-2 checkpoint."""
-    root = tmp_path_factory.mktemp("lora")
-    cfg = {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
-    runs = {}
-    for name, config in (("ddp", "ddp.yaml"), ("zero2", "zero2.yaml"), ("zero3", "zero3.yaml"), ("fsdp", "fsdp.yaml")):
-        runs[name] = str(root / name)
-        _run(PROBE, runs[name], cfg, world=2, config=config, micro=2, accum=2)
-    runs["resumed"] = str(root / "resumed")
-    copy_checkpoint(runs["ddp"], 2)(runs["resumed"])
-    _run(GPT2, runs["resumed"], {**cfg, "resume_from_checkpoint": "latest"}, world=2, micro=2, accum=2)
-    return runs
+    the bytes each rank holds), and DDP resumed from its step-2 checkpoint (recipes/gpt2.py)."""
+    cfg = _lora(tiny_model, padded_data)
+    out = {name: runs.get(f"lora_{name}", f"{name}.yaml", 2, 2, 2, cfg) for name in LORA_STRATEGIES}
+    out["resumed"] = runs.get("lora_resumed", "ddp.yaml", 2, 2, 2, {**cfg, "resume_from_checkpoint": "latest"},
+                              prepare=copy_checkpoint(out["ddp"], 2))
+    return out
 
 
 def _adapter(run):

@@ -18,6 +18,7 @@ import pytest
 from helpers import (
     CONFIGS,
     ROOT,
+    Runs,
     args_from,
     descendants,
     free_port,
@@ -35,6 +36,25 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=
               per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
               lr_scheduler_type="constant", weight_decay=0, per_device_train_batch_size=2,
               gradient_accumulation_steps=2)
+
+
+# The uninterrupted runs the tests below compare with (recipes/gpt2.py, 2 ranks x 2 x 2), planned: those under one
+# launch config share a launch (helpers.Runs.plan).
+SIGTERM_STRAIGHT = {"max_steps": 60}  # 60 steps of a 6-step epoch: the signal lands mid-run, across epoch boundaries
+SIGKILL = {"max_steps": 9, "save_steps": 1, "save_total_limit": 2}
+SIGKILL_CONFIGS = ["ddp.yaml", "zero3.yaml", "fsdp.yaml"]
+NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at lr 1e20 blows the weights up
+SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, padded_data):
+    r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON)
+    r.plan("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False)
+    for config in SIGKILL_CONFIGS:
+        r.plan(f"sigkill_straight_{config}", config, 2, 2, 2, SIGKILL, probe=False)
+    r.plan("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED, probe=False)
+    return r
 
 
 def _steps_logged(out: str) -> list[int]:
@@ -75,11 +95,10 @@ def test_sigterm_to_a_plain_process_saves_and_exits_zero(tmp_path, tiny_model, p
 
 
 @pytest.mark.slow
-def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(tmp_path, tiny_model, padded_data):
+def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(runs, tmp_path, tiny_model, padded_data):
     # 60 steps of a 6-step epoch: long enough that the signal lands mid-run, across epoch boundaries.
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 60}
-    straight = str(tmp_path / "straight")
-    launch(args_from({**cfg, "output_dir": straight}))
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGTERM_STRAIGHT}
+    straight = runs.get("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT)
 
     def launcher(output_dir: str) -> list[str]:
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
@@ -129,11 +148,10 @@ def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model,
+def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkpoint(runs, tmp_path, tiny_model,
                                                                                     padded_data):
     # SGD at lr 1e20 blows the weights up: a few steps later the gradient norm is inf or nan.
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 12, "save_steps": 1,
-           "learning_rate": 1e20}
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **NONFINITE}
     out = str(tmp_path / "blowup")
     proc = launch(args_from({**cfg, "output_dir": out}), check=False)
     assert proc.returncode != 0
@@ -145,8 +163,7 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     assert not os.path.exists(os.path.join(out, "checkpoints", f"step-{bad_step}"))
     assert not os.path.exists(os.path.join(out, "final"))
 
-    skipped = str(tmp_path / "skipped")
-    launch(args_from({**cfg, "output_dir": skipped, "skip_nonfinite_steps": True, "save_steps": 12}))
+    skipped = runs.get("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED)  # skip_nonfinite_steps, save_steps 12
     rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["skipped_steps"] >= 12 - bad_step + 1 > 0
@@ -189,16 +206,14 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml", "fsdp.yaml"])
-def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
+@pytest.mark.parametrize("config", SIGKILL_CONFIGS)
+def test_sigkill_anywhere_then_resume_is_bit_identical(runs, tmp_path, tiny_model, padded_data, config):
     """SIGKILL to the whole job (launcher and ranks, frozen first so that none runs on) once a few steps are logged and
     a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
     loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
     with exactly the weights of the uninterrupted run."""
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 9, "save_steps": 1,
-           "save_total_limit": 2}
-    straight = str(tmp_path / "straight")
-    launch(args_from({**cfg, "output_dir": straight}), config=config)
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGKILL}
+    straight = runs.get(f"sigkill_straight_{config}", config, 2, 2, 2, SIGKILL)
 
     def saving(out) -> list[str]:
         root = os.path.join(out, "checkpoints")

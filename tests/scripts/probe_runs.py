@@ -2,8 +2,10 @@
 the same ranks, so that they pay for one process start (imports, the process group: ~5-10 s a launch) between them.
 
 Usage: probe_runs.py RUNS_JSON. RUNS_JSON is a list of {"argv": the recipe's command line, "copy_from": null or
-[run_dir, step, output_dir]}. A run with ``copy_from`` starts from a copy of ``run_dir``'s ``checkpoints/step-<step>``
-in its output_dir (made by the main process, after the run it comes from, before anyone parses the config).
+[run_dir, step, output_dir], "recipe": "gpt2" (default), "sft" or "classify" (recipes/<recipe>.py's ``main``),
+"probe": true (default: probe_run.py's callbacks, gpt2 only) or false}. A run with ``copy_from`` starts from a copy of
+``run_dir``'s ``checkpoints/step-<step>`` in its output_dir (made by the main process, after the run it comes from,
+before anyone parses the config).
 
 Between runs: the process group is kept (``accelerator.end_training`` would destroy it; the toolkit's exit handler
 destroys it at the end), accelerate's per-run state (``AcceleratorState``, ``GradientState``) is reset, and every rank
@@ -13,6 +15,7 @@ fails ends the launch (as a lone launch would: its exit code, its message).
 """
 
 import gc
+import importlib
 import json
 import os
 import shutil
@@ -44,7 +47,8 @@ def _run_all(runs: list[dict]) -> None:
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
             sys.argv = [sys.argv[0], *run["argv"]]
-            probe_run.gpt2.main(callbacks=[probe_run.Probe()])
+            recipe = importlib.import_module(run.get("recipe", "gpt2"))  # recipes/ is on the path (probe_run.py)
+            recipe.main(callbacks=[probe_run.Probe()] if run.get("probe", True) else None)
     finally:
         PartialState.destroy_process_group = destroy
 
