@@ -65,6 +65,7 @@ def test_torch_dtype_auto_keeps_the_stored_dtype(tmp_path, stored, padded_data):
     assert _dtypes(str(out / "final")) == {"BF16"}
 
 
+@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
 def test_fp16_on_a_cpu_is_refused(tmp_path, tiny_model, padded_data):
     """accelerate would run fp16 on a CPU as plain fp32, exit 0: refused before the weights load."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),

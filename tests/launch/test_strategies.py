@@ -301,6 +301,7 @@ def refusals(request, tmp_path_factory, tiny_model, padded_data):
     return {n: (proc, cases[n][2]) for n, proc in zip(names, procs)}
 
 
+@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
 def test_checkpointing_asked_twice_is_refused(request, refusals):
     proc, out = refusals[request.node.name]
     words = "gradient_checkpointing: the launch config already sets fsdp_activation_checkpointing"
@@ -372,6 +373,7 @@ def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, 
     assert "weights train in" not in proc.stdout and not (out / "final").exists()
 
 
+@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
 def test_mismatched_accumulation_in_deepspeed_section_fails(request, refusals):
     proc, _ = refusals[request.node.name]  # zero2.yaml with gradient_accumulation_steps 4 in its DeepSpeed section
     assert proc.returncode != 0
@@ -379,6 +381,7 @@ def test_mismatched_accumulation_in_deepspeed_section_fails(request, refusals):
     assert "recipe says 2" in proc.stderr
 
 
+@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
 @pytest.mark.parametrize("config", SILENT_FALLBACK)
 def test_silent_fallback_is_refused(request, refusals, config):
     """Without the CPU shim accelerate quietly runs 2 independent 1-process jobs; check_world must stop that."""
