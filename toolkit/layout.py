@@ -211,7 +211,8 @@ def move_run_aside(output_dir: str) -> str | None:
 
 
 def remove_stale_temporaries(output_dir: str) -> list[str]:
-    """Delete what a killed save left behind (``checkpoints/step-N.tmp``, ``latest.tmp``, ``final.tmp``): never a
+    """Delete what a killed save left behind (``checkpoints/step-N.tmp``, ``latest.tmp``, ``final.tmp``, and the
+    ``final.old.tmp`` of a re-export killed between its renames: the run that resumes exports again): never a
     complete checkpoint, which is only ever renamed into place once whole."""
     root = checkpoints_dir(output_dir)
     names = os.listdir(root) if os.path.isdir(root) else []
@@ -221,7 +222,8 @@ def remove_stale_temporaries(output_dir: str) -> list[str]:
             os.replace(os.path.join(root, name), os.path.join(root, kept))
     names = os.listdir(root) if os.path.isdir(root) else []
     stale = [os.path.join(root, n) for n in names if n.endswith(TMP_SUFFIX)]
-    stale += [p for p in [os.path.join(output_dir, FINAL + TMP_SUFFIX)] if os.path.lexists(p)]
+    stale += [p for p in [os.path.join(output_dir, FINAL + suffix) for suffix in (TMP_SUFFIX, OLD_SUFFIX)]
+              if os.path.lexists(p)]
     for path in stale:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)

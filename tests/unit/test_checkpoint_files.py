@@ -299,3 +299,20 @@ def test_replacing_a_checkpoint_never_leaves_neither(tmp_path):
     os.makedirs(new)
     layout.remove_stale_temporaries(out)
     assert _entries(out) == ["step-1"] and os.listdir(layout.step_dir(out, 1)) == ["model.safetensors"]
+
+
+def test_a_re_export_replaces_final_without_a_moment_of_neither(tmp_path):
+    """``final/`` is replaced the way a checkpoint is (``layout.replace_dir``); a re-export killed between its renames
+    leaves ``final.old.tmp``, which the next run deletes (it exports again) like ``final.tmp``."""
+    out = str(tmp_path / "out")
+    final = layout.final_dir(out)
+    for content in ("old", "new"):
+        tmp = final + layout.TMP_SUFFIX
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(content)
+        layout.replace_dir(tmp, final)
+    assert sorted(os.listdir(out)) == ["final"] and open(os.path.join(final, "config.json")).read() == "new"
+    os.rename(final, final + layout.OLD_SUFFIX)  # killed after the first rename
+    assert layout.remove_stale_temporaries(out) == [final + layout.OLD_SUFFIX]
+    assert os.listdir(out) == []

@@ -291,8 +291,7 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         layout.fsync_tree(tmp)
-        if os.path.isdir(path):  # a resumed run that had finished before: its newer export replaces the old one
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        layout.fsync_dir(os.path.dirname(os.path.abspath(path)))
+        # a resumed run that had finished before: its newer export replaces the old one, the way a re-saved step-N
+        # replaces its checkpoint (never a moment without either)
+        layout.replace_dir(tmp, path)
     accelerator.wait_for_everyone()
