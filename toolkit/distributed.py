@@ -360,6 +360,29 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     return config.dp_replicate_size * config.dp_shard_size
 
 
+def gather_for_metrics(accelerator: Accelerator, rows):
+    """accelerate's ``gather_for_metrics`` of per-row tensors (nested tuples/lists/dicts), over the data-parallel ranks
+    only: each validation row once.
+
+    Under tensor parallelism accelerate's eval loader gives every rank of a TP group the same batches, but its
+    ``gather_for_metrics`` gathers over every rank and cuts the last batch to a remainder computed for the
+    data-parallel degree: each row counted about tp times (docs/pitfalls.md#tp-eval-gather). Without TP this is
+    accelerate's own, unchanged.
+    """
+    if accelerator.num_processes == data_parallel_size(accelerator):
+        return accelerator.gather_for_metrics(rows)
+    if data_parallel_size(accelerator) > 1:  # dp x tp is refused before work (check_parallelism): never run here
+        raise RuntimeError("evaluation under tensor parallelism with data parallelism is not supported")
+    # TP alone: the data-parallel group is this rank, which holds every row (as each rank of its TP group does). The
+    # last batch is cut as accelerate cuts it: its loader pads it to a full batch with rows from the start of the set.
+    from accelerate.utils import recursively_apply
+
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        rows = recursively_apply(lambda tensor: tensor[: state.remainder], rows)
+    return rows
+
+
 def tensor_parallel_size(accelerator: Accelerator) -> int:
     config = getattr(accelerator, "parallelism_config", None)
     return config.tp_size if config is not None else 1

@@ -37,6 +37,7 @@ from toolkit.config import RunConfig, TrainingArguments, write_config
 from toolkit.distributed import (
     configure_deepspeed,
     data_parallel_size,
+    gather_for_metrics,
     keep_embeddings_out_of_fsdp_units,
 )
 from toolkit.errors import TrainingStopped
@@ -80,12 +81,13 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
 def evaluate(accelerator, model, eval_dataloader, task=None) -> dict:
     """The task's metrics over the whole validation set (mean token loss and perplexity for a language model).
 
-    Per-row values go through ``gather_for_metrics``, which drops the rows accelerate repeats to give every rank an
-    equal number of batches, so each validation row counts exactly once.
+    Per-row values go through ``gather_for_metrics`` over the data-parallel ranks (``distributed.gather_for_metrics``:
+    not the replicas of a tensor-parallel group), which drops the rows accelerate repeats to give every rank an equal
+    number of batches, so each validation row counts exactly once.
     """
     task = task or CausalLM()
     model.eval()
-    rows = [accelerator.gather_for_metrics(task.eval_rows(model, batch)) for batch in eval_dataloader]
+    rows = [gather_for_metrics(accelerator, task.eval_rows(model, batch)) for batch in eval_dataloader]
     model.train()
     return task.eval_metrics(rows)
 

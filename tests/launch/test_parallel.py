@@ -73,8 +73,8 @@ TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0,
 
 
 def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
-    """Both ranks of the TP group take the same rows (data-parallel degree 1): the global batch is 1 x 8, and the
-    loss is normalised once, not per replica."""
+    """Both ranks of the TP group take the same rows (data-parallel degree 1): the global batch is 1 x 8, the loss
+    is normalised once, not per replica, and each validation row is evaluated once (eval loss, tokens, perplexity)."""
     from transformers import AutoModelForCausalLM
 
     reference = tp_runs.get("one", None, 1, 8, 1, {})
@@ -84,6 +84,13 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
     want = [json.loads(line) for line in open(os.path.join(reference, "metrics.jsonl"))]
     assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in want]  # each row counted once
     assert [round(r["loss"], 5) for r in rows if "loss" in r] == [round(r["loss"], 5) for r in want if "loss" in r]
+    # evaluation too: accelerate gives both ranks the same eval batches and its gather_for_metrics gathers over both
+    # (31 rows for 16, eval_tokens 975 for 490); distributed.gather_for_metrics gathers over the data-parallel ranks
+    evals, want_evals = ([r for r in metrics if "eval_loss" in r] for metrics in (rows, want))
+    assert [r["eval_tokens"] for r in evals] == [r["eval_tokens"] for r in want_evals] and want_evals
+    for r, w in zip(evals, want_evals):
+        assert r["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-6, abs=0)
+        assert r["perplexity"] == pytest.approx(w["perplexity"], rel=1e-5, abs=0)
     for rank in range(2):
         assert _probe(tp, rank)["placements"] == ["S(0)"]  # a weight of the TP plan, split over the 2 ranks
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tp, "final"))  # a plain model: no distributed_config

@@ -96,8 +96,31 @@ CLASSIFY_DATA = dict(dataset_name="stdlib-docstrings", max_train_samples=48, max
                      block_size=64)
 
 
-def _classify(tiny_bert) -> dict:
-    return {**SGD, **CLASSIFY_DATA, "model_name_or_path": tiny_bert, "learning_rate": 0.2, "eval_on_start": True}
+@pytest.fixture(scope="module")
+def classify_files(tmp_path_factory) -> dict:
+    """jsonl train (48 rows) and validation (17 rows) files of the built-in stdlib-docstrings set, picked explicitly:
+    its rows are sorted by class, so its first rows hold one class only, and the metrics of such rows cannot show a
+    row counted twice, or in place of another. Here the six classes take turns, each round starting one class further
+    on, so that rows one or two rounds apart hold different classes: a row counted in place of one a batch or two
+    away (2 ranks x 3 rows: a round; accelerate pads the last batch with rows from the start) changes the classes
+    counted."""
+    from toolkit.builtin_data import stdlib_docstrings
+
+    raw, d = stdlib_docstrings(), tmp_path_factory.mktemp("classify")
+    names = raw["train"].features["label"].names
+    files = {}
+    for split, n in (("train", 48), ("validation", 17)):
+        texts = [iter(r["text"] for r in raw[split] if r["label"] == c) for c in range(len(names))]
+        classes = [(i + i // len(names)) % len(names) for i in range(n)]
+        rows = [{"text": next(texts[c]), "label": names[c]} for c in classes]
+        files[f"{split}_file"] = str(d / f"{split}.jsonl")
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
+
+
+def _classify(tiny_bert, classify_files) -> dict:
+    return {**SGD, **classify_files, "packing": False, "block_size": 64, "model_name_or_path": tiny_bert,
+            "learning_rate": 0.2, "eval_on_start": True}
 
 
 def _classify_lora(tiny_bert) -> dict:
@@ -109,12 +132,13 @@ def _lora(tiny_model, padded_data) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data):
+def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files):
     """The classifier and LoRA runs below, planned: those of one launch config and world size share a launch
     (helpers.Runs.plan; each run its own recipe: recipes/classify.py, or recipes/gpt2.py with or without the probes)."""
     r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {})
-    r.plan("classify_one", "ddp.yaml", 1, 8, 1, _classify(tiny_bert), recipe="classify", probe=False)
-    r.plan("classify_two", "fsdp.yaml", 2, 2, 2, _classify(tiny_bert), recipe="classify", probe=False)
+    cfg = _classify(tiny_bert, classify_files)
+    r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
+    r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
     for config in ("ddp.yaml", "fsdp.yaml"):
         r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)
     for name in LORA_STRATEGIES:
@@ -124,19 +148,22 @@ def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data):
     return r
 
 
-def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(runs, tiny_bert):
+def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(runs, tiny_bert, classify_files):
     # The two ranks run under FSDP2: BERT's _no_split_modules names BertEmbeddings, which made accelerate's
     # fully_shard of the word embeddings fail (distributed.keep_embeddings_out_of_fsdp_units).
-    cfg = _classify(tiny_bert)
+    cfg = _classify(tiny_bert, classify_files)
     dirs = {"one": runs.get("classify_one", "ddp.yaml", 1, 8, 1, cfg),
             "two": runs.get("classify_two", "fsdp.yaml", 2, 2, 2, cfg)}
     diff = max_abs_diff(load_weights(os.path.join(dirs["one"], "final")), load_weights(os.path.join(dirs["two"], "final")))
     assert diff <= 1e-6, diff
-    for run in ("one", "two"):
-        evals = [r for r in _rows(dirs[run]) if "eval_loss" in r]
-        # 17 rows over 2 ranks in batches of 3: accelerate pads the last batch; gather_for_metrics drops the repeats
-        assert [r["eval_samples"] for r in evals] == [17, 17]
-        assert all(0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 for r in evals)
+    labels = [json.loads(line)["label"] for line in open(classify_files["validation_file"])]
+    assert len(labels) == 17 and len(set(labels)) == 6
+    one, two = ([r for r in _rows(dirs[run]) if "eval_loss" in r] for run in ("one", "two"))
+    # 17 rows over 2 ranks in batches of 3: accelerate pads the last batch; gather_for_metrics drops the repeats
+    assert [r["eval_samples"] for r in one] == [r["eval_samples"] for r in two] == [17, 17]
+    # each row once, with its own label: the same predictions score the same (weights within 1e-6)
+    assert [(r["accuracy"], r["macro_f1"]) for r in two] == [(r["accuracy"], r["macro_f1"]) for r in one]
+    assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-6, abs=0)
     with open(os.path.join(dirs["two"], "final", "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 6
