@@ -131,8 +131,8 @@ def token_encoder(tokenizer):
     ``tokenizer(texts)``, which computes offsets and converts every ``Encoding`` into Python dicts: the whole
     tokenize + pack runs at 1.73x run_clm's documents/s with it, 1.13x without (bench/data_prep.py, identical
     rows). It is used only where it is the same thing: no truncation or padding configured on the backend
-    (``tokenizer()`` turns those off per call) and the same ids on a probe of real texts; otherwise the tokenizer's
-    own call.
+    (``tokenizer()`` turns those off per call), no special-token splitting, and the same ids on a probe of real
+    texts; otherwise the tokenizer's own call.
     """
 
     def slow(texts):
@@ -140,6 +140,11 @@ def token_encoder(tokenizer):
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation is not None or backend.padding is not None:
+        return slow, "tokenizer"
+    # tokenizer() sets the backend's encode_special_tokens from split_special_tokens on every call, but a pickled
+    # backend (datasets' num_proc workers) drops the flag and the backend's JSON (the map's fingerprint) omits it
+    # (docs/pitfalls.md#pickled-split-special-tokens): a tokenizer that splits special tokens goes through its call.
+    if getattr(tokenizer, "split_special_tokens", False) or backend.encode_special_tokens:
         return slow, "tokenizer"
 
     def fast(texts):

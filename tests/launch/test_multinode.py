@@ -3,15 +3,17 @@
 - Two machines: two ``accelerate launch --num_machines 2 --machine_rank 0|1`` processes with one rank each, started
   together (static rendezvous, the shipped configs unchanged: only command-line overrides), under DDP and ZeRO-3;
   each machine sees a world of 2, and the job ends with the weights of the single-machine 2-rank run (SGD, 1e-6).
-- Elastic: ``torchrun --max_restarts 1 --rdzv_backend c10d`` (torch's defaults: the agent's store shared with the
-  ranks); rank 1 is SIGKILLed after step 2 of the first attempt
-  (tests/scripts/elastic_run.py); the restart resumes from the latest checkpoint on its own (toolkit.config) and ends
-  with the weights of the uninterrupted run.
+- Elastic: ``torchrun --max_restarts 3 --rdzv_backend c10d`` and ``accelerate launch --max_restarts 3`` (torch's
+  defaults: the agent's store shared with the ranks); rank 1 is SIGKILLed after step 1, 2 and 3 of the first three
+  attempts (tests/scripts/elastic_run.py); each restart resumes from the latest checkpoint on its own
+  (toolkit.config), every attempt's group runs in its own key space of the store, and the job ends with the weights
+  of the uninterrupted run.
 - Without a process (tests/unit/test_multinode_unit.py): what an elastic restart does to the config.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -102,23 +104,37 @@ def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_pa
 
 
 # ------------------------------------------------------------------------------ elastic restarts
+# One launch, three restarts: rank 1 dies after step 1 of attempt 0 (nothing saved: attempt 1 starts over), after
+# step 2 of attempt 1 (attempt 2 resumes step-1), after step 3 of attempt 2 (attempt 3 resumes step-2 and ends).
+# Without the per-attempt group a restart failed 4 of 8 times under c10d and 2 of 3 under static
+# (docs/pitfalls.md#pytorch-135712-elastic-restarts-on-a-shared-store): three restarts would show it with
+# probability 1 - 0.5^3 = 0.88 (c10d) and 1 - (1/3)^3 = 0.96 (static), 0.995 over the two (one restart: 0.5, 0.67);
+# the key-space records show it every time. With the prefix turned off both launches failed (c10d: restart 1 refused,
+# restart 2 hung; static: restart 2 refused, restart 3 hung) and every attempt recorded 'default_pg'. Each restart
+# costs about 6 CPU s here (two ranks starting again); fewer steps in KILL_AT_STEPS means fewer restarts.
+KILL_AT_STEPS = (1, 2, 3)
+RESTARTS = len(KILL_AT_STEPS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun-c10d", "accelerate-static"])
 def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(runs, reference, tmp_path, launcher):
     """torchrun's c10d rendezvous (the issue's) and ``accelerate launch --max_restarts`` on a shipped config (static
     rendezvous), both with torch's defaults: the agent's store is shared with the ranks across attempts, and
-    toolkit.distributed gives each attempt's process group a key space of its own."""
+    toolkit.distributed gives each attempt's process group a key space of its own (checked from each rank's record
+    of where its group's store writes, tests/scripts/elastic_run.py)."""
     out = str(tmp_path / "elastic")
     port = free_port()
     env = subprocess_env()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env["TOOLKIT_TEST_KILL_AT_STEPS"] = ",".join(map(str, KILL_AT_STEPS))
     if launcher == "torchrun-c10d":
         head = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                "--max_restarts", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                "--max_restarts", str(RESTARTS), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
                 "--monitor_interval", "0.5"]
     else:
         head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
-                "--num_processes", "2", "--main_process_port", str(port), "--max_restarts", "1",
+                "--num_processes", "2", "--main_process_port", str(port), "--max_restarts", str(RESTARTS),
                 "--monitor_interval", "0.5"]
     cmd = [*head, os.path.join(SCRIPTS, "elastic_run.py"), *_job_args(runs, out, save_steps=1)]
     log = str(tmp_path / "torchrun.log")
@@ -128,11 +144,26 @@ def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(
     (output,) = _wait_all([proc], [log], TIMEOUT)
     took = time.time() - started
 
-    assert "elastic_run: rank 1 kills itself after step 2" in output
-    assert "exitcode: -9" in output  # the agent saw the SIGKILL and restarted the group
-    assert output.count("elastic restart 1: resume_from_checkpoint unset, resuming from latest") == 1, output[-4000:]
-    assert "resuming from " in output and "3 optimizer steps from step 1" in output  # step-2's save never completed
+    for attempt, step in enumerate(KILL_AT_STEPS):
+        assert f"elastic_run: attempt {attempt}: rank 1 kills itself after step {step}" in output, output[-4000:]
+    assert output.count("exitcode: -9") == RESTARTS  # the agent saw each SIGKILL and restarted the group
+    # each restart continues the attempt before it: from the step before the kill (its save never completed), from
+    # scratch while nothing is saved
+    saved = [step - 1 for step in KILL_AT_STEPS]
+    for restart, step in enumerate(saved, start=1):
+        latest = os.path.join(out, "checkpoints", f"step-{step}")
+        what = f"resuming from latest ({latest})" if step else "no checkpoint yet: starting over"
+        assert output.count(f"elastic restart {restart}: resume_from_checkpoint unset, {what}") == 1, output[-4000:]
+    assert output.count("elastic restart ") == RESTARTS
+    assert re.findall(r"3 optimizer steps from step (\d+)", output) == [str(s) for s in [0, *saved]]
+    # every rank of every attempt trained in its attempt's own key space of the shared store, never in torch's
+    records = {}
+    for attempt in range(RESTARTS + 1):
+        for rank in (0, 1):
+            with open(os.path.join(out, "probe", f"elastic_attempt{attempt}_rank{rank}.json")) as f:
+                records[attempt, rank] = json.load(f)["key_space"]
+    assert records == {(a, r): [f"toolkit-attempt-{a}"] for a in range(RESTARTS + 1) for r in (0, 1)}
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-3"
     diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
-    print(f"elastic restart: max |dw| vs uninterrupted {diff:.1e}, {took:.0f} s")
+    print(f"elastic restarts ({launcher}, {RESTARTS}): max |dw| vs uninterrupted {diff:.1e}, {took:.0f} s")
     assert diff <= 1e-6

@@ -130,18 +130,97 @@ def test_padding_carries_no_loss():
     assert counts.tolist() == [3, 1] and torch.allclose(sums[1], alone[0]) and int(n) == 1
 
 
-def test_fast_encoder_gives_the_tokenizers_ids_and_falls_back_when_it_would_not(tok):
+# Texts the probe (toolkit.data.PROBE_TEXTS) never shows: tokens added after loading, with and without stripping or
+# normalization, text a normalizer changes (case, accents, a ligature, full-width forms), Metaspace's word starts.
+ENCODER_TEXTS = ["a <new> b", "x<new>y <NEW>", "  <ctl>  hi  </ctl>x", "</ctl></ctl>", "Héllo WÖRLD Straße ﬁne ＡＢＣ",
+                 "Python is\n  indented", "[SEP] [PAD] text [MASK]"]
+ADDED = ["<new>", "<ctl>", "</ctl>"]
+
+
+def _encoder_tokenizer(case: str, request):
+    """The tokenizer of one case: byte-level BPE (GPT-2), Metaspace/SentencePiece (the Llama 2 kind, conftest.py),
+    WordPiece with BERT's normalizer (all-MiniLM-L6-v2, whose tokenizer.json ships padding and truncation at 128)."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import AutoTokenizer
+
+    from toolkit.offline import minilm_path
+
+    family, _, change = case.partition("+")
+    kwargs = {"split_special_tokens": True} if change == "split-special-tokens" else {}
+    if family == "bpe":
+        tok = gpt2_tokenizer()
+        if kwargs:  # what from_pretrained(..., split_special_tokens=True) does: the attribute and the backend's flag
+            tok.split_special_tokens = tok.backend_tokenizer.encode_special_tokens = True
+    elif family == "metaspace":
+        tok = AutoTokenizer.from_pretrained(request.getfixturevalue("sentencepiece_tokenizer"), **kwargs)
+    else:
+        tok = AutoTokenizer.from_pretrained(minilm_path(), **kwargs)
+    backend = tok.backend_tokenizer
+    if family == "wordpiece" and change != "as-shipped":
+        backend.no_padding()
+        backend.no_truncation()
+    if change == "added-tokens":  # a plain token, one stripping the spaces around it unnormalized, a special one
+        tok.add_tokens(["<new>", AddedToken("<ctl>", lstrip=True, rstrip=True, normalized=False)])
+        tok.add_special_tokens({"additional_special_tokens": ["</ctl>"]})
+    elif change == "normalizer":
+        backend.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    elif change == "padding":
+        tok.pad_token = tok.eos_token or tok.unk_token
+        backend.enable_padding(pad_id=tok.pad_token_id, pad_token=tok.pad_token)
+    elif change == "padding-to-length":
+        tok.pad_token = tok.eos_token or tok.unk_token
+        backend.enable_padding(pad_id=tok.pad_token_id, pad_token=tok.pad_token, length=64)
+    elif change == "truncation":
+        backend.enable_truncation(8)
+    return tok
+
+
+# case -> what token_encoder must pick: the backend where it gives the tokenizer's ids, the tokenizer's own call where
+# the backend carries padding or truncation (tokenizer() turns them off per call; the backend would apply them) or
+# splits special tokens (a pickled backend forgets it: docs/pitfalls.md#pickled-split-special-tokens).
+ENCODER_CASES = {
+    "bpe": "backend", "bpe+added-tokens": "backend", "bpe+normalizer": "backend", "bpe+padding": "tokenizer",
+    "bpe+truncation": "tokenizer", "bpe+split-special-tokens": "tokenizer",
+    "metaspace": "backend", "metaspace+added-tokens": "backend", "metaspace+normalizer": "backend",
+    "metaspace+padding-to-length": "tokenizer", "metaspace+split-special-tokens": "tokenizer",
+    "wordpiece": "backend", "wordpiece+added-tokens": "backend", "wordpiece+as-shipped": "tokenizer",
+}
+
+
+@pytest.mark.parametrize("case", ENCODER_CASES)
+def test_fast_encoder_gives_the_tokenizers_ids_and_falls_back_when_it_would_not(case, request):
     # The tokenize map calls the Rust backend directly (1.67x, bench/data_prep.py) only where that is the same thing
-    # as tokenizer(texts): the texts here include a special token's text, accents, CJK, empty and long strings.
+    # as tokenizer(texts): on the three tokenizer families, with added tokens, a normalizer, padding and truncation,
+    # on texts beyond the probe (a special token's text, accents, CJK, empty and long strings, the added tokens).
+    import dill
+
     from toolkit.data import PROBE_TEXTS, token_encoder
 
-    texts = PROBE_TEXTS + list(pydoc_dataset()["validation"]["text"])
+    texts = PROBE_TEXTS + list(pydoc_dataset()["validation"]["text"]) + ENCODER_TEXTS
+    tok = _encoder_tokenizer(case, request)
     encode, how = token_encoder(tok)
-    assert how == "backend"
-    assert encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
-    # tokenizer() turns a backend's truncation off per call; calling the backend directly would truncate.
-    truncating = gpt2_tokenizer()
-    truncating.backend_tokenizer.enable_truncation(8)
-    encode, how = token_encoder(truncating)
-    assert how == "tokenizer"
-    assert encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    assert how == ENCODER_CASES[case]
+    ids = encode(texts)
+    expected = _encoder_tokenizer(case, request)(texts, add_special_tokens=False)["input_ids"]  # a fresh tokenizer
+    assert ids == expected
+    # and as datasets' map hands it to its preprocessing_num_workers processes (multiprocess pickles it with dill)
+    assert dill.loads(dill.dumps(encode))(texts) == expected
+    # the texts exercise what the case changes: every added token is one id, and no row is padded or cut
+    if case.endswith("added-tokens"):
+        assert all(tok.convert_tokens_to_ids(t) in sum(ids, []) for t in ADDED)
+    assert max(map(len, ids)) > 128 and len({len(x) for x in ids}) > 10
+
+
+def test_a_tokenizer_that_splits_special_tokens_is_not_served_the_map_cache_of_one_that_does_not(tmp_path):
+    # The tokenize map's cache fingerprint names a backend-encoded map by the backend's JSON, which has no
+    # split_special_tokens (docs/pitfalls.md#pickled-split-special-tokens): before the fix, the second run here was
+    # served the rows the first one cached, '<|endoftext|>' as the EOS id, in one process.
+    text = "a <|endoftext|> b"
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    args = DataArguments(train_file=str(path), validation_file=str(path), packing=False)
+    for split in (False, True):
+        tok = gpt2_tokenizer()
+        tok.split_special_tokens = tok.backend_tokenizer.encode_special_tokens = split  # from_pretrained's kwarg
+        rows = list(tokenize_and_group(load_raw_datasets(args), tok, args, block_size=64)["train"]["input_ids"])
+        assert rows == [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
