@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from helpers import LAUNCH_LOG_ENV, execute_quickstart, log_launches
+from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, execute_quickstart, log_launches
 
 
 def pytest_configure(config):
@@ -88,6 +88,6 @@ def padded_data(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def quickstart(tmp_path_factory) -> dict:
-    """notebooks/quickstart.ipynb executed once per session (~45 s); its two runs serve the notebook and report
-    tests."""
-    return execute_quickstart(tmp_path_factory.mktemp("quickstart"))
+    """notebooks/quickstart.ipynb executed once per session (~45 s), its notebook_launcher cell QUICKSTART_LAUNCHES
+    times in a row; its two runs serve the notebook and report tests."""
+    return execute_quickstart(tmp_path_factory.mktemp("quickstart"), launches=QUICKSTART_LAUNCHES)

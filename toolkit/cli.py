@@ -4,6 +4,10 @@ launched rank ends.
 ``cli(main)`` is the last line of every recipe: a ``ConfigError`` becomes one line on stderr and exit code 2, a
 ``TrainingStopped`` one line and exit code 1, and a launched rank whose work is done exits without the interpreter's
 teardown. Parsing (``toolkit.config``) only raises; the exit happens here.
+
+Under a launcher every rank meets the same mistake: each exits with the code, but only the first rank of a machine
+to fail prints the line (``toolkit.elastic.first_to_report``). What the launchers then print and return:
+docs/reliability.md#exit-codes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from toolkit.elastic import first_to_report
 from toolkit.errors import ConfigError, TrainingStopped
 
 
@@ -20,14 +25,22 @@ def cli(main_fn):
     try:
         result = main_fn()
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        _report("config-error", f"config error: {e}")
         sys.exit(2)
     except TrainingStopped as e:
-        print(f"training stopped: {e}", file=sys.stderr)
+        _report("training-stopped", f"training stopped: {e}")
         sys.exit(1)
     if "LOCAL_RANK" in os.environ:
         _exit_without_teardown()
     return result
+
+
+def _report(what: str, line: str) -> None:
+    """``line`` on stderr in one write (print writes the text and the newline apart: two ranks' lines interleaved),
+    by the first rank of the machine that fails this way."""
+    if first_to_report(what):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def _exit_without_teardown() -> None:

@@ -207,6 +207,30 @@ def _honour_zero3_init_flag(accelerator: Accelerator) -> None:
         unset_hf_deepspeed_config()
 
 
+# Every process group this process made, kept until the process ends (see keep_process_groups).
+_KEPT_GROUPS: list = []
+
+
+def keep_process_groups() -> None:
+    """Hold a reference to every process group of this process until it exits, so that a group's C++ object is
+    never destroyed while the process runs Python.
+
+    ``destroy_process_group`` only forgets a group; the object dies with its last reference, usually the DDP
+    reducer's, when the trained model is freed (``train`` returning). ``~ProcessGroupGloo`` then joins gloo's worker
+    threads while that thread holds the GIL, and a worker still holding the last reference to a finished
+    collective's output (a tensor Python made: freeing it takes the GIL) waits for the GIL forever: a deadlock
+    (docs/pitfalls.md#gloo-teardown-deadlock; the quickstart notebook's ``notebook_launcher`` cell hung in 2 of 5
+    executions, rank 1 stuck there). A kept group dies with the process: ``toolkit.cli`` ends a launched rank with
+    ``os._exit``, and a ``notebook_launcher`` worker ends as every forked ``multiprocessing`` child does."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {}) or [dist.group.WORLD]
+    _KEPT_GROUPS.extend(g for g in groups if not any(g is kept for kept in _KEPT_GROUPS))
+
+
 def _destroy_process_group() -> None:
     # A script that ends without accelerator.end_training() leaves the gloo process group alive at interpreter exit,
     # and torch then aborts now and then ("terminate called without an active exception", exit -6; measured 1 in 4
@@ -214,6 +238,7 @@ def _destroy_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        keep_process_groups()
         dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ dies; the agent tells the workers which attempt they are through the environment
     TORCHELASTIC_MAX_RESTARTS     the launcher's --max_restarts
     TORCHELASTIC_USE_AGENT_STORE  "True": the ranks share the agent's rendezvous store, across attempts
     GROUP_WORLD_SIZE              machines (agents) in the job
+    TORCHELASTIC_ERROR_FILE       <the launch's temp dir>/attempt_<n>/<local rank>/error.json, one per rank
 
 The launcher itself: ``record_launcher`` notes this process's parent when it starts (``toolkit.preemption`` stops
 a rank whose launcher is gone). The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
@@ -32,6 +33,25 @@ def _int_env(name: str, default: int) -> int:
         return int(os.environ.get(name, str(default)))
     except ValueError:
         return default
+
+
+def first_to_report(what: str) -> bool:
+    """Whether this rank is the first of its machine's ranks in this attempt to report ``what`` (a kind of error),
+    so that a mistake every rank makes alike prints one line, not one per rank (two ranks writing at once once glued
+    theirs into one line). The first rank to fail claims a file in the attempt's folder, which torch elastic
+    creates for every launch (the folder of ``TORCHELASTIC_ERROR_FILE``'s folder); a rank that fails alone still
+    reports. True outside torch elastic, and whenever the claim cannot be made: a line twice beats no line."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not launched_by_torch_elastic() or not error_file:
+        return True
+    claim = os.path.join(os.path.dirname(os.path.dirname(error_file)), f"toolkit-{what}-reported")
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def launched_by_torch_elastic() -> bool:

@@ -39,6 +39,7 @@ from toolkit.distributed import (
     data_parallel_size,
     gather_for_metrics,
     keep_embeddings_out_of_fsdp_units,
+    keep_process_groups,
 )
 from toolkit.errors import TrainingStopped
 from toolkit.host_memory import keep_freed_memory
@@ -484,6 +485,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass.
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
+    keep_process_groups()  # freed with the model on return, a group could deadlock in its destructor
     accelerator.end_training()
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)

@@ -19,7 +19,9 @@ fp32 rounding noise (another summation order on another CPU) into a visible chan
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
 shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/launch/test_core.py). DeepSpeed clips inside its
 engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
-Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error.
+Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error. A failed run's own error line
+(``config error: ...``, or the last exception a rank raised) is printed with its log's path, not the launcher's
+traceback, which only says that a rank failed.
 
 verify's own options are named so that no recipe field can be taken for one (a test keeps it so): every other
 argument goes to the recipe. The fields verify must fix for a fair comparison are listed when it starts.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         for label in ("strategy", "reference"):
             out = os.path.join(work, f"{name}-{label}")
             if label == "strategy":
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+                # --quiet: the launcher's own traceback (a ChildFailedError raised in accelerate) stays out of the log
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--config_file", args.config_file,
                        "--num_processes", str(plan["world"]), "--mixed_precision", "no",
                        "--main_process_port", str(_free_port()), args.recipe, *common, "--output_dir", out]
             else:
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = _run(cmd, log, single=label == "reference")
             print(f"  {name} {label}: exit {rc} in {time.time() - started:.0f} s (log: {log})", flush=True)
             if rc != 0:
-                print(_tail(log), file=sys.stderr)
+                print(failure_cause(log), file=sys.stderr)
                 return 1
             runs[label] = out
         ok &= _compare(name, runs["strategy"], runs["reference"], TOLERANCES[name])
@@ -206,9 +210,22 @@ def _run(cmd: list[str], log: str, single: bool) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def _tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+# The lines toolkit.cli prints for a recipe's own errors; and the last line of a Python traceback ("OSError: ...").
+_OWN_LINES = ("config error:", "training stopped:")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+# What the launchers raise when a rank failed: they only say that it did (the rank's own line is above them).
+_LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError", "ProcessRaisedException", "ProcessExitedException")
+
+
+def failure_cause(log: str, lines: int = 40) -> str:
+    """Why a run failed, from its log: the recipe's own lines (once each), else the last exception a rank raised,
+    else the log's last ``lines`` lines; and where the whole log is."""
+    with open(log, errors="replace") as f:
+        text = f.read().splitlines()
+    cause = list(dict.fromkeys(line for line in text if line.startswith(_OWN_LINES)))
+    if not cause:
+        cause = [line for line in text if _RAISED.match(line) and not any(e in line for e in _LAUNCHER_ERRORS)][-1:]
+    return "\n".join(cause or text[-lines:]) + f"\n(the run's whole output: {log})"
 
 
 def _load_final(out: str) -> tuple[dict, set[str]]:

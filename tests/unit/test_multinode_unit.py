@@ -157,3 +157,25 @@ def test_the_launcher_is_recorded_when_the_process_starts_not_when_train_does(mo
         preemption.restore()
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert elastic.launcher_pid() is None  # a plain process has no launcher to lose
+
+
+def test_the_first_rank_of_an_attempt_to_fail_reports_and_the_others_do_not(monkeypatch, tmp_path):
+    """issue 25, point 6: every rank meets the same config error, and each printed it (two glued on one line); the
+    first rank of a machine's attempt to fail reports, through a file in torch elastic's attempt folder (the
+    folder of every rank's TORCHELASTIC_ERROR_FILE folder). The real 2-rank launch: tests/launch/test_launcher_errors.py."""
+    from toolkit import elastic
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert elastic.first_to_report("config-error") and elastic.first_to_report("config-error")  # a plain process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    attempt = tmp_path / "none_abc" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+    reports = []
+    for rank in (1, 0):  # rank 1 fails first
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / str(rank) / "error.json"))
+        reports.append(elastic.first_to_report("config-error"))
+    assert reports == [True, False]
+    assert elastic.first_to_report("training-stopped")  # another kind of error is reported on its own
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "gone" / "0" / "error.json"))
+    assert elastic.first_to_report("config-error")  # no attempt folder: report rather than lose the line

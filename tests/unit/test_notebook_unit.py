@@ -1,13 +1,29 @@
-"""notebooks/quickstart.ipynb as committed (no kernel): valid, and without outputs. Its execution is checked in
+"""notebooks/quickstart.ipynb as committed (no kernel): valid, and showing the outputs of one real execution, top to
+bottom in a fresh kernel, so that a reader sees what it does. Its execution is checked in
 tests/launch/test_notebook.py."""
 
+import json
+
 import nbformat
-from helpers import NOTEBOOK
+from helpers import NOTEBOOK, RESULT_TAG
 
 
-def test_committed_notebook_has_no_outputs():
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def test_committed_notebook_shows_one_real_execution():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, "clear the notebook's outputs before committing"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    # every code cell ran once, in order, in one kernel, without an error
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1))
+    assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]
+    launch = next(cell for cell in code if "notebook_launcher(train_fn" in cell.source)
+    for rank in (0, 1):
+        assert f'[rank {rank}] inside train_fn: {{"rank": {rank}, "num_processes": 2' in _text(launch)
+    assert sum("image/png" in o.get("data", {}) for cell in code for o in cell.outputs) >= 3  # the loss plots
+    line = next(s for s in _text(code[-1]).splitlines() if s.startswith(RESULT_TAG))
+    result = json.loads(line[len(RESULT_TAG):])
+    assert result["launch_loss"][-1] < result["launch_loss"][0] - 1.0 and result["max_loss_gap"] < 1e-4
+    assert [r["distributed_type"] for r in result["ranks"]] == ["MULTI_CPU", "MULTI_CPU"]

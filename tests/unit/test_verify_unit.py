@@ -1,5 +1,5 @@
-"""``toolkit verify``'s own options cannot be mistaken for recipe fields (its parser, in process). verify run for real
-is in tests/launch/test_verify.py."""
+"""``toolkit verify``'s own options cannot be mistaken for recipe fields (its parser, in process), and what it prints
+of a failed run. verify run for real is in tests/launch/test_verify.py and tests/launch/test_launcher_errors.py."""
 
 import pytest
 
@@ -17,3 +17,31 @@ def test_verify_options_never_swallow_a_recipe_field():
     assert recipe_args == ["--optim", "sgd", "--learning_rate", "0.1"]
     with pytest.raises(SystemExit):
         _parser().parse_args(["--config_file", "x.yaml", "--checks", "sgd,adam"])
+
+
+def test_a_failed_runs_cause_is_the_ranks_own_line_not_the_launchers(tmp_path):
+    """issue 25, point 6: verify printed a failed run's last 40 lines, the launcher's ChildFailedError traceback. Now
+    the recipe's own line (each once), else the last exception a rank raised, else the tail; then the log's path.
+    The real failed launch: tests/launch/test_launcher_errors.py."""
+    from toolkit.verify import failure_cause
+
+    launcher = ["E1205 10:06:16.444000 13961 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                "(exitcode: 1) local_rank: 0 (pid: 13982) of binary: /work/venv/bin/python",
+                "Traceback (most recent call last):", '  File "/work/venv/bin/accelerate", line 8, in <module>',
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
+                "recipes/gpt2.py FAILED"]
+    crashed = tmp_path / "crashed.log"
+    crashed.write_text("\n".join(["Traceback (most recent call last):", '  File "recipes/gpt2.py", line 27',
+                                  "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+                                  *launcher]) + "\n")
+    assert failure_cause(str(crashed)).splitlines() == [
+        "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        f"(the run's whole output: {crashed})"]
+    refused = tmp_path / "refused.log"
+    line = "config error: model_name_or_path: cannot load 'outputs/models/tiny-gpt2': not a local folder"
+    refused.write_text("\n".join([line, line, *launcher]) + "\n")  # two machines, one line each
+    assert failure_cause(str(refused)).splitlines() == [line, f"(the run's whole output: {refused})"]
+    silent = tmp_path / "silent.log"
+    silent.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert failure_cause(str(silent), lines=3).splitlines() == ["line 97", "line 98", "line 99",
+                                                                f"(the run's whole output: {silent})"]
