@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict, Value, load_dataset
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets
-from toolkit.packing import SEQ_LENGTHS, collate_packed, pack_documents
+from toolkit.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_documents
 
 PYDOC = "pydoc"
 
@@ -231,14 +231,7 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
     """
     import numpy as np
 
-    # Document lengths from the Arrow list offsets, read as numpy: no pyarrow.compute kernel (nor flatten_indices,
-    # which runs them), whose thread pool does not survive a fork (notebook_launcher forks a kernel that has packed
-    # before: the ranks hung here). A selected/shuffled view reads the table's lengths through its index column.
-    lengths = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in
-                              tokenized.data.column("input_ids").chunks] or [np.zeros(0, np.int64)])
-    if tokenized._indices is not None:
-        view = [chunk.to_numpy() for chunk in tokenized._indices.column(0).chunks]
-        lengths = lengths[np.concatenate(view).astype(np.int64)] if view else lengths[:0]
+    lengths = document_lengths(tokenized)
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # starts[i]: offset of document i
     n_blocks = int(starts[-1]) // block_size
 

@@ -65,22 +65,39 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def document_lengths(tokenized):
+    """The ``input_ids`` lengths of a ``Dataset``'s rows, as a numpy array, without reading the ids.
+
+    From the Arrow list offsets, read as numpy: no pyarrow.compute kernel (nor flatten_indices, which runs them), whose
+    thread pool does not survive a fork (notebook_launcher forks a kernel that has packed before: the ranks hung
+    there, docs/pitfalls.md#pyarrow-fork). A selected/filtered view reads the table's lengths through its index column."""
+    import numpy as np
+
+    lengths = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in
+                              tokenized.data.column("input_ids").chunks] or [np.zeros(0, np.int64)])
+    if tokenized._indices is not None:
+        view = [chunk.to_numpy() for chunk in tokenized._indices.column(0).chunks]
+        lengths = lengths[np.concatenate(view).astype(np.int64)] if view else lengths[:0]
+    return lengths
+
+
 def pack_documents(tokenized, block_size: int, map_kwargs: dict):
     """A ``Dataset`` of packed rows (``input_ids``, ``labels`` where the rows have them, ``seq_lengths``) from rows of
     at most ``block_size`` tokens each (the caller truncates), by ``best_fit_decreasing``."""
     from datasets import Dataset
 
-    lengths = [len(ids) for ids in tokenized["input_ids"]]
-    bins = best_fit_decreasing(lengths, block_size)
+    bins = best_fit_decreasing(document_lengths(tokenized).tolist(), block_size)
     columns = [c for c in ("input_ids", "labels") if c in tokenized.column_names]
 
     def rows(batch):
-        out = {c: [] for c in (*columns, SEQ_LENGTHS)}
+        docs = tokenized[[i for members in batch["members"] for i in members]]  # one read per map batch, in bin order
+        out, at = {c: [] for c in (*columns, SEQ_LENGTHS)}, 0
         for members in batch["members"]:
-            docs = tokenized[members]  # one read per bin, documents in bin order
+            part = slice(at, at + len(members))
             for c in columns:
-                out[c].append([tok for doc in docs[c] for tok in doc])
-            out[SEQ_LENGTHS].append([len(ids) for ids in docs["input_ids"]])
+                out[c].append([tok for doc in docs[c][part] for tok in doc])
+            out[SEQ_LENGTHS].append([len(ids) for ids in docs["input_ids"][part]])
+            at += len(members)
         return out
 
     kwargs = {k: v for k, v in map_kwargs.items() if k != "load_from_cache_file"}  # an in-memory table: no cache
