@@ -20,7 +20,7 @@ from toolkit.packing import (
     collate_packed,
     pack_documents,
 )
-from toolkit.tasks import model_inputs
+from toolkit.tasks import CausalLM, model_inputs
 
 
 def test_best_fit_decreasing_puts_each_item_where_it_fills_a_bin_most():
@@ -220,3 +220,21 @@ def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
             assert batch["labels"][r, at:at + n].tolist() == row["labels"][at:at + n]
             at += n
     assert batch["num_targets"] == sum(sum(x != IGNORE_INDEX for x in labels[1:]) for labels in alone["labels"])
+
+
+def test_the_chunked_loss_of_a_packed_micro_batch_is_the_plain_one(request, tok):
+    """``loss_chunk_size`` replaces the forward (toolkit.model.enable_chunked_loss): it must pass the packed rows'
+    position_ids on, or every document after the first would attend to the ones before it."""
+    from toolkit.model import enable_chunked_loss
+
+    docs = _documents(tok, 4)
+    lengths = [len(d) for d in docs]
+    rows = [{"input_ids": [t for i in b for t in docs[i]], SEQ_LENGTHS: [lengths[i] for i in b]}
+            for b in best_fit_decreasing(lengths, 64)]
+    batch = collate_packed(rows, tok.eos_token_id)
+    model = _model(request, "gpt2", "sdpa")
+    with torch.no_grad():
+        plain = CausalLM().row_losses(model, batch)
+        enable_chunked_loss(model, 24, max_positions=batch["input_ids"].numel())
+        chunked = CausalLM().row_losses(model, batch, chunked=True)
+    assert torch.allclose(chunked, plain, rtol=1e-6, atol=1e-5)
