@@ -165,8 +165,8 @@ def _guard_rows(row: dict) -> tuple[list[dict], slice]:
 def check_packed_attention(model, row: dict, pad_token_id: int, device=None, tolerance: float = 1e-3) -> float:
     """Refuse a model that lets a packed document attend to the one before it: on ``model`` (as prepared, so every
     rank must call this, with the same ``row``) the logits of a real row's last document must not change when the
-    documents before it change, and must equal that document run alone. Returns the largest difference (relative to
-    the largest logit). Eval mode during the check (dropout off); the model's mode is restored."""
+    documents before it change (``tolerance``, relative to the largest logit), and must equal that document run alone
+    (10 x ``tolerance``). Returns the larger relative difference. Eval mode during the check (dropout off); the model's mode is restored."""
     rows, last = _guard_rows(row)
     batch = collate_packed(rows, pad_token_id)
     training = model.training
@@ -180,19 +180,24 @@ def check_packed_attention(model, row: dict, pad_token_id: int, device=None, tol
         model.train(training)
     n = last.stop - last.start
     alone = logits[2, :n]
-    diff = max(float((logits[0, last] - alone).abs().max()), float((logits[1, last] - alone).abs().max()))
     scale = max(float(alone.abs().max()), 1.0)
-    if not diff <= tolerance * scale:
+    # Rows 0 and 1 put the document at the same positions with the same shapes: any difference comes from the
+    # documents before it (tight). Alone, it sits at other offsets of the batch, which half-precision kernels may
+    # round differently: looser, still far below what positions that do not restart give.
+    leak = float((logits[0, last] - logits[1, last]).abs().max()) / scale
+    moved = float((logits[0, last] - alone).abs().max()) / scale
+    if not (leak <= tolerance and moved <= 10 * tolerance):
         inner = getattr(model, "module", model)
         impl = getattr(getattr(inner, "config", None), "_attn_implementation", "?")
         raise ConfigError("packing_strategy", f"{type(inner).__name__} (attn_implementation {impl}) does not honour "
                                               "packed position_ids: a document's logits moved by "
-                                              f"{diff:.3g} (largest logit {scale:.3g}) when the document before it "
-                                              "in the row changed, so packed documents would attend to each other "
+                                              f"{leak * scale:.3g} when the document before it in the row changed and "
+                                              f"differ by {moved * scale:.3g} from the document run alone (largest "
+                                              f"logit {scale:.3g}), so packed documents would attend to each other "
                                               "silently; use packing_strategy: wrapped or packing: false for this "
                                               "model, or an attention implementation that honours them (sdpa, eager, "
                                               "flash_attention_2)")
-    return diff / scale
+    return max(leak, moved)
 
 
 def _device(model) -> torch.device:

@@ -238,3 +238,17 @@ def test_the_chunked_loss_of_a_packed_micro_batch_is_the_plain_one(request, tok)
         enable_chunked_loss(model, 24, max_positions=batch["input_ids"].numel())
         chunked = CausalLM().row_losses(model, batch, chunked=True)
     assert torch.allclose(chunked, plain, rtol=1e-6, atol=1e-5)
+
+
+def test_the_guard_refuses_a_model_that_ignores_packed_positions(request, tok, monkeypatch):
+    """A model whose mask honours the packed position_ids but whose position embeddings count on from the row's start:
+    no document sees another (the documents before it changing changes nothing), but the one after the first sits at
+    the wrong positions, unlike the same document alone."""
+    model = _model(request, "gpt2", "sdpa")
+    wpe = model.transformer.wpe.forward
+    monkeypatch.setattr(model.transformer.wpe, "forward",
+                        lambda ids: wpe(torch.arange(ids.shape[-1]).expand_as(ids)))
+    docs = _documents(tok, 2)
+    row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
+    with pytest.raises(ConfigError, match="differ by .* from the document run alone"):
+        check_packed_attention(model, row, tok.eos_token_id)
