@@ -4,6 +4,8 @@
 # `toolkit plan` predicts for the same job; then, on a GPU only (a CPU refuses fp16), the same model in fp16 with
 # dynamic loss scaling under DDP (a GradScaler) and under DeepSpeed ZeRO-2 (its fp16 engine): overflow steps are
 # skipped and counted (skipped_steps), the run ends with a finite loss (docs/pitfalls.md#fp16-overflow-norm).
+# Then padding-free packing (docs/performance.md#padding-free-packing): the same model on the pydoc paragraphs, one
+# per row padded against whole paragraphs packed best-fit decreasing (packing_strategy bfd), real tokens/s and fill rate.
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -53,3 +55,22 @@ print(f"gpu_check fp16 {sys.argv[2]}: {rows[-1]['step']} steps, last loss {rows[
 PY
   done
 fi
+for PACKING in padded bfd; do
+  if [ "$PACKING" = padded ]; then OPTION=(--packing false); else OPTION=(--packing_strategy bfd); fi
+  python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 --mixed_precision bf16 \
+    recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc --block_size 1024 "${OPTION[@]}" \
+    --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" --logging_steps 10 \
+    --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false \
+    --report_to none --output_dir "$WORK/run-$PACKING" --overwrite_output_dir true
+done
+python - "$WORK" <<'PY'
+import json, sys
+last = {}
+for mode in ("padded", "bfd"):
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/run-{mode}/metrics.jsonl") if '"loss"' in line]
+    last[mode] = rows[-1]
+    print(f"gpu_check packing {mode}: {rows[-1]['tokens_per_s']:,.0f} real tokens/s in the last window, "
+          f"fill rate {rows[-1].get('fill_rate', float('nan')):.3f}")
+print(f"gpu_check packing: bfd / padded real tokens/s = "
+      f"{last['bfd']['tokens_per_s'] / last['padded']['tokens_per_s']:.2f}x")
+PY

@@ -1,7 +1,8 @@
 """Chat supervised fine-tuning: the loss on the assistant's turns only (``toolkit.chat`` builds the label mask).
 
 Data: jsonl rows with ``messages`` (a list of {role, content}), or ``dataset_name: pydoc-chats`` (questions about
-Python answered from its reference docs, built offline). One chat per row, padded per micro-batch (no packing). The
+Python answered from its reference docs, built offline). One chat per row, padded per micro-batch; ``--packing true``
+packs whole chats best-fit decreasing, each attending only to itself (``packing_strategy: bfd``). The
 loss is normalised by the assistant tokens of the whole global batch, as for any recipe. With ``use_peft: true`` it
 trains LoRA adapters. It prints one answer before and one after fine-tuning.
 

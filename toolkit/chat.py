@@ -17,8 +17,10 @@ Tokenizing the prompt and each answer separately would not give those ids: a Sen
 starts every piece with a ``▁`` (docs/pitfalls.md#metaspace-pieces). ``tokenize_chat`` states what a token that
 straddles a prompt/answer boundary becomes.
 
-One chat per row, truncated to ``block_size`` (no packing: a packed row would let a chat attend to the one before
-it). A chat whose assistant tokens all fall beyond ``block_size`` has nothing to learn and is dropped.
+One chat per row, truncated to ``block_size``; or, with ``packing: true`` (``packing_strategy: bfd``), several whole
+chats per row, each attending only to itself (``toolkit.packing``; ``wrapped`` is refused: it would let a chat attend
+to the one before it and cut chats across rows). A chat whose assistant tokens all fall beyond ``block_size`` has
+nothing to learn and is dropped.
 
 ``ChatSFT``, at the end, is the task (``toolkit.tasks.Task``) that the SFT recipe trains: a causal LM on these rows.
 """
@@ -33,6 +35,7 @@ from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
+from toolkit.packing import pack_documents
 from toolkit.tasks import CausalLM
 
 MESSAGES = "messages"
@@ -194,21 +197,27 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     if "validation" in kept and len(kept["validation"]) == 0:
         raise ConfigError("block_size", "no validation chat has an assistant token within block_size; raise "
                                          "block_size, or validation_split_percentage: 0 to train without evaluation")
+    if args.padding_free:  # whole chats, several per row, each with its own label mask
+        return DatasetDict({name: pack_documents(split, block_size, kwargs) for name, split in kept.items()})
     return kept
 
 
 class ChatSFT(CausalLM):
-    """Supervised fine-tuning on chats (``messages``): the loss is on the assistant's turns only, one chat per row
-    (no packing: a packed row would let one chat attend to another). The label mask is built above
-    (``tokenize_chats``); the loss, the collator and the metrics are the causal LM's."""
+    """Supervised fine-tuning on chats (``messages``): the loss is on the assistant's turns only, one chat per row,
+    or whole chats packed best-fit decreasing (``packing: true``: each chat attends only to itself). The label mask
+    is built above (``tokenize_chats``); the loss, the collator and the metrics are the causal LM's."""
 
     name = "chat-sft"
 
     def check(self, cfg) -> None:
+        if cfg.data.packing_strategy == "wrapped":
+            raise ConfigError("packing_strategy", "chat SFT packs whole chats only (wrapped would let a chat attend "
+                                                  "to the one before it and cut chats across rows); use "
+                                                  "packing_strategy: bfd, or packing: false")
+        if cfg.data.packing is None:  # unset: one chat per row, unless packing_strategy: bfd asks for packing
+            cfg.data.packing = cfg.data.packing_strategy is not None
         if cfg.data.packing:
-            raise ConfigError("packing", "chat SFT trains one chat per row (packing would let a chat attend to the "
-                                         "one before it); set packing: false")
-        cfg.data.packing = False  # unset (None): this task's default
+            cfg.data.packing_strategy = "bfd"
 
     def load_raw(self, args):
         return load_raw_chats(args)

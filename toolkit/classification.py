@@ -199,8 +199,11 @@ class SequenceClassification(Task):
         self.class_weights: torch.Tensor | None = None
 
     def check(self, cfg) -> None:
-        if cfg.data.packing:
-            raise ConfigError("packing", "a classifier takes one text per row; set packing: false")
+        if cfg.data.packing or cfg.data.packing_strategy:
+            # one label per row: a packed row would need a label per document, which the model class cannot give
+            raise ConfigError("packing", "a classifier takes one example per row (its label is the row's); packing "
+                                         "and packing_strategy do not apply: set packing: false and unset "
+                                         "packing_strategy")
         cfg.data.packing = False  # unset (None): this task's default
         if cfg.train.loss_chunk_size:
             raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "

@@ -46,6 +46,8 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
+PACKING_STRATEGIES = ("wrapped", "bfd")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
             "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
@@ -263,9 +265,17 @@ class DataArguments:
         default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
     )
     packing: Optional[bool] = field(
-        default=None, metadata={"help": "true: concatenate and cut into block_size rows; false: one example per row. "
-                                        "Unset: the task's default (causal LM: true; chat SFT and classification: "
-                                        "false, and they refuse true)."}
+        default=None, metadata={"help": "true: several documents per block_size row (how: packing_strategy); false: "
+                                        "one example per row. Unset: the task's default (causal LM: true; chat SFT: "
+                                        "false, true packs whole chats with bfd; classification: false, refuses "
+                                        "true)."}
+    )
+    packing_strategy: Optional[str] = field(
+        default=None, metadata={"help": "With packing (TRL's name): 'wrapped', concatenate every document and cut "
+                                        "into block_size rows (a document attends to the one before it); 'bfd', "
+                                        "best-fit decreasing: whole documents or chats per row, each attending only "
+                                        "to itself, no padding (a document longer than block_size is truncated). "
+                                        "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
     max_train_samples: Optional[int] = field(
@@ -276,6 +286,11 @@ class DataArguments:
     )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
+
+    @property
+    def padding_free(self) -> bool:
+        """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
+        return self.packing is not False and self.packing_strategy == "bfd"  # bfd with packing false is refused
 
     def __post_init__(self):
         if self.dataset_name is not None and self.train_file is not None:
@@ -296,6 +311,13 @@ class DataArguments:
                               f"must be in [0, 100), got {self.validation_split_percentage}")
         _positive(self, "block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                   allow_none=True)
+        if self.packing_strategy is not None:
+            if self.packing_strategy not in PACKING_STRATEGIES:
+                raise ConfigError("packing_strategy", f"{self.packing_strategy!r} is not one of "
+                                                      f"{', '.join(PACKING_STRATEGIES)}")
+            if self.packing is False:
+                raise ConfigError("packing_strategy", "applies only with packing: true; unset packing_strategy or "
+                                                      "set packing: true")
         if self.class_weights and self.class_weights != ["balanced"]:
             try:
                 weights = [float(w) for w in self.class_weights]

@@ -16,6 +16,7 @@ from datasets import Dataset, DatasetDict, Value, load_dataset
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets
+from toolkit.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_documents
 
 PYDOC = "pydoc"
 
@@ -172,7 +173,8 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
     column = text_column(args)
     eos = tokenizer.eos_token_id
     encode, how = token_encoder(tokenizer)
-    packing = args.packing is not False  # unset (None): the causal LM's default, as CausalLM.check resolves it
+    # unset (None): the causal LM's default, as CausalLM.check resolves it; bfd keeps documents whole (below)
+    wrapped = args.packing is not False and not args.padding_free
 
     def tokenize(batch):
         texts = [t if isinstance(t, str) else "" for t in batch[column]]
@@ -189,7 +191,7 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
         for name, split in raw.items()
     })
 
-    if packing:
+    if wrapped:
         grouped = DatasetDict({name: pack(split, block_size, map_kwargs) for name, split in tokenized.items()})
     else:
         # A row with fewer than 2 tokens has no next-token target: drop it rather than feed a zero-token loss.
@@ -199,12 +201,15 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
             desc=f"truncate to {block_size}",
             **map_kwargs,
         ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
+        if args.padding_free:  # bfd: the documents above, as unpacked, several whole ones per row
+            grouped = DatasetDict({name: pack_documents(split, block_size, map_kwargs)
+                                   for name, split in grouped.items()})
 
-    what = f"fewer than {block_size} tokens in all (packing)" if packing else "rows all shorter than 2 tokens"
+    what = f"fewer than {block_size} tokens in all (packing)" if wrapped else "rows all shorter than 2 tokens"
     if "validation" in grouped and len(grouped["validation"]) == 0:
         # Otherwise evaluation would silently never happen.
         raise ConfigError(
-            "block_size" if packing else ("validation_file" if args.validation_file else "dataset_name"),
+            "block_size" if wrapped else ("validation_file" if args.validation_file else "dataset_name"),
             f"the validation split has no rows after tokenization: {what}; use more validation data or a smaller "
             "block_size, or validation_split_percentage: 0 (without validation_file) to train without evaluation",
         )
@@ -231,14 +236,7 @@ def pack(tokenized: Dataset, block_size: int, map_kwargs: dict) -> Dataset:
     """
     import numpy as np
 
-    # Document lengths from the Arrow list offsets, read as numpy: no pyarrow.compute kernel (nor flatten_indices,
-    # which runs them), whose thread pool does not survive a fork (notebook_launcher forks a kernel that has packed
-    # before: the ranks hung here). A selected/shuffled view reads the table's lengths through its index column.
-    lengths = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in
-                              tokenized.data.column("input_ids").chunks] or [np.zeros(0, np.int64)])
-    if tokenized._indices is not None:
-        view = [chunk.to_numpy() for chunk in tokenized._indices.column(0).chunks]
-        lengths = lengths[np.concatenate(view).astype(np.int64)] if view else lengths[:0]
+    lengths = document_lengths(tokenized)
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # starts[i]: offset of document i
     n_blocks = int(starts[-1]) // block_size
 
@@ -287,6 +285,8 @@ class CausalLMCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if SEQ_LENGTHS in rows[0]:  # whole documents packed per row (packing_strategy: bfd)
+            return collate_packed(rows, self.pad_token_id)
         ids, mask = pad_right([r["input_ids"] for r in rows], self.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
         if "labels" in rows[0]:
@@ -294,4 +294,4 @@ class CausalLMCollator:
             for i, r in enumerate(rows):
                 labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                "num_targets": int(count_targets(labels)), "num_tokens": int(mask.sum())}
+                "num_targets": int(count_targets(labels)), "num_tokens": int(mask.sum()), "num_slots": ids.numel()}

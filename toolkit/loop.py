@@ -46,6 +46,7 @@ from toolkit.host_memory import keep_freed_memory
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import LogWindow, MetricsLogger, format_run_summary, parallel_degrees, run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
+from toolkit.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
@@ -100,20 +101,22 @@ def _is_deepspeed(accelerator) -> bool:
 
 def _global_counts(accelerator, micro_batches: list[dict], task, data_parallel_size: int,
                    stop_flag: bool = False) -> torch.Tensor:
-    """[target tokens, non-pad tokens, ranks asked to stop] of the whole global batch, on the device: the step's one
-    all-reduce, of three integers. The local counts come from the collator (``num_targets``, ``num_tokens``: counted
-    on the CPU where the batch is built), so no micro-step waits for the device; a collator without them is counted
-    on the device. The stop flag rides along so that preemption costs no collective (and no host read) of its own."""
+    """[target tokens, real (non-pad) tokens, positions computed, ranks asked to stop] of the whole global batch, on
+    the device: the step's one all-reduce, of four integers. The local counts come from the collator (``num_targets``,
+    ``num_tokens``, ``num_slots``: counted on the CPU where the batch is built), so no micro-step waits for the
+    device; a collator without them is counted on the device. The stop flag rides along so that preemption costs no
+    collective (and no host read) of its own."""
     def counts(b):
+        slots = b.get("num_slots", b["input_ids"].numel())
         if "num_targets" in b:
-            return b["num_targets"], b["num_tokens"]
-        return task.count_targets(b), b["attention_mask"].sum()
+            return b["num_targets"], b["num_tokens"], slots
+        return task.count_targets(b), b["attention_mask"].sum(), slots
 
     local = [sum(c) for c in zip(*(counts(b) for b in micro_batches))] + [int(stop_flag)]
     local = torch.stack([torch.as_tensor(c, dtype=torch.long) for c in local]).to(accelerator.device, non_blocking=True)
     total = accelerator.reduce(local, reduction="sum")
     # The ranks of a tensor-parallel group hold the same rows: each row is counted once per replica.
-    return torch.cat([total[:2] // _replicas(accelerator, data_parallel_size), total[2:]])
+    return torch.cat([total[:3] // _replicas(accelerator, data_parallel_size), total[3:]])
 
 
 def _replicas(accelerator, data_parallel_size: int) -> int:
@@ -129,13 +132,13 @@ def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | N
     return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
 
 
-def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int, int]:
+def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int, int, int]:
     """The step's one host-device synchronisation: the grad norm (needed before the optimizer applies the step, to
     refuse a non-finite one) and the global counts, read together."""
     if norm is None:
         return (None, *counts.tolist())
     values = torch.cat([norm.detach().reshape(1).to(torch.float64), counts.to(torch.float64)]).tolist()
-    return values[0], int(values[1]), int(values[2]), int(values[3])
+    return (values[0], *(int(v) for v in values[1:]))
 
 
 def _nonfinite(norm: float | None, step: int) -> TrainingStopped | None:
@@ -246,7 +249,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
             if engine is not None and engine.is_gradient_accumulation_boundary() != boundary:
                 raise RuntimeError(f"step {step}: DeepSpeed's accumulation boundary drifted from ours")
             if boundary:
-                grad_norm, targets, global_tokens, stopping = _to_host(_clip_and_norm(accelerator, model, max_grad_norm),
+                grad_norm, targets, global_tokens, slots, stopping = _to_host(_clip_and_norm(accelerator, model, max_grad_norm),
                                                                        counts)
                 # the norm is the same on every rank, and so is the decision
                 skipped, overflow = _apply_step(accelerator, optimizer, scheduler, grad_norm, step=step + 1,
@@ -256,7 +259,7 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
         skipped = skipped or overflow
     streak = _overflow_streak(overflow, overflows, max_consecutive_overflows, step + 1)
     return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped,
-                      overflows=streak, stop_requested=stopping > 0)
+                      overflows=streak, stop_requested=stopping > 0, slots=slots)
 
 
 # ------------------------------------------------------------------------------------------- between steps
@@ -330,11 +333,13 @@ def _reuse_cpu_memory(args: TrainingArguments, model) -> bool:
 
 
 def _model_flops_per_token(model, train_dataset, packing: bool) -> float:
-    """Before ``prepare`` (ZeRO-3 and FSDP shard the parameters): 6N + 12 L d T at the run's mean row length."""
+    """Before ``prepare`` (ZeRO-3 and FSDP shard the parameters): 6N + 12 L d T at the run's mean attention span (a
+    row; a document of a bfd-packed row, which attends to itself only)."""
     layers, width = model_shape(model.config)
-    rows = train_dataset[: min(len(train_dataset), 256)]["input_ids"]
-    mean_row = len(rows[0]) if packing else sum(len(r) for r in rows) / len(rows)
-    return flops_per_token(count_parameters(model), layers, width, mean_row)
+    head = train_dataset[: min(len(train_dataset), 256)]
+    spans = ([n for row in head[SEQ_LENGTHS] for n in row] if SEQ_LENGTHS in head
+             else [len(head["input_ids"][0])] if packing else [len(r) for r in head["input_ids"]])
+    return flops_per_token(count_parameters(model), layers, width, sum(spans) / len(spans))
 
 
 def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
@@ -380,12 +385,13 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
     accelerator.init_trackers("toolkit", config={key: value for key, value in cfg.as_dict().items()
                                                  if isinstance(value, (int, float, str, bool))})
     global_batch, per_epoch = run.sampler.global_batch_size, run.steps_per_epoch
-    tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing else None
+    tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing and not cfg.data.padding_free else None
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
         f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
         f"{args.gradient_accumulation_steps} | global batch {global_batch} sequences"
-        + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else " (padded, variable length)")
+        + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else
+           " (whole documents packed per row, padding-free)" if cfg.data.padding_free else " (padded, variable length)")
         + f" | {per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch) | "
         f"{run.total_steps} optimizer steps from step {state.step}"
     )
@@ -427,6 +433,10 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     task, args, started = task or CausalLM(), cfg.train, time.time()
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
     model, accumulation = run.model, args.gradient_accumulation_steps
+    if cfg.data.padding_free:  # every rank, the same row: the prepared model may need collectives for a forward
+        check_packed_attention(model, packed_guard_row(train_dataset), tokenizer.pad_token_id, accelerator.device)
+        accelerator.print("packing_strategy bfd: checked that a packed document's logits do not depend on the "
+                          "documents before it in its row")
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
     state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
@@ -481,7 +491,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
         tokens=state.tokens_seen - start_tokens, steps=state.step - start_step, flops_per_token=run.flops_per_token,
         peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), preempted=preempted,
         final_model=os.path.abspath(layout.final_dir(args.output_dir)) if exported else None,
-        data_parallel_size=run.data_parallel_size)
+        data_parallel_size=run.data_parallel_size, train_rows=len(train_dataset), fill_rate=window.run_fill_rate())
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass.
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)

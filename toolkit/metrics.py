@@ -70,7 +70,9 @@ def format_run_summary(summary: dict) -> str:
         + (f"{100 * summary['mfu']:.1f}%" if summary.get("mfu") is not None else "n/a (peak FLOP/s unknown: "
                                                                                   "set peak_flops)")
         + f", peak memory per rank {summary.get('peak_memory_gb_per_rank', [])} GB",
-        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')})",
+        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')}), "
+        f"{summary.get('train_rows', '?')} training rows, fill rate "
+        + (f"{summary['fill_rate']:.3f}" if summary.get("fill_rate") is not None else "n/a"),
         f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
             "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
@@ -161,6 +163,8 @@ class LogWindow:
         self.loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         self.targets = 0
         self.steps = 0
+        self.slots = 0
+        self.run_tokens = self.run_slots = 0  # this attempt's, for the summary's fill rate
         self.throughput = Throughput()
 
     def add(self, result) -> None:
@@ -168,7 +172,14 @@ class LogWindow:
         self.loss += result.loss_sum
         self.targets += result.targets
         self.steps += 1
+        self.slots += result.slots
+        self.run_tokens += result.tokens
+        self.run_slots += result.slots
         self.throughput.add(result.tokens)
+
+    def run_fill_rate(self) -> float | None:
+        """Real tokens / positions computed over every step counted so far (this attempt)."""
+        return self.run_tokens / self.run_slots if self.run_slots else None
 
     def exclude(self, seconds: float) -> None:
         self.throughput.t0 += seconds  # tokens/s counts training time only (not evaluation)
@@ -187,8 +198,10 @@ class LogWindow:
                "peak_memory_gb_per_rank": [round(float(m), 3) for m in memory.tolist()]}
         if self.peak_flops:
             out["mfu"] = mfu(self.flops_per_token, tokens_per_s, world, self.peak_flops)
+        if self.slots:  # real tokens / positions computed (padding and packing's empty ends are the rest)
+            out["fill_rate"] = self.throughput.tokens / self.slots
         self.loss.zero_()
-        self.targets = self.steps = 0
+        self.targets = self.steps = self.slots = 0
         self.throughput.reset()
         return out
 
@@ -214,9 +227,10 @@ def parallel_degrees(accelerator) -> str:
 
 def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: int, steps: int, flops_per_token: float,
                 peak_flops: float | None, best: tuple[str, float | None], final_model: str | None, preempted: bool,
-                data_parallel_size: int) -> dict:
+                data_parallel_size: int, train_rows: int | None = None, fill_rate: float | None = None) -> dict:
     """Collective (peak memory is gathered): the end-of-run summary (``summary.json``). ``tokens`` and ``steps``: what
-    this attempt trained (a resumed run's rates count this attempt only); ``best``: (metric name, best value)."""
+    this attempt trained (a resumed run's rates count this attempt only); ``best``: (metric name, best value);
+    ``train_rows``: the training split's rows (after packing); ``fill_rate``: real tokens / positions computed."""
     from toolkit.accounting import mfu
 
     world = accelerator.num_processes
@@ -237,4 +251,6 @@ def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: in
         "world_size": world,
         "data_parallel_size": data_parallel_size,  # ranks taking other rows: world / tp_size
         "distributed_type": accelerator.distributed_type.value,
+        "train_rows": train_rows,
+        "fill_rate": fill_rate,
     }

@@ -149,10 +149,12 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     check_chunked_loss(model.config)
     original = model.forward
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
         if labels is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
+        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state
         row_loss, row_targets = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
                                                      num_chunks=-(-max_positions // chunk_size))
         return {"row_loss": row_loss, "row_targets": row_targets}

@@ -73,8 +73,9 @@ def _training_tokens_per_s(rows: list[dict]) -> float | None:
 
 
 def _inferred_world(rows: list[dict], config: dict) -> int | None:
-    """With packing every row holds block_size real tokens, so tokens per step = world x micro x accumulation x block."""
-    if not config.get("packing") or not config.get("block_size"):
+    """With packing every row holds block_size real tokens, so tokens per step = world x micro x accumulation x block
+    (not with packing_strategy bfd: whole documents leave a row's end empty)."""
+    if not config.get("packing") or config.get("packing_strategy") == "bfd" or not config.get("block_size"):
         return None
     steps = [r for r in rows if r.get("step") and r.get("tokens_seen")]
     if not steps:

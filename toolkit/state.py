@@ -64,4 +64,5 @@ class StepResult:
     skipped: bool = False  # the norm was not finite and the optimizer step was not applied
     overflows: int = 0  # fp16 loss-scaling overflows in a row, this step included (0: this step was not one)
     stop_requested: bool = False  # some rank was asked to stop (SIGTERM) before this step began
+    slots: int = 0  # positions the forward computed over the whole global batch (real tokens + padding)
 

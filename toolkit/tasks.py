@@ -34,6 +34,15 @@ import torch
 
 from toolkit import data
 from toolkit.loss import count_targets, token_losses
+from toolkit.packing import packed_inputs
+
+
+def model_inputs(batch: dict) -> dict:
+    """A causal LM's forward arguments: a padded micro-batch's ids and mask, or a packed one's ids and per-document
+    positions (``toolkit.packing.packed_inputs``: no mask, or the documents would attend to each other)."""
+    if "position_ids" in batch:
+        return packed_inputs(batch)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
 
 
 class Task(ABC):
@@ -93,6 +102,8 @@ class CausalLM(Task):
     def check(self, cfg) -> None:
         if cfg.data.packing is None:  # unset: this task's default (chat SFT and classification: false)
             cfg.data.packing = True
+        if cfg.data.packing and cfg.data.packing_strategy is None:
+            cfg.data.packing_strategy = "wrapped"  # run_clm's concatenate-and-cut, the figures in the docs
 
     def load_raw(self, args):
         return data.load_raw_datasets(args)
@@ -111,13 +122,13 @@ class CausalLM(Task):
         a training forward has no use for the key/value cache transformers would otherwise build (Trainer turns it
         off too); the config, and so generation after export, keeps its own setting."""
         if chunked:
-            return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"])["row_loss"]
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
+            return model(**inputs, labels=batch["labels"])["row_loss"]
+        logits = model(**model_inputs(batch)).logits
         return token_losses(logits, batch["labels"])[0]
 
     def eval_rows(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(**model_inputs(batch)).logits
         return token_losses(logits, batch["labels"])  # (row loss sums, row target counts)
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:

@@ -106,6 +106,10 @@ def _field_cases() -> list[tuple]:
         ("split 100%", {"validation_split_percentage": 100}, [], {}, "validation_split_percentage", "[0, 100)"),
         ("zero block", {"block_size": 0}, [], {}, "block_size", "positive"),
         ("block over positions", {"block_size": 4096}, [], {}, "block_size", "exceeds the model's 64 positions"),
+        ("unknown packing strategy", {"packing_strategy": "ffd"}, [], {}, "packing_strategy",
+         "'ffd' is not one of wrapped, bfd"),
+        ("packing strategy without packing", {"packing_strategy": "bfd"}, [], {}, "packing_strategy",
+         "applies only with packing: true"),
     ]
 
 

@@ -1,7 +1,8 @@
 """The chat SFT and classification recipes, and LoRA, through real multi-process launches (tiny models).
 
 - recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
-  normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat.
+  normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat; the same
+  with whole chats packed (packing: true, bfd).
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
 - LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-2, ZeRO-3 and FSDP2 equal the DDP ones; the base weights
   come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
@@ -78,10 +79,40 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     assert evals and all("perplexity" in r for r in evals)
 
 
-def test_sft_refuses_packing_before_any_weights_load(tmp_path, tiny_model, chats):
+def test_sft_refuses_wrapped_packing_before_any_weights_load(tmp_path, tiny_model, chats):
+    """packing: true packs whole chats (bfd, below); wrapped would let a chat attend to the one before it."""
     proc = launch(args_from({**SGD, **chats, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "p"),
-                             "packing": True}), num_processes=1, script=SFT, check=False)
-    assert proc.returncode == 2 and "packing" in proc.stderr and not os.path.exists(tmp_path / "p")
+                             "packing": True, "packing_strategy": "wrapped"}), num_processes=1, script=SFT, check=False)
+    assert proc.returncode == 2 and "packing_strategy: chat SFT packs whole chats only" in proc.stderr
+    assert not os.path.exists(tmp_path / "p")
+
+
+@pytest.fixture(scope="module")
+def gpt2_256(tmp_path_factory):
+    """The tiny GPT-2 with 256 positions: rows long enough to hold several chats."""
+    from toolkit.offline import save_tiny_gpt2
+
+    return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
+                          n_positions=256, seed=0)
+
+
+def _sft_bfd(model, chats) -> dict:
+    return {**SGD, **chats, "model_name_or_path": model, "packing": True, "block_size": 256}
+
+
+def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
+    """recipes/sft.py --packing true: whole chats packed best-fit decreasing, each with its assistant-only mask and
+    its own positions; 2 ranks x 2 x 2 end with the weights of 1 process x 8 (SGD, 1e-6)."""
+    cfg = _sft_bfd(gpt2_256, chats)
+    one = runs.get("sft_bfd_one", "ddp.yaml", 1, 8, 1, cfg)
+    two = runs.get("sft_bfd_two", "ddp.yaml", 2, 2, 2, cfg)
+    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(gpt2_256)) > 1e-2, "it must train"
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
+    assert diff <= 1e-6, diff
+    summary = json.load(open(os.path.join(two, "summary.json")))
+    assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
+    assert [r["loss"] for r in _rows(two) if "loss" in r] == pytest.approx([r["loss"] for r in _rows(one) if "loss" in r],
+                                                                           rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ classification
@@ -132,12 +163,15 @@ def _lora(tiny_model, padded_data) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files):
-    """The classifier and LoRA runs below, planned: those of one launch config and world size share a launch
-    (helpers.Runs.plan; each run its own recipe: recipes/classify.py, or recipes/gpt2.py with or without the probes)."""
+def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats):
+    """The classifier, chat SFT with bfd packing and LoRA runs below, planned: those of one launch config and world
+    size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, or
+    recipes/gpt2.py with or without the probes)."""
     r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {})
     cfg = _classify(tiny_bert, classify_files)
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
+    r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
+    r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
     for config in ("ddp.yaml", "fsdp.yaml"):
         r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)

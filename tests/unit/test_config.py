@@ -55,6 +55,8 @@ def test_yaml_plus_cli_override(base, tmp_path):
         ({"adam_beta2": float("nan")}, "adam_beta2", "must be in [0, 1)"),
         ({"max_consecutive_overflows": 0}, "max_consecutive_overflows", "positive"),
         ({"resume_from_checkpoint": "latest"}, "resume_from_checkpoint", "no checkpoint"),
+        ({"packing_strategy": "ffd"}, "packing_strategy", "'ffd' is not one of wrapped, bfd"),
+        ({"packing": False, "packing_strategy": "bfd"}, "packing_strategy", "applies only with packing: true"),
     ],
 )
 def test_bad_yaml_values(base, tmp_path, extra, field, words):

@@ -65,6 +65,8 @@ def test_summary_json_wins_and_padded_runs_do_not_guess(tmp_path):
     assert (s["world_size"], s["strategy"], s["seconds"]) == (4, "DEEPSPEED", 12.5)
     padded = write_run(tmp_path / "b", synthetic_rows(), {**CONFIG, "packing": False})
     assert summarize(load_run(padded))["world_size"] is None  # rows have variable length: no inference
+    bfd = write_run(tmp_path / "c", synthetic_rows(), {**CONFIG, "packing_strategy": "bfd"})
+    assert summarize(load_run(bfd))["world_size"] is None  # whole documents per row: rows are not all full
 
 
 def test_compare_table_text_and_markdown(tmp_path, capsys):

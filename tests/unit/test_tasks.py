@@ -293,7 +293,8 @@ def test_each_recipe_runs_its_defaults_with_only_model_data_and_output(recipe, t
                                                                        tmp_path):
     """A new user's first command names only the model, the data and the output folder: every recipe's task must
     accept its own defaults (chat SFT once refused the default packing: true). Unset packing is the task's default;
-    an explicit packing: true stays refused where the task cannot pack."""
+    an explicit packing: true packs whole chats for chat SFT (bfd; wrapped refused) and stays refused for the
+    classifier (one example per row)."""
     import os
 
     from helpers import RECIPE
@@ -311,9 +312,17 @@ def test_each_recipe_runs_its_defaults_with_only_model_data_and_output(recipe, t
     task.check(cfg)
     assert cfg.data.packing is (task_class == "CausalLM")
     explicit = parse_args([*argv, "--packing", "true"])
-    if task_class == "CausalLM":
+    if task_class == "SequenceClassification":
+        for extra in (["--packing", "true"], ["--packing_strategy", "bfd"]):
+            with pytest.raises(ConfigError, match="one example per row"):
+                task.check(parse_args([*argv, *extra]))
+    else:
         task.check(explicit)
         assert explicit.data.packing is True
-    else:
-        with pytest.raises(ConfigError, match="packing"):
-            task.check(explicit)
+        assert explicit.data.packing_strategy == ("wrapped" if task_class == "CausalLM" else "bfd")
+    if task_class == "ChatSFT":
+        with pytest.raises(ConfigError, match="packing_strategy: chat SFT packs whole chats only"):
+            task.check(parse_args([*argv, "--packing", "true", "--packing_strategy", "wrapped"]))
+        implied = parse_args([*argv, "--packing_strategy", "bfd"])
+        task.check(implied)
+        assert implied.data.packing is True

@@ -22,6 +22,7 @@ ORDER_FIELDS = {
     "seed": "seed",
     "shuffle": "shuffle",
     "packing": "packing",
+    "packing_strategy": "packing_strategy",
     "block_size": "block_size",
     "train_rows": "train_file",
     "train_data_sha": "train_file",
@@ -47,6 +48,8 @@ def order_record(cfg, train_dataset) -> dict:
         "seed": cfg.train.seed,
         "shuffle": cfg.train.shuffle,
         "packing": cfg.data.packing,
+        # recorded for bfd only: None for wrapped, as in the checkpoints written before packing_strategy existed
+        "packing_strategy": "bfd" if cfg.data.padding_free else None,
         "block_size": cfg.data.block_size,
         "train_rows": len(train_dataset),
         "train_data_sha": data_fingerprint(train_dataset),

@@ -1,0 +1,254 @@
+"""Padding-free packing (``packing_strategy: bfd``, toolkit/packing.py), in process: the bins, a packed micro-batch
+against the same documents unpacked (GPT-2 and Llama, sdpa and eager), the guard against transformers' silent
+fallbacks, and chat SFT's per-chat masks in packed rows. The 2-rank runs are in tests/launch/test_strategies.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from toolkit.config import DataArguments
+from toolkit.data import CausalLMCollator, tokenize_and_group
+from toolkit.errors import ConfigError
+from toolkit.loss import IGNORE_INDEX, token_losses
+from toolkit.order import GlobalBatchSampler
+from toolkit.packing import (
+    SEQ_LENGTHS,
+    best_fit_decreasing,
+    check_packed_attention,
+    collate_packed,
+    pack_documents,
+)
+from toolkit.tasks import CausalLM, model_inputs
+
+
+def test_best_fit_decreasing_puts_each_item_where_it_fills_a_bin_most():
+    lengths = [3, 7, 5, 2, 6, 4, 1, 4]
+    bins = best_fit_decreasing(lengths, 10)
+    # longest first: 7 -> bin 0 (3 left), 6 -> bin 1 (4 left), 5 -> bin 2 (5 left), 4 (index 5) -> bin 1, the fullest
+    # that fits (0 left), 4 (index 7) -> bin 2 (1 left), 3 -> bin 0 (0 left), 2 -> new bin 3, 1 -> bin 2 (0 left)
+    assert bins == [[1, 0], [4, 5], [2, 7, 6], [3]]
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert best_fit_decreasing(lengths, 10) == bins  # a function of the lengths alone
+    with pytest.raises(ValueError, match="exceeds"):
+        best_fit_decreasing([11], 10)
+
+
+def test_bins_fill_and_cover_every_document_once():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 120, (2000,), generator=g).tolist()
+    bins = best_fit_decreasing(lengths, 256)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 256 for b in bins)
+    assert sum(lengths) / (256 * len(bins)) > 0.97  # padded per batch of 4, the same lengths fill ~55%
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from toolkit.offline import gpt2_tokenizer
+
+    return gpt2_tokenizer()
+
+
+def _texts(n: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[k] for k in sorted(topics)[:10]).split()
+    out, at = [], 0
+    for i in range(n):
+        size = 1 + (i * 5) % 23
+        out.append(" ".join(words[at:at + size]))
+        at += size
+    return out
+
+
+def test_bfd_rows_are_whole_documents_the_same_on_any_world_size(tok):
+    """The rows are the unpacked run's documents (truncated to block_size as unpacked, EOS-ended), whole, a few per row;
+    built twice they are identical, and the global batches of 1 process x 8 and 2 ranks x 2 x 2 hold the same rows."""
+    raw = DatasetDict({"train": Dataset.from_dict({"text": _texts(60)})})
+    bfd = tokenize_and_group(raw, tok, DataArguments(packing=True, packing_strategy="bfd"), block_size=48)["train"]
+    docs = tokenize_and_group(raw, tok, DataArguments(packing=False), block_size=48)["train"]["input_ids"]
+    assert tokenize_and_group(raw, tok, DataArguments(packing=True, packing_strategy="bfd"),
+                              block_size=48)["train"].to_dict() == bfd.to_dict()
+    pieces = []
+    for row in bfd:
+        assert len(row["input_ids"]) == sum(row[SEQ_LENGTHS]) <= 48
+        at = 0
+        for n in row[SEQ_LENGTHS]:
+            pieces.append(row["input_ids"][at:at + n])
+            at += n
+    assert sorted(pieces) == sorted(docs)
+    assert len(bfd) < len(docs) / 2
+    one = GlobalBatchSampler(len(bfd), 8, 1, 1, seed=3)
+    two = GlobalBatchSampler(len(bfd), 2, 2, 2, seed=3)
+    assert [one.global_batch(0, s) for s in range(one.steps_per_epoch)] == [
+        sorted(two.global_batch(0, s), key=one.global_batch(0, s).index) for s in range(two.steps_per_epoch)]
+
+
+def test_the_packed_collator_restarts_positions_and_cuts_targets_at_each_document():
+    rows = [{"input_ids": [5, 6, 7, 8, 9], SEQ_LENGTHS: [3, 2]}, {"input_ids": [1, 2], SEQ_LENGTHS: [2]}]
+    b = collate_packed(rows, pad_token_id=0)
+    assert "attention_mask" not in b
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert b["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, 2, -100, -100, -100]]
+    # targets: 2 + 1 in row 0, 1 in row 1, as the three documents unpacked; real tokens 7 of 10 positions
+    assert (b["num_targets"], b["num_tokens"], b["num_slots"]) == (4, 7, 10)
+    assert CausalLMCollator(0)(rows)["position_ids"].tolist() == b["position_ids"].tolist()
+
+
+MODELS = ["gpt2", "llama"]
+IMPLEMENTATIONS = ["sdpa", "eager"]
+
+
+def _model(request, family: str, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue("tiny_model" if family == "gpt2" else "tiny_llama")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    assert model.config.use_cache, "the default that builds a cache in the forward: what packed_inputs turns off"
+    return model
+
+
+def _documents(tok, n: int = 7) -> list[list[int]]:
+    return [tok(t)["input_ids"][:30] + [tok.eos_token_id] for t in _texts(n + 3)[3:]]
+
+
+@pytest.mark.parametrize("attn", IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", MODELS)
+def test_a_packed_micro_batch_trains_like_its_documents_unpacked(request, tok, family, attn):
+    """Per-document summed losses equal, and the gradient of the summed loss equals, to 1e-6 of the largest gradient
+    component: a micro-batch of two bfd rows (different lengths, so one is padded) against every document alone in a
+    padded batch. The same check with transformers' defaults (a 2D mask, or the config's use_cache) fails (the
+    guard's tests below)."""
+    model = _model(request, family, attn)
+    docs = _documents(tok)
+    lengths = [len(d) for d in docs]
+    bins = best_fit_decreasing(lengths, 64)
+    assert len(bins) >= 2 and any(len(b) > 1 for b in bins)
+    rows = [{"input_ids": [t for i in b for t in docs[i]], SEQ_LENGTHS: [lengths[i] for i in b]} for b in bins]
+
+    def run(batch):
+        model.zero_grad(set_to_none=True)
+        logits = model(**model_inputs(batch)).logits  # the tasks' forward
+        targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                               reduction="none").view(targets.shape)
+        ce.sum().backward()
+        assert torch.allclose(ce.sum(-1), token_losses(logits, batch["labels"])[0])  # the task's row loss
+        return ce.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed_batch = collate_packed(rows, tok.eos_token_id)
+    packed_ce, packed_grads = run(packed_batch)
+    per_doc_packed = {}
+    for r, b in enumerate(bins):
+        at = 0
+        for i in b:
+            per_doc_packed[i] = float(packed_ce[r, at:at + lengths[i]].sum())
+            at += lengths[i]
+    alone_batch = CausalLMCollator(tok.eos_token_id)([{"input_ids": d} for d in docs])
+    alone_ce, alone_grads = run(alone_batch)
+    assert packed_batch["num_targets"] == alone_batch["num_targets"] == sum(n - 1 for n in lengths)
+    for i in range(len(docs)):
+        assert per_doc_packed[i] == pytest.approx(float(alone_ce[i].sum()), rel=1e-6, abs=1e-6)
+    largest = max(float(g.abs().max()) for g in alone_grads.values())
+    worst = max(float((packed_grads[n] - g).abs().max()) for n, g in alone_grads.items())
+    print(f"{family} {attn}: max |dgrad| {worst:.2e} of largest {largest:.2e}")
+    assert worst <= 1e-6 * largest
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_the_guard_passes_a_model_that_honours_packed_positions(request, tok, family):
+    model = _model(request, family, "sdpa")
+    docs = _documents(tok, 2)
+    row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
+    model.train()
+    assert check_packed_attention(model, row, tok.eos_token_id) < 1e-5
+    assert model.training  # the mode is given back
+
+
+@pytest.mark.parametrize("default", ["a 2D attention mask", "a cache"])
+@pytest.mark.parametrize("family", MODELS)
+def test_the_guard_refuses_transformers_silent_fallbacks(request, tok, family, default, monkeypatch):
+    """What transformers' defaults do to a packed row: an all-ones 2D mask (what a padding collator passes), or the
+    config's use_cache=True (a DynamicCache is built in the forward) turns packed-sequence detection off, silently:
+    the documents attend to each other. The guard sees it on the real model and refuses, naming the field."""
+    model = _model(request, family, "sdpa")
+    forward = model.forward
+
+    def defaults(**kwargs):
+        if default == "a cache":
+            kwargs.pop("use_cache")  # the config's default: True
+        else:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+        return forward(**kwargs)
+
+    monkeypatch.setattr(model, "forward", defaults)
+    docs = _documents(tok, 2)
+    row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
+    with pytest.raises(ConfigError, match="packing_strategy: .*does not honour packed position_ids"):
+        check_packed_attention(model, row, tok.eos_token_id)
+
+
+def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
+    """Chats packed bfd are the unpacked chats (ids and label masks) side by side; the collated labels are each
+    chat's mask, whose first token is a prompt token anyway: the targets are the assistant tokens of every chat."""
+    from toolkit.chat import set_chat_template, tokenize_chats
+
+    set_chat_template(tok, "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                           "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    texts = _texts(24)
+    chats = [[{"role": "user", "content": texts[i]}, {"role": "assistant", "content": texts[i + 1]}]
+             + ([{"role": "user", "content": "and?"}, {"role": "assistant", "content": texts[i + 2]}] if i % 3 else [])
+             for i in range(0, 21)]
+    raw = DatasetDict({"train": Dataset.from_dict({"messages": chats})})
+    alone = tokenize_chats(raw, tok, DataArguments(packing=False), block_size=256)["train"]
+    packed = tokenize_chats(raw, tok, DataArguments(packing=True, packing_strategy="bfd"), block_size=256)["train"]
+    assert len(packed) < len(alone)
+    pieces = []
+    for row in packed:
+        at = 0
+        for n in row[SEQ_LENGTHS]:
+            pieces.append((row["input_ids"][at:at + n], row["labels"][at:at + n]))
+            at += n
+    assert sorted(pieces) == sorted(zip(alone["input_ids"], alone["labels"]))
+    batch = CausalLMCollator(tok.eos_token_id)(list(packed))
+    for r, row in enumerate(packed):
+        at = 0
+        for n in row[SEQ_LENGTHS]:
+            assert row["labels"][at] == IGNORE_INDEX  # a chat starts with its prompt
+            assert batch["labels"][r, at:at + n].tolist() == row["labels"][at:at + n]
+            at += n
+    assert batch["num_targets"] == sum(sum(x != IGNORE_INDEX for x in labels[1:]) for labels in alone["labels"])
+
+
+def test_the_chunked_loss_of_a_packed_micro_batch_is_the_plain_one(request, tok):
+    """``loss_chunk_size`` replaces the forward (toolkit.model.enable_chunked_loss): it must pass the packed rows'
+    position_ids on, or every document after the first would attend to the ones before it."""
+    from toolkit.model import enable_chunked_loss
+
+    docs = _documents(tok, 4)
+    lengths = [len(d) for d in docs]
+    rows = [{"input_ids": [t for i in b for t in docs[i]], SEQ_LENGTHS: [lengths[i] for i in b]}
+            for b in best_fit_decreasing(lengths, 64)]
+    batch = collate_packed(rows, tok.eos_token_id)
+    model = _model(request, "gpt2", "sdpa")
+    with torch.no_grad():
+        plain = CausalLM().row_losses(model, batch)
+        enable_chunked_loss(model, 24, max_positions=batch["input_ids"].numel())
+        chunked = CausalLM().row_losses(model, batch, chunked=True)
+    assert torch.allclose(chunked, plain, rtol=1e-6, atol=1e-5)
+
+
+def test_the_guard_refuses_a_model_that_ignores_packed_positions(request, tok, monkeypatch):
+    """A model whose mask honours the packed position_ids but whose position embeddings count on from the row's start:
+    no document sees another (the documents before it changing changes nothing), but the one after the first sits at
+    the wrong positions, unlike the same document alone."""
+    model = _model(request, "gpt2", "sdpa")
+    wpe = model.transformer.wpe.forward
+    monkeypatch.setattr(model.transformer.wpe, "forward",
+                        lambda ids: wpe(torch.arange(ids.shape[-1]).expand_as(ids)))
+    docs = _documents(tok, 2)
+    row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
+    with pytest.raises(ConfigError, match="differ by .* from the document run alone"):
+        check_packed_attention(model, row, tok.eos_token_id)
