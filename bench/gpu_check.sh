@@ -53,3 +53,8 @@ print(f"gpu_check fp16 {sys.argv[2]}: {rows[-1]['step']} steps, last loss {rows[
 PY
   done
 fi
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  # train() in process on the GPU leaves glibc's allocator alone (cpu_memory_reuse is for CPU ranks), and on the CPU
+  # gives glibc its settings back when it returns (docs/pitfalls.md#glibc-restore)
+  python -m pytest -q -p no:cacheprovider tests/unit/test_host_memory.py
+fi

@@ -40,7 +40,7 @@ from toolkit.distributed import (
     keep_embeddings_out_of_fsdp_units,
 )
 from toolkit.errors import TrainingStopped
-from toolkit.host_memory import keep_freed_memory
+from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import LogWindow, MetricsLogger, format_run_summary, parallel_degrees, run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
@@ -313,11 +313,14 @@ class Run:
         return self.sampler.steps_per_epoch
 
 
-def _reuse_cpu_memory(args: TrainingArguments, model) -> bool:
-    """``cpu_memory_reuse``, unset: on, unless the run asked for less memory. The kept heap fragments (torch asks glibc
-    for 64-byte aligned blocks, which a freed block of the same size cannot serve), and eats what the memory switches
-    save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's flag is also set when FSDP's
-    launch-config checkpointing was handed over to transformers."""
+def _reuse_cpu_memory(args: TrainingArguments, model, device: torch.device) -> bool:
+    """Whether to keep freed host memory for reuse: on a CPU device only (a GPU rank's large tensors live in torch's
+    caching allocator on the device); there ``cpu_memory_reuse``, unset: on, unless the run asked for less memory.
+    The kept heap fragments (torch asks glibc for 64-byte aligned blocks, which a freed block of the same size cannot
+    serve), and eats what the memory switches save (docs/performance.md#where-a-cpu-step-spends-its-time). The
+    model's flag is also set when FSDP's launch-config checkpointing was handed over to transformers."""
+    if device.type != "cpu":
+        return False
     if args.cpu_memory_reuse is not None:
         return args.cpu_memory_reuse
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
@@ -349,8 +352,6 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     if eval_dataset is not None and len(eval_dataset) > 0:
         loaders.append(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
-    if accelerator.device.type == "cpu" and _reuse_cpu_memory(args, model) and keep_freed_memory():
-        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
     per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
@@ -420,7 +421,24 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
     and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
     LM by default). ``resume``: the plan ``toolkit.build`` made before the weights loaded (planned here if None).
+
+    On a CPU, freed host memory is kept for reuse while it trains (``cpu_memory_reuse``, ``toolkit.host_memory``) and
+    glibc's settings come back when it returns or raises, if this call made them: the process (a notebook kernel,
+    what it forks next) goes on as it came in. Settings a caller made before the call stay.
     """
+    kept_here = not memory_kept() and _reuse_cpu_memory(cfg.train, model, accelerator.device) and keep_freed_memory()
+    if memory_kept():
+        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
+    try:
+        return _train(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
+                      resume)
+    finally:
+        if kept_here:
+            restore_freed_memory()
+
+
+def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
+           resume: ResumePlan | None) -> dict:
     task, args, started = task or CausalLM(), cfg.train, time.time()
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
     model, accumulation = run.model, args.gradient_accumulation_steps
