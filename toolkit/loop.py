@@ -77,15 +77,16 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_dataloader, task=None) -> dict:
+def evaluate(accelerator, model, eval_dataloader, task=None, chunked: bool = False) -> dict:
     """The task's metrics over the whole validation set (mean token loss and perplexity for a language model).
 
     Per-row values go through ``gather_for_metrics``, which drops the rows accelerate repeats to give every rank an
-    equal number of batches, so each validation row counts exactly once.
+    equal number of batches, so each validation row counts exactly once. ``chunked``: the model computes its loss in
+    chunks (``loss_chunk_size``), in evaluation as in training.
     """
     task = task or CausalLM()
     model.eval()
-    rows = [accelerator.gather_for_metrics(task.eval_rows(model, batch)) for batch in eval_dataloader]
+    rows = [accelerator.gather_for_metrics(task.eval_rows(model, batch, chunked)) for batch in eval_dataloader]
     model.train()
     return task.eval_metrics(rows)
 
@@ -275,8 +276,9 @@ def _call(callbacks, event: str, **kwargs) -> None:
 class Evaluation:
     """The task's evaluation between steps, and the best value of its metric so far (e.g. perplexity, lower)."""
 
-    def __init__(self, accelerator, model, eval_dl, task):
+    def __init__(self, accelerator, model, eval_dl, task, chunked: bool = False):
         self.accelerator, self.model, self.eval_dl, self.task = accelerator, model, eval_dl, task
+        self.chunked = chunked  # loss_chunk_size: the evaluation loss in chunks too
         self.name, self.better = task.best_metric  # e.g. ("perplexity", min)
         self.best = None
 
@@ -285,7 +287,7 @@ class Evaluation:
 
     def into(self, row: dict) -> dict:
         """Collective: evaluate, add the metrics to ``row`` and return it."""
-        result = evaluate(self.accelerator, self.model, self.eval_dl, self.task)
+        result = evaluate(self.accelerator, self.model, self.eval_dl, self.task, self.chunked)
         row.update(result)
         value = result[self.name]
         self.best = value if self.best is None else self.better(self.best, value)
@@ -447,7 +449,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
     logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset)
     start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
-    evaluation = Evaluation(accelerator, model, run.eval_dl, task)
+    evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
     if run.eval_dl is not None and args.eval_on_start and state.step == 0:
         logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
     window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,
