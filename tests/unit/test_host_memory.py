@@ -1,7 +1,7 @@
 """CPU ranks keep freed memory for reuse (toolkit/host_memory.py): when ``train`` turns it on, and that it gives it
 back. The speed effect itself is measured in fresh interpreters: tests/launch/test_host_memory_launch.py.
 
-Here ``train`` runs in this process (one process, a tiny model, a few steps), as in a notebook kernel, and glibc's
+Here ``train`` runs in this process (one process, a tiny model, one step), as in a notebook kernel, and glibc's
 state is read from what it does: a touched block freed is handed back to the kernel (RSS falls by its size) under
 glibc's defaults, and stays in the process while freed memory is kept."""
 
@@ -31,9 +31,10 @@ def _released_mb() -> float:
 
 
 def _values(tiny_model, padded_data, out, **fields) -> dict:
-    return {"model_name_or_path": tiny_model, **padded_data, "output_dir": out, "block_size": 64, "packing": False,
-            "per_device_train_batch_size": 4, "max_steps": 2, "eval_on_start": False, "report_to": "none",
-            "save_final_model": False, **fields}
+    """One step, no evaluation, no export: what is measured happens inside the step's callback and after train()."""
+    return {"model_name_or_path": tiny_model, "train_file": padded_data["train_file"], "output_dir": out,
+            "block_size": 64, "packing": False, "per_device_train_batch_size": 4, "max_steps": 1,
+            "report_to": "none", "save_final_model": False, **fields}
 
 
 class _Probe:

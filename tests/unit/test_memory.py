@@ -128,9 +128,9 @@ def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_buil
 
 
 def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_data, tmp_path):
-    """train() in this process, with the chunked loss: its evaluations call the head on chunks only (an eval batch of
-    16 rows x up to 64 positions x 50257 would be 206 MB of logits), and the eval loss and tokens at step 0 are the
-    plain run's."""
+    """train() in this process, with the chunked loss: its evaluation calls the head on chunks only (an eval batch of
+    16 rows x up to 64 positions x 50257 would be 206 MB of logits), and its eval loss and tokens are the plain
+    run's (learning rate 0: both evaluate the same weights)."""
     from helpers import train_in_process
 
     from toolkit.metrics import read_metrics
@@ -142,12 +142,12 @@ def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_d
             model.get_output_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
 
     values = {"model_name_or_path": tiny_model, **padded_data, "block_size": 64, "packing": False,
-              "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "max_steps": 1,
-              "eval_on_start": True, "report_to": "none", "save_final_model": False}
+              "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "max_steps": 1, "learning_rate": 0.0,
+              "report_to": "none", "save_final_model": False}
     train_in_process({**values, "loss_chunk_size": 32, "output_dir": str(tmp_path / "chunked")},
                      callbacks=[HeadShapes()])
     assert shapes and all(len(s) == 2 and s[0] <= 32 for s in shapes), sorted(set(shapes))
     train_in_process({**values, "output_dir": str(tmp_path / "plain")})
-    chunked, plain = (read_metrics(str(tmp_path / run))[0] for run in ("chunked", "plain"))
-    assert chunked["step"] == plain["step"] == 0 and chunked["eval_tokens"] == plain["eval_tokens"]
+    chunked, plain = (read_metrics(str(tmp_path / run))[-1] for run in ("chunked", "plain"))
+    assert chunked["step"] == plain["step"] == 1 and chunked["eval_tokens"] == plain["eval_tokens"]
     assert chunked["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
