@@ -74,3 +74,8 @@ for mode in ("padded", "bfd"):
 print(f"gpu_check packing: bfd / padded real tokens/s = "
       f"{last['bfd']['tokens_per_s'] / last['padded']['tokens_per_s']:.2f}x")
 PY
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  # train() in process on the GPU leaves glibc's allocator alone (cpu_memory_reuse is for CPU ranks), and on the CPU
+  # gives glibc its settings back when it returns (docs/pitfalls.md#glibc-restore)
+  python -m pytest -q -p no:cacheprovider tests/unit/test_host_memory.py
+fi

@@ -373,6 +373,28 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def train_in_process(values: dict, callbacks=None) -> dict:
+    """A recipe's steps (``build``, then ``train``) as one process inside this one, as a notebook kernel runs them:
+    for what only an in-process run shows (what ``train`` leaves behind in its process). accelerate's process-wide
+    state is reset before and after. Returns the run's summary."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from toolkit.build import build
+    from toolkit.config import config_from_dict
+    from toolkit.distributed import make_accelerator
+    from toolkit.loop import train
+
+    cfg = config_from_dict(values)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        accelerator = make_accelerator(cfg.train)
+        return train(cfg, accelerator, **build(cfg, accelerator).train_kwargs(), callbacks=callbacks)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 # ------------------------------------------------------------------ the quickstart notebook, executed once
 RESULT_TAG = "QUICKSTART_RESULT "
 

@@ -102,8 +102,10 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     # wraps its layers), then LoRA around them, then dropout off everywhere, LoRA's dropout included.
     if cfg.train.loss_chunk_size:
         enable_chunked_loss(model, cfg.train.loss_chunk_size,
-                            max_positions=cfg.train.per_device_train_batch_size * block_size)
-        log(f"loss_chunk_size: the training loss is computed {cfg.train.loss_chunk_size} positions at a time")
+                            max_positions=cfg.train.per_device_train_batch_size * block_size,
+                            max_eval_positions=cfg.train.per_device_eval_batch_size * block_size)
+        log(f"loss_chunk_size: the training and evaluation losses are computed {cfg.train.loss_chunk_size} "
+            "positions at a time")
     if checkpointing:
         enable_activation_checkpointing(model)
         log("activation checkpointing: each layer's activations are recomputed in the backward pass")

@@ -230,7 +230,7 @@ class SequenceClassification(Task):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return row_losses(logits, batch["labels"], self.class_weights)  # the module's function, not this method
 
-    def eval_rows(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+    def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return row_losses(logits, batch["labels"], None), logits.argmax(-1), batch["labels"]
 

@@ -278,13 +278,19 @@ class DataArguments:
                                         "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
+    # A seeded sample, not the first N: the first N rows of data sorted by class hold a few classes only.
     max_train_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep the first N training documents (before tokenization and packing)."}
+        default=None, metadata={"help": "Keep N training documents (before tokenization and packing), drawn at "
+                                        "random with the run's seed, in their original order (the same rows on any "
+                                        "world size)."}
     )
     max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep the first N validation documents (before tokenization and packing)."}
+        default=None, metadata={"help": "Keep N validation documents (before tokenization and packing), drawn as "
+                                        "max_train_samples' rows are."}
     )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
+    # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
+    sample_seed = 42
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
 
     @property
@@ -485,6 +491,7 @@ class RunConfig:
             raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
+        self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         self.elastic_restart = elastic.continue_restart(self)

@@ -104,10 +104,22 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
                 train, validation = holdout(raw["train"], fraction)
             raw = DatasetDict({"train": train, "validation": validation})
     if args.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+        raw["train"] = sample_rows(raw["train"], args.max_train_samples, args.sample_seed)
     if args.max_eval_samples and "validation" in raw:
-        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+        raw["validation"] = sample_rows(raw["validation"], args.max_eval_samples, args.sample_seed)
     return raw
+
+
+def sample_rows(split, n: int, seed: int):
+    """``n`` rows drawn at random (seeded) from ``split``, in their original relative order; all of it if n >= its
+    length. Not the first n: on data sorted by class or by source (the built-in ``stdlib-docstrings``) those are a
+    few classes only. Every rank draws the same rows (Python's ``random`` with the run's seed, no process state),
+    so the sample is the same on any world size; a different seed draws different rows."""
+    import random
+
+    if n >= len(split):
+        return split
+    return split.select(sorted(random.Random(seed).sample(range(len(split)), n)))
 
 
 def text_column(args: DataArguments) -> str:

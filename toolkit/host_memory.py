@@ -15,18 +15,31 @@ until it exits, like CUDA's caching allocator, and that heap fragments (torch as
 freed block of the same size cannot serve): peak RSS grows (docs/performance.md), so ``toolkit.loop`` leaves it off for runs
 that turn on a memory switch. GPU ranks never call this (their large tensors are on the device, in torch's caching
 allocator); nor do allocators other than glibc's (musl, macOS), where it returns False.
+
+Undone. ``toolkit.loop.train`` calls ``restore_freed_memory`` when it returns, if that call of ``train`` made the
+setting: a notebook kernel lives on after the run, and whatever it forks later (``notebook_launcher``'s ranks,
+DataLoader workers) would inherit a heap that never shrinks. glibc has no call that reads a setting back, so
+"restore" means the values the process started with: glibc's defaults, or those its environment gave it
+(``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``); then ``malloc_trim`` hands the kept heap back.
+One thing stays: any ``mallopt`` of these turns off glibc's dynamic mmap threshold for good, so the threshold stays
+where it was (128 KiB, or up to 32 MiB if the process had already freed such a mapped block); a block above it is
+mapped and unmapped as by default (docs/pitfalls.md#glibc-restore).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 KEEP_BYTES = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can be given (2 GiB)
+# glibc's defaults (malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD), and where a process's environment sets them
+START = {M_MMAP_MAX: (65536, "MALLOC_MMAP_MAX_", "glibc.malloc.mmap_max"),
+         M_TRIM_THRESHOLD: (128 * 1024, "MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold")}
 
 _applied = False
 
@@ -43,7 +56,7 @@ def _glibc():
 
 
 def keep_freed_memory() -> bool:
-    """Make this process's glibc keep freed large blocks for reuse (process-wide, for the rest of its life).
+    """Make this process's glibc keep freed large blocks for reuse (process-wide, until ``restore_freed_memory``).
     True when it is in effect; False where the C library is not glibc."""
     global _applied
     if _applied:
@@ -53,3 +66,31 @@ def keep_freed_memory() -> bool:
         return False
     _applied = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1
     return _applied
+
+
+def memory_kept() -> bool:
+    """Whether ``keep_freed_memory`` is in effect in this process."""
+    return _applied
+
+
+def restore_freed_memory() -> bool:
+    """Undo ``keep_freed_memory``: glibc's settings as this process started with them, and the kept heap handed back
+    to the kernel (``malloc_trim``). True when it restored them; False when nothing was kept."""
+    global _applied
+    if not _applied:
+        return False
+    libc = _glibc()
+    _applied = not all(libc.mallopt(param, _start_value(param)) == 1 for param in START)
+    libc.malloc_trim(0)
+    return not _applied
+
+
+def _start_value(param: int) -> int:
+    """The value glibc gave ``param`` at this process's start: ``GLIBC_TUNABLES``, the older variable, its default."""
+    default, variable, tunable = START[param]
+    tunables = dict(item.split("=", 1) for item in os.environ.get("GLIBC_TUNABLES", "").split(":") if "=" in item)
+    value = tunables.get(tunable, os.environ.get(variable))
+    try:
+        return int(value, 0) if value else default
+    except ValueError:  # glibc ignores a value it cannot parse
+        return default

@@ -42,7 +42,7 @@ from toolkit.distributed import (
     keep_process_groups,
 )
 from toolkit.errors import TrainingStopped
-from toolkit.host_memory import keep_freed_memory
+from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import LogWindow, MetricsLogger, format_run_summary, parallel_degrees, run_summary, write_summary
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
@@ -80,16 +80,17 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_dataloader, task=None) -> dict:
+def evaluate(accelerator, model, eval_dataloader, task=None, chunked: bool = False) -> dict:
     """The task's metrics over the whole validation set (mean token loss and perplexity for a language model).
 
     Per-row values go through ``gather_for_metrics`` over the data-parallel ranks (``distributed.gather_for_metrics``:
     not the replicas of a tensor-parallel group), which drops the rows accelerate repeats to give every rank an equal
-    number of batches, so each validation row counts exactly once.
+    number of batches, so each validation row counts exactly once. ``chunked``: the model computes its loss in chunks
+    (``loss_chunk_size``), in evaluation as in training.
     """
     task = task or CausalLM()
     model.eval()
-    rows = [gather_for_metrics(accelerator, task.eval_rows(model, batch)) for batch in eval_dataloader]
+    rows = [gather_for_metrics(accelerator, task.eval_rows(model, batch, chunked)) for batch in eval_dataloader]
     model.train()
     return task.eval_metrics(rows)
 
@@ -281,8 +282,9 @@ def _call(callbacks, event: str, **kwargs) -> None:
 class Evaluation:
     """The task's evaluation between steps, and the best value of its metric so far (e.g. perplexity, lower)."""
 
-    def __init__(self, accelerator, model, eval_dl, task):
+    def __init__(self, accelerator, model, eval_dl, task, chunked: bool = False):
         self.accelerator, self.model, self.eval_dl, self.task = accelerator, model, eval_dl, task
+        self.chunked = chunked  # loss_chunk_size: the evaluation loss in chunks too
         self.name, self.better = task.best_metric  # e.g. ("perplexity", min)
         self.best = None
 
@@ -291,7 +293,7 @@ class Evaluation:
 
     def into(self, row: dict) -> dict:
         """Collective: evaluate, add the metrics to ``row`` and return it."""
-        result = evaluate(self.accelerator, self.model, self.eval_dl, self.task)
+        result = evaluate(self.accelerator, self.model, self.eval_dl, self.task, self.chunked)
         row.update(result)
         value = result[self.name]
         self.best = value if self.best is None else self.better(self.best, value)
@@ -319,11 +321,14 @@ class Run:
         return self.sampler.steps_per_epoch
 
 
-def _reuse_cpu_memory(args: TrainingArguments, model) -> bool:
-    """``cpu_memory_reuse``, unset: on, unless the run asked for less memory. The kept heap fragments (torch asks glibc
-    for 64-byte aligned blocks, which a freed block of the same size cannot serve), and eats what the memory switches
-    save (docs/performance.md#where-a-cpu-step-spends-its-time). The model's flag is also set when FSDP's
-    launch-config checkpointing was handed over to transformers."""
+def _reuse_cpu_memory(args: TrainingArguments, model, device: torch.device) -> bool:
+    """Whether to keep freed host memory for reuse: on a CPU device only (a GPU rank's large tensors live in torch's
+    caching allocator on the device); there ``cpu_memory_reuse``, unset: on, unless the run asked for less memory.
+    The kept heap fragments (torch asks glibc for 64-byte aligned blocks, which a freed block of the same size cannot
+    serve), and eats what the memory switches save (docs/performance.md#where-a-cpu-step-spends-its-time). The
+    model's flag is also set when FSDP's launch-config checkpointing was handed over to transformers."""
+    if device.type != "cpu":
+        return False
     if args.cpu_memory_reuse is not None:
         return args.cpu_memory_reuse
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
@@ -357,8 +362,6 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     if eval_dataset is not None and len(eval_dataset) > 0:
         loaders.append(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
-    if accelerator.device.type == "cpu" and _reuse_cpu_memory(args, model) and keep_freed_memory():
-        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
     per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
     optimizer = build_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
@@ -429,7 +432,24 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
     and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
     LM by default). ``resume``: the plan ``toolkit.build`` made before the weights loaded (planned here if None).
+
+    On a CPU, freed host memory is kept for reuse while it trains (``cpu_memory_reuse``, ``toolkit.host_memory``) and
+    glibc's settings come back when it returns or raises, if this call made them: the process (a notebook kernel,
+    what it forks next) goes on as it came in. Settings a caller made before the call stay.
     """
+    kept_here = not memory_kept() and _reuse_cpu_memory(cfg.train, model, accelerator.device) and keep_freed_memory()
+    if memory_kept():
+        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
+    try:
+        return _train(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
+                      resume)
+    finally:
+        if kept_here:
+            restore_freed_memory()
+
+
+def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
+           resume: ResumePlan | None) -> dict:
     task, args, started = task or CausalLM(), cfg.train, time.time()
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
     model, accumulation = run.model, args.gradient_accumulation_steps
@@ -442,7 +462,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
     logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset)
     start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
-    evaluation = Evaluation(accelerator, model, run.eval_dl, task)
+    evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
     if run.eval_dl is not None and args.eval_on_start and state.step == 0:
         logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
     window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,

@@ -132,15 +132,18 @@ def check_chunked_loss(config) -> None:
                                              f"{', '.join(CHUNKABLE_MODEL_TYPES)}. Set loss_chunk_size: 0")
 
 
-def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: int = 0) -> None:
+def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: int = 0,
+                        max_eval_positions: int = 0) -> None:
     """Make ``model(input_ids, attention_mask, labels=...)`` return per-row loss sums computed ``chunk_size``
     positions at a time (``toolkit.loss.chunked_token_losses``) instead of the whole micro-batch's logits.
 
     The instance's own ``forward`` is replaced (not a wrapper module): DDP, FSDP and DeepSpeed call it through their
     usual hooks, and the state dict, the tied weights and ``save_pretrained`` stay those of the model. Without
-    ``labels`` (evaluation, generation) the model's forward runs unchanged. ``max_positions``: the most positions a
-    training micro-batch can hold (rows x block_size); every call then runs the same number of chunks, as ZeRO-3's
-    collective gathers of the head need.
+    ``labels`` (generation) the model's forward runs unchanged; evaluation passes labels too (``CausalLM.eval_rows``),
+    so that a run that fits only thanks to the chunked loss also fits its evaluation. ``max_positions`` /
+    ``max_eval_positions``: the most positions a training / evaluation micro-batch can hold (rows x block_size),
+    chosen by the module's train/eval mode; every call then runs the same number of chunks, as ZeRO-3's collective
+    gathers of the head need.
     """
     import types
 
@@ -155,8 +158,9 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
         # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
         hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
+        positions = max_positions if self.training else max_eval_positions
         row_loss, row_targets = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
-                                                     num_chunks=-(-max_positions // chunk_size))
+                                                     num_chunks=-(-positions // chunk_size))
         return {"row_loss": row_loss, "row_targets": row_targets}
 
     model.forward = types.MethodType(forward, model)

@@ -12,7 +12,7 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     collator(tokenizer)                 pads a micro-batch and counts its targets on the CPU (``num_targets``)
     count_targets(batch)                the targets of a micro-batch, as a tensor (the loop's per_micro_batch mode)
     row_losses(model, batch, chunked)   per-row *summed* loss: the loop divides by the global batch's targets
-    eval_rows(model, batch)             per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
+    eval_rows(model, batch, chunked)    per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
 
 and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's) and
 ``best_metric`` (the eval metric whose best value the summary reports, and which is best). The tasks live beside their
@@ -83,8 +83,9 @@ class Task(ABC):
         """Per-row *summed* loss; ``chunked``: the model's forward computes it (``loss_chunk_size``)."""
 
     @abstractmethod
-    def eval_rows(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
-        """Per-row tensors of one eval batch, gathered across ranks and handed to ``eval_metrics``."""
+    def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
+        """Per-row tensors of one eval batch, gathered across ranks and handed to ``eval_metrics``; ``chunked`` as
+        for ``row_losses``."""
 
     @abstractmethod
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
@@ -127,9 +128,16 @@ class CausalLM(Task):
         logits = model(**model_inputs(batch)).logits
         return token_losses(logits, batch["labels"])[0]
 
-    def eval_rows(self, model, batch: dict) -> tuple[torch.Tensor, ...]:
+    def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
+        """(row loss sums, row target counts). ``chunked``: from the model's chunked loss, as in training: the whole
+        batch's logits (eval rows x seq x vocab, often more rows than a training micro-batch) would not fit where
+        only the chunked loss made training fit."""
+        if chunked:
+            inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
+            out = model(**inputs, labels=batch["labels"])
+            return out["row_loss"], out["row_targets"]
         logits = model(**model_inputs(batch)).logits
-        return token_losses(logits, batch["labels"])  # (row loss sums, row target counts)
+        return token_losses(logits, batch["labels"])
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
         loss_sum = sum(r[0].double().sum() for r in rows)

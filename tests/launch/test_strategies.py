@@ -298,6 +298,11 @@ def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strate
         out = runs.strategy(strategy, f"sgd_{switch}", {**SGD, switch: value})
     assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) <= 1e-6
     assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-6)
+    # the evaluation too (with loss_chunk_size it computes its loss in chunks, every rank the eval batch's count)
+    evals = [[(r["eval_loss"], r["eval_tokens"]) for r in map(json.loads, open(os.path.join(o, "metrics.jsonl")))
+              if "eval_loss" in r] for o in (out, plain)]
+    assert evals[1] and [t for _, t in evals[0]] == [t for _, t in evals[1]]
+    assert [v for v, _ in evals[0]] == pytest.approx([v for v, _ in evals[1]], rel=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -176,3 +176,28 @@ def test_tiny_bert(tmp_path):
     assert batch["input_ids"].shape[1] == 128
     with torch.no_grad():
         assert model(**batch).logits.shape == (2, 3)
+
+
+def test_max_samples_draw_a_seeded_sample_not_the_first_rows(docstrings, tiny_model, tmp_path):
+    """stdlib-docstrings is sorted by class: its first 150 training rows hold 2 of its 6 classes. max_train_samples
+    draws with the run's seed instead (every class present), keeps the rows' file order, and draws the same rows for
+    the same seed (every rank computes it alike) and other rows for another seed."""
+    from toolkit.classification import load_raw_labelled
+    from toolkit.config import parse_args
+
+    def load(seed):
+        cfg = parse_args(["--model_name_or_path", tiny_model, "--dataset_name", "stdlib-docstrings",
+                          "--output_dir", str(tmp_path / "out"), "--max_train_samples", "150",
+                          "--max_eval_samples", "40", "--seed", str(seed)])
+        return load_raw_labelled(cfg.data)[0]
+
+    full_train, full_valid = col(docstrings["train"], "text"), col(docstrings["validation"], "text")
+    assert len(set(col(docstrings["train"], "label")[:150])) < 6  # the data is sorted: the first rows would not do
+    raw = load(7)
+    assert len(raw["train"]) == 150 and len(raw["validation"]) == 40
+    assert len(set(col(raw["train"], "label"))) == docstrings["train"].features["label"].num_classes
+    for split, full in (("train", full_train), ("validation", full_valid)):
+        positions = [full.index(t) for t in col(raw[split], "text")]
+        assert positions == sorted(positions)  # the original relative order
+    assert col(load(7)["train"], "text") == col(raw["train"], "text")
+    assert col(load(8)["train"], "text") != col(raw["train"], "text")

@@ -97,3 +97,57 @@ def test_chunked_loss_is_refused_for_a_model_it_cannot_reproduce():
 
     with pytest.raises(ConfigError, match="loss_chunk_size: a gemma2 model"):
         check_chunked_loss(AutoConfig.for_model("gemma2"))
+
+
+def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_builds_them():
+    """A run that fits only thanks to ``loss_chunk_size`` must fit its evaluation too: ``eval_rows`` with the chunked
+    loss gives the per-row sums and target counts of the logits path (fp32), and the head only ever sees a chunk of
+    positions, never the eval batch's [rows, seq, vocab]. The eval batch (4 x 16) holds more positions than a training
+    micro-batch (2 x 16): in eval mode the chunk count follows the eval batch."""
+    from toolkit.data import CausalLMCollator
+    from toolkit.model import enable_chunked_loss
+    from toolkit.tasks import CausalLM
+
+    plain = _tiny_gpt2().eval()
+    chunked = copy.deepcopy(plain)
+    enable_chunked_loss(chunked, 7, max_positions=2 * 16, max_eval_positions=4 * 16)
+    rows = [{"input_ids": torch.randint(0, 97, (n,)).tolist()} for n in (16, 5, 11, 16)]
+    batch = CausalLMCollator(pad_token_id=0)([{**r, "labels": r["input_ids"]} for r in rows])
+    shapes = {}
+    for name, model in (("plain", plain), ("chunked", chunked)):
+        model.get_output_embeddings().register_forward_hook(
+            lambda module, args, out, name=name: shapes.setdefault(name, []).append(tuple(out.shape)))
+
+    task = CausalLM()
+    with torch.no_grad():
+        want, want_targets = task.eval_rows(plain, batch)
+        got, got_targets = task.eval_rows(chunked, batch, chunked=True)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0) and torch.equal(got_targets, want_targets)
+    assert shapes["plain"] == [(4, 16, 97)]  # what the hook sees of the whole batch's logits
+    assert shapes["chunked"] == [(7, 97)] * 9 + [(1, 97)], shapes["chunked"]  # 64 positions: 9 x 7 + 1
+
+
+def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_data, tmp_path):
+    """train() in this process, with the chunked loss: its evaluation calls the head on chunks only (an eval batch of
+    16 rows x up to 64 positions x 50257 would be 206 MB of logits), and its eval loss and tokens are the plain
+    run's (learning rate 0: both evaluate the same weights)."""
+    from helpers import train_in_process
+
+    from toolkit.metrics import read_metrics
+
+    shapes = []
+
+    class HeadShapes:
+        def on_prepared(self, accelerator, model, optimizer):
+            model.get_output_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+
+    values = {"model_name_or_path": tiny_model, **padded_data, "block_size": 64, "packing": False,
+              "per_device_train_batch_size": 4, "per_device_eval_batch_size": 16, "max_steps": 1, "learning_rate": 0.0,
+              "report_to": "none", "save_final_model": False}
+    train_in_process({**values, "loss_chunk_size": 32, "output_dir": str(tmp_path / "chunked")},
+                     callbacks=[HeadShapes()])
+    assert shapes and all(len(s) == 2 and s[0] <= 32 for s in shapes), sorted(set(shapes))
+    train_in_process({**values, "output_dir": str(tmp_path / "plain")})
+    chunked, plain = (read_metrics(str(tmp_path / run))[-1] for run in ("chunked", "plain"))
+    assert chunked["step"] == plain["step"] == 1 and chunked["eval_tokens"] == plain["eval_tokens"]
+    assert chunked["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
