@@ -314,16 +314,27 @@ class Runs:
         if len(runs) == 1 and "copy_from" not in runs[0] and (runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True):
             launch(runs[0]["argv"], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_run.py"))
         elif runs:
-            path = self.tmp / f"runs-{len(list(self.tmp.glob('runs-*.json')))}.json"
-            path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from"), "recipe": r["recipe"],
-                                         "probe": r["probe"]} for r in runs]))
-            launch([str(path)], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_runs.py"),
-                   timeout=600 + 300 * len(runs))
+            launch_runs(self.tmp, runs, num_processes=kind[1], config=kind[0])
         for r in runs:
             self.done[r["name"]] = r["out"]
             if self.shared is not None and r["key"] is not None:
                 self.shared[r["key"]] = r["out"]
         return self.done[name]
+
+
+def launch_runs(folder, runs: list[dict], num_processes: int = 2, config: str = "ddp.yaml"
+                ) -> subprocess.CompletedProcess:
+    """One launch of tests/scripts/probe_runs.py running ``runs`` one after another in the same ranks (each a dict with
+    ``argv``, the recipe's command line, and optionally ``copy_from``, ``recipe``, ``probe``: what probe_runs.py
+    reads); the list is written as a new ``runs-N.json`` in ``folder``."""
+    import pathlib
+
+    folder = pathlib.Path(folder)
+    path = folder / f"runs-{len(list(folder.glob('runs-*.json')))}.json"
+    path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from"), "recipe": r.get("recipe", "gpt2"),
+                                 "probe": r.get("probe", True)} for r in runs]))
+    return launch([str(path)], num_processes=num_processes, config=config,
+                  script=os.path.join(SCRIPTS, "probe_runs.py"), timeout=600 + 300 * len(runs))
 
 
 class CopyCheckpoint:
