@@ -24,8 +24,8 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data):
-    r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON)
+def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+    r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON, shared=shared_runs)
     r.plan("hsdp", "hsdp.yaml", 4, 2, 1, {})  # and its resumed run after it, in the same launch
     r.plan("hsdp_resumed", "hsdp.yaml", 4, 2, 1, {"resume_from_checkpoint": "latest"}, copy_from=("hsdp", 2))
     return r
@@ -37,7 +37,9 @@ def _probe(out: str, rank: int) -> dict:
 
 
 def test_hsdp_on_four_ranks_equals_one_process(runs):
-    reference = runs.get("one", None, 1, 8, 1, {})
+    # Without checkpoints (save_steps at its default): the one-process SGD reference of test_precision.py and
+    # test_strategies.py, launched once per session (shared_runs).
+    reference = runs.get("one", None, 1, 8, 1, {"save_steps": None})
     hsdp = runs.get("hsdp", "hsdp.yaml", 4, 2, 1, {})
     assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(hsdp, "final"))) <= 1e-6
     for rank in range(4):
