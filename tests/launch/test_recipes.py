@@ -183,7 +183,8 @@ def test_lora_adapters_are_the_same_under_every_strategy(lora_runs):
 def test_plan_predicts_the_lora_states_each_rank_holds(lora_runs, tiny_model, strategy, name):
     # With LoRA (r=4 on every linear layer) the optimizer state is the adapters' alone: a few KB against MBs of
     # weights, so each part is compared on its own (test_strategies.py has the full fine-tuning case).
-    assert_plan_matches_held_bytes(read_probes(lora_runs[strategy]), tiny_model, name, lora_r=4)
+    assert_plan_matches_held_bytes(read_probes(lora_runs[strategy]), tiny_model, name, lora_r=4,
+                                   lora_target_modules=[LORA["lora_target_modules"]])
 
 
 def test_lora_leaves_the_base_weights_bit_identical(lora_runs, tiny_model):
