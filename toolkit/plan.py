@@ -53,6 +53,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from toolkit import hub
 from toolkit.errors import ConfigError
 
 GB = 1e9
@@ -79,7 +80,13 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     from toolkit.accounting import model_shape
 
     source = os.path.dirname(model) if model.endswith(".json") else model
-    config = AutoConfig.from_pretrained(source)
+    offline = hub.offline_if_unreachable(source)  # at once, not after ~25 s of retries
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError:
+        if offline:
+            raise OSError(hub.not_cached(source, offline)) from None
+        raise
     with torch.device("meta"):
         net = _build(config)
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
