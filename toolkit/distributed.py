@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -160,6 +161,8 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _check_mixed_precision(kwargs.get("mixed_precision"))
     _check_skip_nonfinite(args, strategy)
     _check_parallel_sizes()
+    if strategy == "deepspeed":
+        _quiet_deprecated_collectives()
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
@@ -182,6 +185,8 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
     atexit.register(_destroy_process_group)
+    if not accelerator.is_main_process:
+        _no_progress_bars()
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
         raise ConfigError(
@@ -190,6 +195,29 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _quiet_deprecated_collectives() -> None:
+    # DeepSpeed 0.19.8's ZeRO-3 calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor, deprecated
+    # in torch 2.13 (use *_single): a FutureWarning per call site per rank (18 lines x 2 in a 2-step run on 2 ranks),
+    # glued to the progress bar, about code the user does not own (docs/pitfalls.md#deepspeed-import).
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
+def _no_progress_bars() -> None:
+    """The libraries' progress bars off in this process (a rank other than the main one): datasets' map bars (each
+    rank tokenizes an in-memory set itself), transformers' weight loading, huggingface_hub's. One bar per run, not
+    one per rank, interleaved."""
+    import datasets
+    import huggingface_hub.utils
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 def _honour_zero3_init_flag(accelerator: Accelerator) -> None:
@@ -413,6 +441,26 @@ def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
             f"the launch config asks for {strategy} but the Accelerator runs {accelerator.distributed_type}; "
             "refusing to train with a different strategy than configured."
         )
+
+
+@contextmanager
+def without_deepspeed_lookup(accelerator: Accelerator):
+    """Inside: accelerate's ``extract_model_from_parallel`` (behind ``accelerator.unwrap_model``, ``get_state_dict`` and
+    transformers' ``save_pretrained``) does not import DeepSpeed in a run that does not use it. It imports ``deepspeed``
+    whenever the package is installed, only to test the model against its engine class, and that import logs
+    "Setting accelerator to CPU ..." once per rank of a CPU run under DDP, FSDP or one process
+    (docs/pitfalls.md#deepspeed-import)."""
+    from accelerate.utils import other
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED or "deepspeed" in sys.modules:
+        yield
+        return
+    saved = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False  # the name that function reads when it is called
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = saved
 
 
 @contextmanager

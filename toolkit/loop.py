@@ -462,6 +462,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
             # after the next one (the flag is sent with the counts, before the step's first backward).
             preempted = not last and result.stop_requested
+            if last:  # the bar ends with training: the export's own bars are not drawn under an open one
+                logger.close()
             run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
             if preempted:
                 accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "

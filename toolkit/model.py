@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import torch
 import transformers
 from transformers import AutoTokenizer
@@ -71,6 +74,25 @@ def load_tokenizer(args: ModelArguments, log=print):
     return tokenizer
 
 
+@contextmanager
+def _load_report_for_stderr():
+    """transformers 5's load report (missing, unexpected keys: a classifier's new head) goes to sys.stderr with its
+    title always in bold and its statuses coloured when sys.stdout is a terminal: a log file or a captured run held
+    raw escape sequences. Inside, the report has no colour unless stderr is a terminal
+    (docs/pitfalls.md#load-report)."""
+    from transformers.utils import loading_report
+
+    if sys.stderr is not None and sys.stderr.isatty():
+        yield
+        return
+    palette = loading_report.PALETTE
+    loading_report.PALETTE = dict.fromkeys(palette, "")  # read by the report's every styled piece, at call time
+    try:
+        yield
+    finally:
+        loading_report.PALETTE = palette
+
+
 def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM", tp_size: int = 1):
     """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config.
 
@@ -81,8 +103,13 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     split over the tensor-parallel ranks by the model's own TP plan (transformers' ``DistributedConfig``).
     """
     auto = getattr(transformers, auto_class)
-    if tp_size > 1:
-        return _load_tensor_parallel(args, config, auto, tp_size)
+    with _load_report_for_stderr():
+        if tp_size > 1:
+            return _load_tensor_parallel(args, config, auto, tp_size)
+        return _load(args, config, auto)
+
+
+def _load(args: ModelArguments, config, auto):
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
