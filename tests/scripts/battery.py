@@ -13,9 +13,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+import datasets.config  # noqa: E402
 import gpt2  # noqa: E402  the recipe itself, unchanged
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-import datasets.config  # noqa: E402
 from huggingface_hub import constants as hub_constants  # noqa: E402
 
 from toolkit.cli import cli  # noqa: E402
