@@ -471,7 +471,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
                 break
     finally:
         preemption.restore()
-    logger.close()
+        logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if accelerator.is_main_process:
         plot_run(args.output_dir)
     exported = args.save_final_model and not preempted  # a preempted run is not finished: no export
