@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import sys
 from contextlib import contextmanager
 
 import torch
@@ -163,6 +162,11 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _check_parallel_sizes()
     if strategy == "deepspeed":
         _quiet_deprecated_collectives()
+    if not has_accelerator():
+        # accelerate imports DeepSpeed wherever it is installed (extract_model_from_parallel, at the export), also in
+        # runs that do not use it, and DeepSpeed's accelerator detection then logs "Setting accelerator to CPU ..."
+        # once per rank. Naming the CPU accelerator is what it would pick (docs/pitfalls.md#deepspeed-import).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
@@ -441,26 +445,6 @@ def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
             f"the launch config asks for {strategy} but the Accelerator runs {accelerator.distributed_type}; "
             "refusing to train with a different strategy than configured."
         )
-
-
-@contextmanager
-def without_deepspeed_lookup(accelerator: Accelerator):
-    """Inside: accelerate's ``extract_model_from_parallel`` (behind ``accelerator.unwrap_model``, ``get_state_dict`` and
-    transformers' ``save_pretrained``) does not import DeepSpeed in a run that does not use it. It imports ``deepspeed``
-    whenever the package is installed, only to test the model against its engine class, and that import logs
-    "Setting accelerator to CPU ..." once per rank of a CPU run under DDP, FSDP or one process
-    (docs/pitfalls.md#deepspeed-import)."""
-    from accelerate.utils import other
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED or "deepspeed" in sys.modules:
-        yield
-        return
-    saved = other.is_deepspeed_available
-    other.is_deepspeed_available = lambda: False  # the name that function reads when it is called
-    try:
-        yield
-    finally:
-        other.is_deepspeed_available = saved
 
 
 @contextmanager

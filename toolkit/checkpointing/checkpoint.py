@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from accelerate import Accelerator
 
 from toolkit import layout
-from toolkit.distributed import has_accelerator, without_deepspeed_lookup
+from toolkit.distributed import has_accelerator
 
 # torch.distributed.checkpoint folders of a tensor-parallel checkpoint, laid out as accelerate's FSDP ones
 # ({"model": ...} and {"optimizer": ...}, FQN-keyed)
@@ -263,11 +263,6 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora
 
     Gathering is collective (ZeRO-3 / FSDP shards), so every rank calls it; only the main process writes.
     """
-    with without_deepspeed_lookup(accelerator):  # accelerate's and transformers' unwrapping would import DeepSpeed
-        _save_final(accelerator, model, tokenizer, path, merge_lora)
-
-
-def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool) -> None:
     from toolkit import lora
 
     accelerator.wait_for_everyone()

@@ -16,7 +16,7 @@ from toolkit import layout
 from toolkit.checkpointing import checkpoint
 from toolkit.checkpointing.convert import UNIVERSAL, convert
 from toolkit.checkpointing.resume import check_resume, order_record
-from toolkit.distributed import strategy_name, without_deepspeed_lookup
+from toolkit.distributed import strategy_name
 
 
 @dataclass
@@ -64,9 +64,8 @@ class Checkpointer:
                               f"{saved['strategy']}, at step {saved['loop']['step']})")
             load_from = plan.checkpoint
             if plan.conversion is not None:  # the unwrapped model names the tied parameters a plain copy leaves out
-                with without_deepspeed_lookup(accelerator):
-                    unwrapped = accelerator.unwrap_model(self.model)
-                load_from = convert(accelerator, plan.checkpoint, plan.conversion, unwrapped, log=accelerator.print)
+                load_from = convert(accelerator, plan.checkpoint, plan.conversion,
+                                    accelerator.unwrap_model(self.model), log=accelerator.print)
             checkpoint.load_checkpoint(accelerator, load_from, self.optimizer, self.scheduler,
                                        universal=plan.loads_universal)
             state.load_state_dict(saved["loop"])
