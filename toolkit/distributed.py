@@ -189,8 +189,6 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
     atexit.register(_destroy_process_group)
-    if not accelerator.is_main_process:
-        _no_progress_bars()
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
         raise ConfigError(
@@ -209,19 +207,6 @@ def _quiet_deprecated_collectives() -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-
-
-def _no_progress_bars() -> None:
-    """The libraries' progress bars off in this process (a rank other than the main one): datasets' map bars (each
-    rank tokenizes an in-memory set itself), transformers' weight loading, huggingface_hub's. One bar per run, not
-    one per rank, interleaved."""
-    import datasets
-    import huggingface_hub.utils
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    huggingface_hub.utils.disable_progress_bars()
 
 
 def _honour_zero3_init_flag(accelerator: Accelerator) -> None:

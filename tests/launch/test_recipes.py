@@ -76,12 +76,10 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
     evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
     assert evals and all("perplexity" in r for r in evals)
-    # What a user reads of a 2-rank DDP run: DeepSpeed is not imported (its "Setting accelerator to CPU" on each
-    # rank), the second rank draws no progress bar of its own (the same bars as one process), no raw escape
+    # What a user reads of a 2-rank DDP run: no DeepSpeed "Setting accelerator to CPU" on each rank, no raw escape
     # sequences (an export bar drawn under the open training bar moved the cursor up).
     console = two.stdout + two.stderr
     assert "Setting accelerator to CPU" not in console and "\x1b[" not in console
-    assert two.stderr.count("Loading weights:   0%") == one.stderr.count("Loading weights:   0%")
 
 
 def test_sft_refuses_packing_before_any_weights_load(tmp_path, tiny_model, chats):
