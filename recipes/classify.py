@@ -6,7 +6,7 @@ stdlib-docstrings`` (docstrings of standard-library modules labelled by their mo
 ``class_weights`` (one per class, or ``balanced``). With ``use_peft: true`` it trains LoRA adapters and the head.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/classify.py --config recipes/configs/classify_minilm.yaml
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 recipes/classify.py --config recipes/configs/classify_minilm.yaml --use_peft true
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 recipes/classify.py --config recipes/configs/classify_minilm.yaml --use_peft true --output_dir outputs/classify-minilm-lora
 """
 
 from toolkit.build import build

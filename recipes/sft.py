@@ -7,7 +7,7 @@ loss is normalised by the assistant tokens of the whole global batch, as for any
 trains LoRA adapters. It prints one answer before and one after fine-tuning.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml
-    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml --use_peft true
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml --use_peft true --output_dir outputs/sft-smollm2-lora
 """
 
 from toolkit.build import build

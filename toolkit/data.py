@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
+from toolkit import hub
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets
@@ -73,7 +74,12 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
     if args.dataset_name in builtin:
         raw = builtin[args.dataset_name]()
     elif args.dataset_name is not None:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        offline = hub.offline_if_unreachable(args.dataset_name)
+        try:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        except ConnectionError as e:  # datasets' "Couldn't reach ... on the Hub", after its retries unless offline
+            why = hub.not_cached(args.dataset_name, offline) if offline else str(e).splitlines()[0][:200]
+            raise ConfigError("dataset_name", f"cannot load {args.dataset_name!r}: {why}") from None
         if "validation" not in raw and args.validation_split_percentage > 0:
             pct = args.validation_split_percentage
             raw = DatasetDict(

@@ -160,6 +160,13 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _check_mixed_precision(kwargs.get("mixed_precision"))
     _check_skip_nonfinite(args, strategy)
     _check_parallel_sizes()
+    if strategy == "deepspeed":
+        _quiet_deprecated_collectives()
+    if not has_accelerator():
+        # accelerate imports DeepSpeed wherever it is installed (extract_model_from_parallel, at the export), also in
+        # runs that do not use it, and DeepSpeed's accelerator detection then logs "Setting accelerator to CPU ..."
+        # once per rank. Naming the CPU accelerator is what it would pick (docs/pitfalls.md#deepspeed-import).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to
     accelerator = Accelerator(
@@ -190,6 +197,16 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _quiet_deprecated_collectives() -> None:
+    # DeepSpeed 0.19.8's ZeRO-3 calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor, deprecated
+    # in torch 2.13 (use *_single): a FutureWarning per call site per rank (18 lines x 2 in a 2-step run on 2 ranks),
+    # glued to the progress bar, about code the user does not own (docs/pitfalls.md#deepspeed-import).
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def _honour_zero3_init_flag(accelerator: Accelerator) -> None:

@@ -495,6 +495,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
             # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
             # after the next one (the flag is sent with the counts, before the step's first backward).
             preempted = not last and result.stop_requested
+            if last:  # the bar ends with training: the export's own bars are not drawn under an open one
+                logger.close()
             run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
             if preempted:
                 accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
@@ -502,7 +504,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
                 break
     finally:
         preemption.restore()
-    logger.close()
+        logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if accelerator.is_main_process:
         plot_run(args.output_dir)
     exported = args.save_final_model and not preempted  # a preempted run is not finished: no export

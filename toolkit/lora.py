@@ -42,13 +42,31 @@ def target_modules(args: ModelArguments):
     return list(names)
 
 
+def lora_config(args: ModelArguments, task_type: str):
+    """peft's ``LoraConfig`` from the recipe's LoRA fields (``toolkit plan --lora-r`` counts the adapters from it)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=target_modules(args), modules_to_save=args.lora_modules_to_save,
+                      task_type=task_type)
+
+
+def wrap(model, config):
+    """``peft.get_peft_model``, without the FutureWarning peft 0.21 triggers by calling transformers 5's deprecated
+    ``is_gradient_checkpointing`` (once per wrapped model: nothing a user can change)."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def apply_lora(model, args: ModelArguments, task_type: str, log=print):
     """``model`` wrapped by peft with the recipe's LoRA fields. The base weights stay in the model (frozen)."""
-    from peft import LoraConfig, get_peft_model
-
+    config = lora_config(args, task_type)
     targets = target_modules(args)
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets, modules_to_save=args.lora_modules_to_save, task_type=task_type)
     if targets not in (None, "all-linear"):
         present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         missing = [t for t in targets if t not in present]
@@ -57,7 +75,7 @@ def apply_lora(model, args: ModelArguments, task_type: str, log=print):
                                                      f"model; its linear layers include "
                                                      f"{sorted(_linear_names(model))[:12]}, or use all-linear")
     try:
-        peft_model = get_peft_model(model, config)
+        peft_model = wrap(model, config)
     except ValueError as e:  # e.g. no default target modules for this model type
         raise ConfigError("lora_target_modules", f"peft cannot place LoRA on this model: {e}") from None
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -91,12 +109,11 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
     import copy
 
     import torch
-    from peft import get_peft_model
 
     base = unwrapped.get_base_model()
     with torch.device("cpu"):
         fresh = type(base)._from_config(copy.deepcopy(base.config), dtype=next(iter(state_dict.values())).dtype)
-    fresh = get_peft_model(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
+    fresh = wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
     missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
     missing = [k for k in missing if not _is_tied_alias(fresh, k)]
     if missing or unexpected:

@@ -8,12 +8,14 @@ written. torch is imported where it is used, so that readers of finished runs (`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 import warnings
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from toolkit import layout
 
@@ -95,6 +97,11 @@ class MetricsLogger:
             else:
                 self._rewrite([])
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not self.main, desc="train", dynamic_ncols=True)
+        # While the bar is drawn, the libraries' log lines (accelerate's "[RANK 0] ...", transformers') go through
+        # tqdm.write: a line of their own, not glued to the end of the bar.
+        self._logs_above_bar = logging_redirect_tqdm(loggers=[logging.getLogger(), logging.getLogger("transformers")])
+        if self.main:
+            self._logs_above_bar.__enter__()
 
     def _rewrite(self, rows):
         with open(self.path, "w") as f:
@@ -126,6 +133,8 @@ class MetricsLogger:
         self.bar.update(n)
 
     def close(self) -> None:
+        if self.main and not self.bar.disable:
+            self._logs_above_bar.__exit__(None, None, None)
         self.bar.close()
 
 

@@ -3,19 +3,25 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import torch
 import transformers
 from transformers import AutoTokenizer
 
+from toolkit import hub
 from toolkit.config import ModelArguments, max_positions
 from toolkit.errors import ConfigError
 
 __all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions"]
 
 
-def _unreachable(field_name: str, name: str, err: OSError) -> ConfigError:
+def _unreachable(field_name: str, name: str, err: OSError, offline: str | None = None) -> ConfigError:
     # transformers raises OSError for a name that is neither a local folder nor reachable on the Hub (offline, a
-    # typo, a private repo); four chained tracebacks otherwise.
+    # typo, a private repo); four chained tracebacks otherwise. ``offline``: why the Hub was not asked (toolkit.hub).
+    if offline:
+        return ConfigError(field_name, f"cannot load {name!r}: {hub.not_cached(name, offline)}")
     reason = str(err).strip().splitlines()[0][:200]
     return ConfigError(field_name, f"cannot load {name!r}: not a local folder, and the Hub could not provide it "
                                    f"({reason}); check the name, or download it and pass the local folder")
@@ -23,11 +29,14 @@ def _unreachable(field_name: str, name: str, err: OSError) -> ConfigError:
 
 def load_config(args: ModelArguments, disable_dropout: bool = False):
     """The model's config (``ModelArguments.auto_config``: config_overrides applied), a name the Hub cannot provide
-    refused as a ConfigError; ``disable_dropout``: every dropout rate in it 0."""
+    refused as a ConfigError (at once when the Hub is unreachable: toolkit.hub); ``disable_dropout``: every dropout
+    rate in it 0."""
+    offline = hub.offline_if_unreachable(args.config_source)
     try:
         config = args.auto_config()
     except OSError as e:
-        raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e) from None
+        raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e,
+                           offline) from None
     if disable_dropout:
         # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, BERT's
         # hidden_dropout_prob, ...): some models apply dropout functionally from these, with no nn.Dropout to reach.
@@ -48,12 +57,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
 def load_tokenizer(args: ModelArguments, log=print):
     name = args.tokenizer_name or args.model_name_or_path or args.config_name
     kw = args.pretrained_kwargs() if name == args.model_name_or_path else {"trust_remote_code": args.trust_remote_code}
+    offline = hub.offline_if_unreachable(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kw)
     except OSError as e:
         field_name = "tokenizer_name" if args.tokenizer_name else (
             "model_name_or_path" if args.model_name_or_path else "config_name")
-        raise _unreachable(field_name, name, e) from None
+        raise _unreachable(field_name, name, e, offline) from None
     if tokenizer.pad_token_id is None:
         # GPT-2 has no pad token. Pads are masked out of attention and labelled -100, so which id fills them
         # does not matter; EOS is the usual choice and keeps the vocabulary unchanged.
@@ -62,6 +72,25 @@ def load_tokenizer(args: ModelArguments, log=print):
         tokenizer.pad_token = tokenizer.eos_token
         log(f"tokenizer {name} has no pad token: using EOS ({tokenizer.eos_token!r}) for padding")
     return tokenizer
+
+
+@contextmanager
+def _load_report_for_stderr():
+    """transformers 5's load report (missing, unexpected keys: a classifier's new head) goes to sys.stderr with its
+    title always in bold and its statuses coloured when sys.stdout is a terminal: a log file or a captured run held
+    raw escape sequences. Inside, the report has no colour unless stderr is a terminal
+    (docs/pitfalls.md#load-report)."""
+    from transformers.utils import loading_report
+
+    if sys.stderr is not None and sys.stderr.isatty():
+        yield
+        return
+    palette = loading_report.PALETTE
+    loading_report.PALETTE = dict.fromkeys(palette, "")  # read by the report's every styled piece, at call time
+    try:
+        yield
+    finally:
+        loading_report.PALETTE = palette
 
 
 def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM", tp_size: int = 1):
@@ -74,8 +103,13 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     split over the tensor-parallel ranks by the model's own TP plan (transformers' ``DistributedConfig``).
     """
     auto = getattr(transformers, auto_class)
-    if tp_size > 1:
-        return _load_tensor_parallel(args, config, auto, tp_size)
+    with _load_report_for_stderr():
+        if tp_size > 1:
+            return _load_tensor_parallel(args, config, auto, tp_size)
+        return _load(args, config, auto)
+
+
+def _load(args: ModelArguments, config, auto):
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:

@@ -1,7 +1,8 @@
 """``python -m toolkit plan``: which strategy fits, per device, before a GPU is paid for.
 
     python -m toolkit plan --model meta-llama/Llama-2-7b-hf --gpus 8 --gpu-memory 80GB [--nodes 2]
-        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16] [--gradient-checkpointing]
+        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]]
+        [--gradient-checkpointing]
 
 The model is counted from its config on the meta device (no weights allocated). Per device and per strategy:
 
@@ -25,8 +26,10 @@ With D data-parallel devices:
     TP         everything / (devices per node), one node only (tp.yaml: TP with data parallelism is refused);
                activations inside attention and the MLP / t too
 
-With LoRA (``--lora-r``) the base weights are frozen (weights only, sharded like the weights); the adapters (r x
-(in + out) per linear layer of every block) carry the 16 bytes.
+With LoRA (``--lora-r``, ``--lora-target-modules``) the base weights are frozen (weights only, sharded like the
+weights); the adapters the recipes would train with the same fields (r x (in + out) per adapted layer: peft's default
+targets for the model type unless named, e.g. Llama's q_proj and v_proj; counted by peft on the meta model) carry the
+16 bytes.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4,
 16-bit activations; x2 in fp32), per layer, for micro batch b, sequence s, width h, a heads:
@@ -50,6 +53,9 @@ import re
 import sys
 from dataclasses import dataclass
 
+from toolkit import hub
+from toolkit.errors import ConfigError
+
 GB = 1e9
 HEADROOM = 0.9
 
@@ -64,25 +70,29 @@ class ModelCount:
     vocab: int
 
 
-def count_model(model: str, lora_r: int | None = None) -> ModelCount:
-    """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device."""
+def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None) -> ModelCount:
+    """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device. With ``lora_r``,
+    the adapters the recipes would train with these fields (``lora_target_modules`` None: peft's default for the
+    model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model."""
     import torch
     from transformers import AutoConfig
 
     from toolkit.accounting import model_shape
 
     source = os.path.dirname(model) if model.endswith(".json") else model
-    config = AutoConfig.from_pretrained(source)
+    offline = hub.offline_if_unreachable(source)  # at once, not after ~25 s of retries
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError:
+        if offline:
+            raise OSError(hub.not_cached(source, offline)) from None
+        raise
     with torch.device("meta"):
         net = _build(config)
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
     trainable = params
     if lora_r:
-        # LoRA on every linear layer of the blocks (peft's "all-linear"): r x (in + out) per layer
-        trainable = sum(lora_r * (m.in_features + m.out_features) for name, m in net.named_modules()
-                        if isinstance(m, torch.nn.Linear) and name != "lm_head" and "lm_head" not in name)
-        trainable += sum(lora_r * (m.weight.shape[0] + m.weight.shape[1]) for name, m in net.named_modules()
-                         if type(m).__name__ == "Conv1D")  # GPT-2's linear layers
+        trainable = _lora_trainable(net, lora_r, lora_target_modules)
         params += trainable  # the adapters are weights too (held like the base's), and the only ones with state
     layers, width = model_shape(config)
     heads = getattr(config, "num_attention_heads", None) or config.n_head
@@ -90,6 +100,26 @@ def count_model(model: str, lora_r: int | None = None) -> ModelCount:
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits)
+
+
+def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
+    """The parameters peft trains on ``net`` (meta device: nothing is allocated) with the recipes' LoRA config
+    (toolkit.lora.lora_config, their task type: a classifier's head is trained in full, as the recipe does)."""
+    import torch
+
+    from toolkit.config import ModelArguments
+    from toolkit.lora import lora_config, wrap
+
+    args = ModelArguments(lora_r=lora_r, lora_target_modules=lora_target_modules)
+    name = type(net).__name__
+    task = "SEQ_CLS" if name.endswith("ForSequenceClassification") else (
+        "CAUSAL_LM" if name.endswith(("ForCausalLM", "LMHeadModel")) else None)
+    try:
+        with torch.device("meta"):
+            wrapped = wrap(net, lora_config(args, task))
+    except ValueError as e:  # a target module the model does not have, or no default for its type
+        raise ConfigError("lora_target_modules", f"peft cannot place LoRA on this model: {e}") from None
+    return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
 
 
 def _build(config):
@@ -163,18 +193,29 @@ def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkp
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
 
 
-def launch_config(strategy: str, gpus: int, nodes: int) -> str | None:
-    """The ``accelerate launch`` options that run ``strategy`` (None: not with these versions on this layout)."""
+# accelerate's --mixed_precision for the plan's --precision: the configs ship with 'no', and the plan's bytes assume
+# the precision asked for (DeepSpeed's 2-byte weights under bf16/fp16).
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def launch_config(strategy: str, gpus: int, nodes: int, precision: str = "bf16") -> str | None:
+    """The ``accelerate launch`` options that run ``strategy`` as planned (None: not with these versions on this
+    layout): every value the plan assumes is on the command line, since the configs' defaults (2 processes, no
+    mixed precision) are not the plan's."""
     c = "--config_file accelerate_configs/"
+    if strategy == "TP" and nodes > 1:  # within one node and alone: TP with data parallelism is refused
+        return None
     if strategy == "ZeRO-1":
-        return c + "zero2.yaml --zero_stage 1"
-    if strategy == "HSDP":  # shard within a node (fast links), replicate across nodes
-        return (c + f"hsdp.yaml --parallelism_config_dp_replicate_size {nodes} "
-                f"--parallelism_config_dp_shard_size {gpus} --num_processes {gpus * nodes}")
-    if strategy == "TP":  # within one node and alone: TP with data parallelism is refused (toolkit.distributed)
-        return None if nodes > 1 else (c + f"tp.yaml --parallelism_config_tp_size {gpus} --num_processes {gpus}")
-    return c + {"DDP": "ddp.yaml", "ZeRO-2": "zero2.yaml", "ZeRO-3": "zero3.yaml",
-                "ZeRO-3 + offload": "zero3_offload.yaml", "FSDP2": "fsdp.yaml"}[strategy]
+        c += "zero2.yaml --zero_stage 1"
+    elif strategy == "HSDP":  # shard within a node (fast links), replicate across nodes
+        c += f"hsdp.yaml --parallelism_config_dp_replicate_size {nodes} --parallelism_config_dp_shard_size {gpus}"
+    elif strategy == "TP":
+        c += f"tp.yaml --parallelism_config_tp_size {gpus}"
+    else:
+        c += {"DDP": "ddp.yaml", "ZeRO-2": "zero2.yaml", "ZeRO-3": "zero3.yaml",
+              "ZeRO-3 + offload": "zero3_offload.yaml", "FSDP2": "fsdp.yaml"}[strategy]
+    machines = f" --num_machines {nodes}" if nodes > 1 else ""
+    return f"{c} --num_processes {gpus * nodes}{machines} --mixed_precision {MIXED_PRECISION[precision]}"
 
 
 def _fits(total: dict, gpu_memory: float) -> str:
@@ -190,7 +231,7 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
     devices = gpus * nodes
     rows = []
     for name in STRATEGIES:
-        config = launch_config(name, gpus, nodes)
+        config = launch_config(name, gpus, nodes, precision)
         states = model_states_per_device(m, name, devices, gpus, precision)
         on_device = sum(v for k, v in states.items() if k != "cpu")
         tp = gpus if name == "TP" else 1
@@ -233,7 +274,24 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         lines.append(f"{r['strategy']:<17} {r['weights'] / GB:>8.2f} {r['gradients'] / GB:>8.2f} "
                      f"{r['optimizer'] / GB:>8.2f} {r['model_states'] / GB:>8.2f} {acts[0]:>17} {acts[1]:>17} "
                      f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5} {r['fits_other']:>12}  {launch}")
+    lines += ["", "then the recipe with the fields planned: <recipe> --config <yours> " + recipe_fields(args)]
+    if args.nodes > 1:
+        lines.append(f"on each of the {args.nodes} nodes, also: --machine_rank <0..{args.nodes - 1}> "
+                     "--main_process_ip <node 0's address> --main_process_port 29500 (docs/multinode.md)")
     return "\n".join(lines)
+
+
+def recipe_fields(args) -> str:
+    """The recipe's fields that the plan's figures assume (micro batch, sequence length, checkpointing, LoRA)."""
+    fields = (f"--model_name_or_path {args.model if not args.model.endswith('.json') else os.path.dirname(args.model)} "
+              f"--per_device_train_batch_size {args.micro_batch} --block_size {args.seq_len}")
+    if args.gradient_checkpointing:
+        fields += " --gradient_checkpointing true"
+    if args.lora_r:
+        fields += f" --use_peft true --lora_r {args.lora_r}"
+        if args.lora_target_modules:
+            fields += " --lora_target_modules " + " ".join(args.lora_target_modules)
+    return fields
 
 
 def main(argv=None) -> int:
@@ -245,14 +303,19 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--lora-r", type=int, default=None)
+    parser.add_argument("--lora-r", type=int, default=None, help="count LoRA adapters of this rank (use_peft)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None,
+                        help="the recipe's lora_target_modules (default: peft's for the model type, as the recipes)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args(argv)
     for name in ("gpus", "nodes", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
-        m = count_model(args.model, args.lora_r)
+        m = count_model(args.model, args.lora_r, args.lora_target_modules)
+    except ConfigError as e:  # the LoRA fields (the recipe's own checks, field names as the recipe spells them)
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:  # no such folder, no config.json, a Hub name while offline
         print(f"plan error: --model {args.model}: {str(e).splitlines()[0]} (give a model folder, its config.json "
               "or a Hub name that is reachable or cached)", file=sys.stderr)

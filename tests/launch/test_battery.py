@@ -130,8 +130,12 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("no model", {"model_name_or_path": None}, [], {}, "model_name_or_path", "set model_name_or_path"),
         ("model folder missing", {"model_name_or_path": "./no/such/model"}, [], {}, "model_name_or_path",
          "folder not found"),
+        # (the Hub's 404 where it answers, else its unreachability: both at once since toolkit/hub.py)
         ("unreachable Hub model", {"model_name_or_path": "some-org/not-a-model"}, [], {}, "model_name_or_path",
-         "not a local folder, and the Hub could not provide it"),
+         "cannot load 'some-org/not-a-model': not a local folder, and the Hub "),
+        ("Hub dataset offline", {"dataset_name": "some-org/not-a-set", "train_file": None, "validation_file": None},
+         [], {"HF_HUB_OFFLINE": "1"}, "dataset_name",
+         "not a local folder, and the Hub is unreachable (HF_HUB_OFFLINE is set) with no copy of 'some-org/not-a-set'"),
         ("override without =", {"config_overrides": "n_layer"}, [], {}, "config_overrides", "key=value"),
         ("override unknown key value", {"config_overrides": "n_layer=abc"}, [], {}, "config_overrides",
          "cannot read the model config"),

@@ -30,16 +30,19 @@ def commands(request, llama7b, tmp_path_factory):
     return dict(zip(cmds, run_all(list(cmds.values()), timeout=120)))
 
 
-def test_the_command(request, commands):
+def test_the_command(request, commands, llama7b):
     proc = commands[request.node.name]  # toolkit plan --model <Llama-2-7B's config.json> --gpus 8 --gpu-memory 80GB
     assert proc.returncode == 0, proc.stderr
     lines = {line[:17].strip(): line for line in proc.stdout.splitlines() if line.split()}  # the strategy column
     assert "6.74 B parameters" in proc.stdout
-    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-6:] == ["no", "no", "accelerate", "launch",
-                                                                      "--config_file", "accelerate_configs/ddp.yaml"]
+    assert " 107.81 " in lines["DDP"] and lines["DDP"].split()[-10:] == [
+        "no", "no", "accelerate", "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "8",
+        "--mixed_precision", "bf16"]
     assert "accelerate_configs/zero3.yaml" in lines["ZeRO-3"] and "accelerate_configs/fsdp.yaml" in lines["FSDP2"]
     assert "accelerate_configs/zero2.yaml --zero_stage 1" in lines["ZeRO-1"]
     assert "accelerate_configs/hsdp.yaml" in lines["HSDP"] and "accelerate_configs/tp.yaml" in lines["TP"]
+    recipe = next(line for line in proc.stdout.splitlines() if line.startswith("then the recipe"))
+    assert recipe.endswith(f"--model_name_or_path {llama7b} --per_device_train_batch_size 4 --block_size 2048")
 
 
 def test_a_model_that_is_not_there_is_one_clear_line(request, commands):

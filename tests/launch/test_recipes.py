@@ -77,6 +77,10 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
     evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
     assert evals and all("perplexity" in r for r in evals)
+    # What a user reads of a 2-rank DDP run: no DeepSpeed "Setting accelerator to CPU" on each rank, no raw escape
+    # sequences (an export bar drawn under the open training bar moved the cursor up).
+    console = two.stdout + two.stderr
+    assert "Setting accelerator to CPU" not in console and "\x1b[" not in console
 
 
 def test_sft_refuses_wrapped_packing_before_any_weights_load(tmp_path, tiny_model, chats):
@@ -244,7 +248,8 @@ def test_lora_adapters_are_the_same_under_every_strategy(lora_runs):
 def test_plan_predicts_the_lora_states_each_rank_holds(lora_runs, tiny_model, strategy, name):
     # With LoRA (r=4 on every linear layer) the optimizer state is the adapters' alone: a few KB against MBs of
     # weights, so each part is compared on its own (test_strategies.py has the full fine-tuning case).
-    assert_plan_matches_held_bytes(read_probes(lora_runs[strategy]), tiny_model, name, lora_r=4)
+    assert_plan_matches_held_bytes(read_probes(lora_runs[strategy]), tiny_model, name, lora_r=4,
+                                   lora_target_modules=[LORA["lora_target_modules"]])
 
 
 def test_lora_leaves_the_base_weights_bit_identical(lora_runs, tiny_model):

@@ -13,14 +13,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+import datasets.config  # noqa: E402
 import gpt2  # noqa: E402  the recipe itself, unchanged
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from huggingface_hub import constants as hub_constants  # noqa: E402
 
 from toolkit.cli import cli  # noqa: E402
 
 cases_path, out_path = sys.argv[1], sys.argv[2]  # sys.argv becomes each case's command line below
 cases = json.load(open(cases_path))
 results = {}
+hub_offline = hub_constants.HF_HUB_OFFLINE
 for case in cases:
     saved_env = dict(os.environ)
     os.environ.update(case.get("env", {}))
@@ -39,6 +42,9 @@ for case in cases:
             err.write(traceback.format_exc())
     os.environ.clear()
     os.environ.update(saved_env)
+    # a case's offline variables put this process's Hub libraries offline (toolkit.hub): not the next case's
+    hub_constants.HF_HUB_OFFLINE = hub_offline
+    datasets.config.HF_HUB_OFFLINE = hub_offline
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     results[case["name"]] = {"code": code, "stderr": err.getvalue(),

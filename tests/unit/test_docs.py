@@ -98,16 +98,20 @@ def test_readme_is_short():
                                        "to a page in docs/ and link to it")
 
 
-def test_every_command_shown_names_files_that_exist():
-    missing = []
+def _command_lines():
+    """(markdown file, line) for every line of a shell code block in the README and docs/."""
     for md in _markdown_files():
         blocks, _ = _split_fences(open(md).read())
         for language, lines in blocks:
-            if language not in COMMAND_LANGUAGES:
-                continue
-            for line in lines:
-                missing += [f"{_name(md)}: {path}   (in: {line.strip()})" for path in _repository_paths(line)
-                            if not os.path.exists(os.path.join(ROOT, path))]
+            if language in COMMAND_LANGUAGES:
+                yield from ((md, line) for line in lines)
+
+
+def test_every_command_shown_names_files_that_exist():
+    missing = []
+    for md, line in _command_lines():
+        missing += [f"{_name(md)}: {path}   (in: {line.strip()})" for path in _repository_paths(line)
+                    if not os.path.exists(os.path.join(ROOT, path))]
     assert not missing, "commands in the docs name files that do not exist:\n" + "\n".join(missing)
 
 
@@ -136,3 +140,38 @@ def test_configuration_page_names_every_field():
     assert len(fields) > 40, f"found only {len(fields)} config fields in toolkit/config.py"
     missing = sorted(name for name in fields if f"`{name}`" not in page)
     assert not missing, f"config fields missing from docs/configuration.md: {missing}"
+
+
+def _recipe_runs(line: str) -> dict | None:
+    """What a shown recipe command writes: {"output_dir", "use_peft"}, from its --config file and its overrides;
+    None when the line runs no recipe."""
+    import yaml
+
+    tokens = line.split()
+    script = next((i for i, t in enumerate(tokens) if re.fullmatch(r"recipes/\w+\.py", t)), None)
+    if script is None:
+        return None
+    args, key = {}, None
+    for token in tokens[script + 1:]:  # --field value [value ...] (lists take several)
+        if token.startswith("--"):
+            key = token
+            args[key] = None
+        elif key and args[key] is None:
+            args[key] = token
+    config = yaml.safe_load(open(os.path.join(ROOT, args["--config"]))) if "--config" in args else {}
+    return {"output_dir": args.get("--output_dir", config.get("output_dir")),
+            "use_peft": args.get("--use_peft", str(config.get("use_peft", False))).lower() == "true"}
+
+
+def test_full_and_lora_commands_write_their_own_folders():
+    """A LoRA command shown beside a full fine-tuning one of the same config gets its own output_dir: the second
+    would move the first aside (overwrite_output_dir) and `toolkit report` would label it replaced-<time>."""
+    writers: dict[str, dict[bool, str]] = {}
+    for md, line in _command_lines():
+        run = _recipe_runs(line.split("#", 1)[0])
+        if run and run["output_dir"]:
+            writers.setdefault(run["output_dir"], {})[run["use_peft"]] = f"{_name(md)}: {line.strip()}"
+    shared = {out: kinds for out, kinds in writers.items() if len(kinds) == 2}
+    assert len(writers) >= 5, f"found only {len(writers)} recipe commands' output folders"
+    assert not shared, "full fine-tuning and LoRA commands write the same output_dir:\n" + "\n".join(
+        f"{out}:\n  {kinds[False]}\n  {kinds[True]}" for out, kinds in shared.items())

@@ -38,8 +38,10 @@ def test_mixed_precision_adamw_is_16_bytes_per_parameter(llama7b):
 
 
 def test_lora_and_checkpointing_shrink_what_they_should(llama7b):
-    m = count_model(llama7b, lora_r=16)
-    # r x (in + out) over q, k, v, o (4096 x 4096) and gate, up (4096 -> 11008), down (11008 -> 4096), 32 layers
+    # the recipes' default targets for Llama (peft's): r x (in + out) over q_proj and v_proj (4096 x 4096), 32 layers
+    assert count_model(llama7b, lora_r=16).trainable == 32 * 16 * 2 * 8192
+    m = count_model(llama7b, lora_r=16, lora_target_modules=["all-linear"])
+    # all-linear: q, k, v, o (4096 x 4096) and gate, up (4096 -> 11008), down (11008 -> 4096), 32 layers
     assert m.trainable == 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))
     states = model_states_per_device(m, "DDP", 8, 8, "bf16")
     assert states["weights"] == 4 * m.params and states["optimizer"] == 8 * m.trainable
@@ -56,7 +58,8 @@ def test_lora_and_checkpointing_shrink_what_they_should(llama7b):
     one_node = {r["strategy"]: r for r in plan(m, 8, 80e9, nodes=1)}
     assert one_node["TP"]["model_states"] == one_node["FSDP2"]["model_states"] == one_node["HSDP"]["model_states"]
     assert one_node["TP"]["activations"]["expected"] < one_node["FSDP2"]["activations"]["expected"] / 2
-    assert one_node["TP"]["config"].endswith("tp.yaml --parallelism_config_tp_size 8 --num_processes 8")
+    assert one_node["TP"]["config"].endswith("tp.yaml --parallelism_config_tp_size 8 --num_processes 8 "
+                                             "--mixed_precision bf16")
 
 
 def test_a_classifier_is_counted_as_a_classifier(tmp_path):
@@ -70,3 +73,59 @@ def test_a_classifier_is_counted_as_a_classifier(tmp_path):
     m = count_model(str(tmp_path))
     assert m.params == sum(p.numel() for p in BertForSequenceClassification(config).parameters())
     assert m.vocab == 6
+
+
+NAMED_TARGETS = {"llama": ["k_proj", "down_proj"], "gpt2": ["c_fc"], "bert-classifier": ["key", "dense"]}
+
+
+@pytest.mark.parametrize("targets", ["default", "all-linear", "named"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert-classifier"])
+def test_lora_count_is_what_the_recipe_trains(tmp_path, kind, targets):
+    """``--lora-r`` counts what ``toolkit.lora.apply_lora`` leaves trainable (peft, on real weights) for the same model
+    and fields: peft's default targets for the model type (Llama's q_proj and v_proj, GPT-2's c_attn, BERT's query and
+    value plus the classifier head it trains in full), all-linear, or a list."""
+    import transformers
+
+    from toolkit.config import ModelArguments
+    from toolkit.lora import apply_lora
+
+    targets = {"default": None, "all-linear": ["all-linear"], "named": NAMED_TARGETS[kind]}[targets]
+    config = {"llama": transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+              "gpt2": transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64),
+              "bert-classifier": transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=2, intermediate_size=48, num_labels=3,
+                                                         architectures=["BertForSequenceClassification"])}[kind]
+    auto, task = ((transformers.AutoModelForSequenceClassification, "SEQ_CLS") if kind == "bert-classifier" else
+                  (transformers.AutoModelForCausalLM, "CAUSAL_LM"))
+    config.save_pretrained(tmp_path)  # what the plan reads
+    args = ModelArguments(model_name_or_path=str(tmp_path), use_peft=True, lora_r=4, lora_target_modules=targets)
+    model = auto.from_config(config)  # real weights, as the recipe's would be
+    base = sum(p.numel() for p in model.parameters())
+    trained = apply_lora(model, args, task, log=lambda *_: None)
+    expected = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    m = count_model(str(tmp_path), lora_r=4, lora_target_modules=targets)
+    assert m.trainable == expected
+    assert m.params == base + expected  # the adapters (and a head trained in full) counted once more as weights
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_launch_options_run_what_was_planned(llama7b, monkeypatch, nodes):
+    """Each strategy's launch options, read by accelerate launch's own parser and config merge, start the planned
+    number of processes with the planned mixed precision (the configs ship with 2 processes and 'no')."""
+    import shlex
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from helpers import ROOT
+
+    monkeypatch.chdir(ROOT)  # the options name accelerate_configs/ relative to the repository, as the README's commands
+    m = count_model(llama7b)
+    for precision, mixed in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "no")):
+        for row in plan(m, 8, 80e9, nodes=nodes, precision=precision):
+            if row["config"] is None:
+                continue
+            args = launch_command_parser().parse_args(shlex.split(row["config"]) + ["recipes/gpt2.py"])
+            args, _, _ = _validate_launch_command(args)
+            assert (args.num_processes, args.num_machines, args.mixed_precision) == (8 * nodes, nodes, mixed), row
+            if row["strategy"].startswith("ZeRO"):
+                assert args.use_deepspeed and int(args.zero_stage) == int(row["strategy"][5]), row
