@@ -255,8 +255,9 @@ def _destroy_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        keep_process_groups()
-        dist.destroy_process_group()
+        if _KEPT_GROUPS:  # train() kept them: they die with the process (toolkit.cli ends it with os._exit)
+            keep_process_groups()
+        dist.destroy_process_group()  # otherwise the group dies here, while the interpreter is whole
 
 
 def _check_mixed_precision(asked: str | None) -> None:
