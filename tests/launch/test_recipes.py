@@ -105,16 +105,23 @@ def _sft_bfd(model, chats) -> dict:
 def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     """recipes/sft.py --packing true: whole chats packed best-fit decreasing, each with its assistant-only mask and
     its own positions; 2 ranks x 2 x 2 end with the weights of 1 process x 8 (SGD, 1e-6)."""
-    cfg = _sft_bfd(gpt2_256, chats)
-    one = runs.get("sft_bfd_one", "ddp.yaml", 1, 8, 1, cfg)
-    two = runs.get("sft_bfd_two", "ddp.yaml", 2, 2, 2, cfg)
-    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(gpt2_256)) > 1e-2, "it must train"
-    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
-    assert diff <= 1e-6, diff
+    one, two = _two_ranks_equal_one_process(runs, "sft_bfd", _sft_bfd(gpt2_256, chats), gpt2_256, moved=1e-2)
     summary = json.load(open(os.path.join(two, "summary.json")))
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
+
+
+def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float) -> tuple[str, str]:
+    """The planned runs ``<name>_one`` (1 process x 8) and ``<name>_two`` (2 ranks x 2 x accumulation 2): the first
+    trained (its weights moved more than ``moved`` from ``start``'s), both end within 1e-6 of each other, with the
+    same step losses (rel 1e-6). Their output folders."""
+    one = runs.get(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg)
+    two = runs.get(f"{name}_two", "ddp.yaml", 2, 2, 2, cfg)
+    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(start)) > moved, "it must train"
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
+    assert diff <= 1e-6, diff
     assert [r["loss"] for r in _rows(two) if "loss" in r] == pytest.approx([r["loss"] for r in _rows(one) if "loss" in r],
                                                                            rel=1e-6)
+    return one, two
 
 
 # ----------------------------------------------------------------------------------------------------- DPO
@@ -142,14 +149,7 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
     """recipes/dpo.py: 2 ranks x 2 pairs x accumulation 2 end with the weights of 1 process x 8 pairs (SGD, 1e-6):
     each micro-step's summed pair losses are divided by the global batch's pairs; the held-out metrics (TRL's names)
     start at the reference (loss log 2, rewards 0) and count each of the 7 pairs once."""
-    cfg = _dpo(gpt2_256, pairs)
-    one = runs.get("dpo_one", "ddp.yaml", 1, 8, 1, cfg)
-    two = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, cfg)
-    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(gpt2_256)) > 1e-3, "it must train"
-    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
-    assert diff <= 1e-6, diff
-    assert [r["loss"] for r in _rows(two) if "loss" in r] == pytest.approx([r["loss"] for r in _rows(one) if "loss" in r],
-                                                                           rel=1e-6)
+    one, two = _two_ranks_equal_one_process(runs, "dpo", _dpo(gpt2_256, pairs), gpt2_256, moved=1e-3)
     evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (one, two)}
     start, end = evals[two][0], evals[two][-1]
     assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["rewards/margins"] == 0.0
