@@ -24,10 +24,7 @@ def main(callbacks=None):
     accelerator = make_accelerator(cfg.train)
     task = DPO()
     parts = build(cfg, accelerator, task=task)  # columns checked before the weights load; pairs tokenized
-    # the reference: the starting weights' log-probabilities, once, before the policy moves (and before prepare)
-    parts.train_dataset, parts.eval_dataset = task.precompute_reference(
-        parts.model, {"train": parts.train_dataset, "validation": parts.eval_dataset},
-        cfg.train.per_device_eval_batch_size, parts.tokenizer.pad_token_id).values()
+    task.add_reference(cfg, accelerator, parts)  # the starting weights' log-probs, once, carried in the rows
     return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)
 
 

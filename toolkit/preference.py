@@ -20,7 +20,8 @@ divided by the global batch's pair count, so the objective is the mean over ever
 its split over ranks and micro-steps. (TRL averages each micro-batch and divides by the accumulation steps: a mean of
 micro-batch means, the same only when every micro-batch holds as many pairs; docs/pitfalls.md.)
 
-Reference: the starting weights, evaluated once before training (TRL's ``precompute_ref_log_probs``): every rank
+Reference: the starting weights, evaluated once before training (TRL's ``precompute_ref_log_probs``) from a whole
+copy loaded for it and freed (``add_reference``; the policy itself may already be partitioned under ZeRO-3): every rank
 computes the log-probabilities of every pair in fixed chunks of ``per_device_eval_batch_size`` pairs in dataset order
 (so the values do not depend on the world size or the micro-batch), without grad, and they travel with the rows
 (``ref_chosen_logps``, ``ref_rejected_logps``). Exact and memory-free; its cost is one forward over the data per rank.
@@ -39,8 +40,10 @@ from datasets import DatasetDict
 from toolkit import data
 from toolkit.chat import assistant_spans, check_messages, set_chat_template, tokenize_spans
 from toolkit.config import DataArguments
+from toolkit.distributed import plain_loading
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
+from toolkit.model import load_model
 from toolkit.tasks import CausalLM
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -213,6 +216,18 @@ class DPO(CausalLM):
                 "rewards/margins": float((reward_chosen - reward_rejected).mean()),
                 "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
                 "eval_pairs": len(losses)}
+
+    def add_reference(self, cfg, accelerator, parts) -> None:
+        """``parts``' train and eval datasets with the reference log-probabilities: the starting weights loaded whole
+        on every rank (``plain_loading``: outside ZeRO-3's partitioning, before any strategy shards the policy, so the
+        same under DDP, ZeRO and FSDP), evaluated, then freed; with LoRA the base model is the reference (the adapter
+        starts at zero)."""
+        with plain_loading(accelerator):
+            reference = load_model(cfg.model)
+        datasets = self.precompute_reference(reference, {"train": parts.train_dataset, "validation": parts.eval_dataset},
+                                             cfg.train.per_device_eval_batch_size, parts.tokenizer.pad_token_id)
+        del reference
+        parts.train_dataset, parts.eval_dataset = datasets["train"], datasets["validation"]
 
     @torch.no_grad()
     def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:

@@ -162,6 +162,19 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-5), key
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_dpo_under_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pairs, strategy):
+    """The same 2 x 2 x 2 DPO run with the policy sharded (ZeRO-3, FSDP2): the reference log-probs come from a whole
+    copy loaded outside the partitioning, so the run ends with the weights of 1 process x 8 (SGD, 1e-6)."""
+    cfg = _dpo(gpt2_256, pairs)
+    one = runs.get("dpo_one", "ddp.yaml", 1, 8, 1, cfg)
+    sharded = runs.get(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, cfg)
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(sharded, "final")))
+    assert diff <= 1e-6, diff
+    start = [r for r in _rows(sharded) if "eval_loss" in r][0]
+    assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["eval_pairs"] == 7
+
+
 # ------------------------------------------------------------------------------------------ classification
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory):
@@ -221,6 +234,8 @@ def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, g
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("dpo_one", "ddp.yaml", 1, 8, 1, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
     r.plan("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
+    for strategy in ("zero3", "fsdp"):  # joining the LoRA and classifier launches of those configs
+        r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
     r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
     for config in ("ddp.yaml", "fsdp.yaml"):
         r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)
