@@ -157,6 +157,7 @@ class DPO(CausalLM):
     are computed by ``precompute_reference`` before training and carried in the rows."""
 
     name = "dpo"
+    sequences_per_row = 2  # chosen and rejected: what the chunked loss sizes its chunk count by
     best_metric = ("eval_loss", min)
 
     def __init__(self):

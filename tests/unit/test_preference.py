@@ -217,3 +217,30 @@ def test_unequal_micro_batches_give_the_global_mean_where_trl_does_not(tiny_mode
     gap = _max_diff(trl_grads, global_grads)
     assert abs(trl_loss - global_loss) > 1e-4 and gap > 1e-4, (
         f"TRL's 1+3 step loss {trl_loss:.6f} vs the global mean {global_loss:.6f}; its gradients differ by {gap:.2e}")
+
+
+def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tmp_path):
+    """loss_chunk_size: a micro-batch of b pairs holds 2b sequences, so the chunk count every rank runs is sized for
+    2b x block_size positions (``Task.sequences_per_row``); sized for b rows, 4 long pairs raised "needs N chunks"."""
+    import json
+
+    from toolkit.build import build
+    from toolkit.config import parse_args
+    from toolkit.preference import DPO
+
+    long = " and".join(" a sentence that goes on" for _ in range(6))  # about 40 tokens a completion
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": long, "rejected": p["rejected"]}) + "\n"
+                            for p in PAIRS))
+    cfg = parse_args(["--model_name_or_path", tiny_model, "--train_file", str(path), "--validation_split_percentage",
+                      "0", "--loss_chunk_size", "16", "--per_device_train_batch_size", "4", "--block_size", "64",
+                      "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    parts = build(cfg, None, log=lambda *a: None, task=DPO())
+    rows = parts.task.precompute_reference(_model(tiny_model), {"train": parts.train_dataset}, 4,
+                                           parts.tokenizer.pad_token_id)["train"]
+    batch = parts.collator([rows[i] for i in range(4)])
+    assert batch["input_ids"].numel() > 4 * 64  # more positions than 4 rows of block_size
+    parts.model.train()  # the training micro-batch's chunk count (the tiny GPT-2 has no dropout)
+    chunked = parts.task.row_losses(parts.model, batch, chunked=True)
+    plain = parts.task.row_losses(_model(tiny_model), batch)
+    assert torch.allclose(chunked, plain, atol=1e-5), (chunked, plain)
