@@ -234,7 +234,7 @@ class Runs:
              copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True) -> None:
         """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
         planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``).
-        ``recipe``: which of recipes/ runs it (gpt2, sft, classify); ``probe``: with probe_run.py's callbacks (gpt2
+        ``recipe``: which of recipes/ runs it (gpt2, sft, classify, dpo); ``probe``: with probe_run.py's callbacks (gpt2
         only)."""
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
         assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"

@@ -101,9 +101,10 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing
     # wraps its layers), then LoRA around them, then dropout off everywhere, LoRA's dropout included.
     if cfg.train.loss_chunk_size:
+        rows = task.sequences_per_row  # a DPO row is a pair: two sequences in the micro-batch
         enable_chunked_loss(model, cfg.train.loss_chunk_size,
-                            max_positions=cfg.train.per_device_train_batch_size * block_size,
-                            max_eval_positions=cfg.train.per_device_eval_batch_size * block_size)
+                            max_positions=cfg.train.per_device_train_batch_size * rows * block_size,
+                            max_eval_positions=cfg.train.per_device_eval_batch_size * rows * block_size)
         log(f"loss_chunk_size: the training and evaluation losses are computed {cfg.train.loss_chunk_size} "
             "positions at a time")
     if checkpointing:

@@ -2,6 +2,8 @@
 
 * :func:`pydoc_chats`: question/answer chats for supervised fine-tuning, from CPython's reference documentation
   (``pydoc_data.topics``): "What does the `with` statement do?" -> the first paragraph of that section.
+* :func:`pydoc_preferences`: preference pairs for DPO from the same questions: the section's answer chosen, another
+  topic's answer rejected.
 * :func:`stdlib_docstrings`: text classification, the docstrings of a few standard-library modules labelled by
   the module they come from, with a stratified split; :func:`majority_baseline` is the accuracy to beat.
 
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # datasets is imported inside the functions: this file must import under `python -S` (see below)
     from datasets import DatasetDict
 
-__all__ = ["pydoc_chats", "stdlib_docstrings", "majority_baseline", "DOCSTRING_MODULES"]
+__all__ = ["pydoc_chats", "pydoc_preferences", "stdlib_docstrings", "majority_baseline", "DOCSTRING_MODULES"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # pydoc chats
@@ -183,6 +185,32 @@ def pydoc_chats(seed: int = 0, multi_turn_fraction: float = 0.2, validation_ever
             rows.append([m for q, a in turns for m in ({"role": "user", "content": q},
                                                        {"role": "assistant", "content": a})])
         out[name] = Dataset.from_dict({"messages": rows})
+    return DatasetDict(out)
+
+
+def pydoc_preferences(seed: int = 0, validation_every: int = 10) -> DatasetDict:
+    """Preference pairs (TRL's conversational format: ``prompt``, ``chosen``, ``rejected``, each a list of messages)
+    from the questions of :func:`pydoc_chats`: the prompt is the question, ``chosen`` the answer from its own
+    section, ``rejected`` the answer of a section of another topic in the same split, drawn with
+    ``random.Random(seed)``. Both answers are fluent Python documentation, so what a model learns from the pairs is
+    relevance: to answer the question asked rather than some other part of Python. Split by topic as
+    :func:`pydoc_chats` (no validation question comes from a topic seen in training)."""
+    from datasets import Dataset, DatasetDict
+
+    rng = random.Random(seed)
+    splits: dict[str, list[tuple[int, str, str]]] = {"train": [], "validation": []}
+    for topic_index, heading, answer in _pydoc_pairs():
+        split = "validation" if topic_index % validation_every == 0 else "train"
+        splits[split].append((topic_index, _question(heading, rng), answer))
+    out = {}
+    for name, rows in splits.items():
+        columns = {"prompt": [], "chosen": [], "rejected": []}
+        for topic, question, answer in rows:
+            others = [a for t, _, a in rows if t != topic]
+            columns["prompt"].append([{"role": "user", "content": question}])
+            columns["chosen"].append([{"role": "assistant", "content": answer}])
+            columns["rejected"].append([{"role": "assistant", "content": rng.choice(others)}])
+        out[name] = Dataset.from_dict(columns)
     return DatasetDict(out)
 
 

@@ -137,6 +137,12 @@ def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]
     target when ``i`` lies inside an assistant turn. A tokenizer without character offsets (no fast version) is cut
     at the turn boundaries instead, and refused where that changes the ids."""
     full, spans = assistant_spans(tokenizer, messages)
+    return tokenize_spans(tokenizer, full, spans)
+
+
+def tokenize_spans(tokenizer, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``full`` tokenized once (no special tokens added), labelled by ``spans`` (``tokenize_chat``'s policy); the
+    preference task labels a text completion with it too."""
     if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer: no character offsets
         return _tokenize_in_pieces(tokenizer, full, spans)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

@@ -44,6 +44,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
+LOSS_TYPES = ("sigmoid",)  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
@@ -404,6 +405,13 @@ class TrainingArguments:
             "per_micro_batch: mean per micro-batch, the pre-2024 transformers bug; for comparison only."
         },
     )
+    beta: float = field(
+        default=0.1, metadata={"help": "DPO (TRL's name): how far the policy may move from the reference; the loss is "
+                                       "-logsigmoid(beta x the difference of the chosen and rejected log-ratios)."}
+    )
+    loss_type: str = field(
+        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper."}
+    )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})
     eval_on_start: bool = field(default=False, metadata={"help": "Evaluate before the first step."})
@@ -435,6 +443,10 @@ class TrainingArguments:
                   why=" (a moving average's decay: at 1 it never moves and its bias correction divides by zero)")
         _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
         _at_least_zero(self, "loss_chunk_size", why=" (0 turns it off)")
+        _finite(self, "beta")
+        if self.beta <= 0:  # beta 0 makes every pair's loss log 2 and its gradient 0: nothing would train
+            raise ConfigError("beta", f"must be > 0 (TRL's default is 0.1), got {self.beta}")
+        _one_of(self, "loss_type", LOSS_TYPES)
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError("peak_flops", f"must be a device's peak FLOP/s (> 0), e.g. 989e12; got {self.peak_flops}")
         if self.max_steps == 0 or self.max_steps < -1:

@@ -14,8 +14,9 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     row_losses(model, batch, chunked)   per-row *summed* loss: the loop divides by the global batch's targets
     eval_rows(model, batch, chunked)    per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
 
-and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's) and
-``best_metric`` (the eval metric whose best value the summary reports, and which is best). The tasks live beside their
+and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's),
+``sequences_per_row`` (the model's rows per dataset row: 1, or 2 for a preference pair) and ``best_metric`` (the
+eval metric whose best value the summary reports, and which is best). The tasks live beside their
 data: ``CausalLM`` here, ``ChatSFT`` in ``toolkit.chat``, ``SequenceClassification`` in ``toolkit.classification``;
 a new task is a module with a ``Task`` subclass, and the recipe that passes it to ``build``.
 
@@ -52,6 +53,7 @@ class Task(ABC):
     auto_class: str  # e.g. "AutoModelForCausalLM"
     peft_task_type: str  # peft's TaskType name, e.g. "CAUSAL_LM"
     best_metric: tuple[str, Callable]  # e.g. ("perplexity", min)
+    sequences_per_row: int = 1  # sequences a dataset row puts in a micro-batch (a preference pair: 2)
 
     def check(self, cfg) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
         """Fields that this task cannot honour, refused before any work."""

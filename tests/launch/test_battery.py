@@ -48,6 +48,12 @@ def _files(tmp_path_factory, padded_data) -> dict:
     write("a_file", "not a folder")
     write("config.yaml", "learning_rate: 1e-3\n")
     write("bad.yaml", "learning_rate: [1e-3\n")
+    # DPO pairs (recipes/dpo.py): one without its rejected column, one with an empty completion
+    pair = {"prompt": "The sky is", "chosen": " blue", "rejected": " green"}
+    write("pairs_no_rejected.jsonl", "".join(json.dumps({"prompt": pair["prompt"], "chosen": pair["chosen"]}) + "\n"
+                                             for _ in range(8)))
+    write("pairs_empty_chosen.jsonl", "".join(json.dumps({**pair, "chosen": "" if i == 3 else pair["chosen"]}) + "\n"
+                                              for i in range(8)))
     os.makedirs(d / "another_run")  # the metrics of another run that a resume must not write into
     write("another_run/metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
     return paths
@@ -114,7 +120,7 @@ def _field_cases() -> list[tuple]:
 
 
 def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
-    """(name, changes to the good base config, extra argv, env, field named, words in the message)."""
+    """(name, changes to the good base config, extra argv, env, field named, words in the message[, recipe])."""
     ckpt = os.path.join(existing, "checkpoints", "step-1")
     resume = {"resume_from_checkpoint": ckpt}
     return _field_cases() + [
@@ -188,6 +194,13 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("resume with another block size", {**resume, "block_size": 24}, [], {}, "block_size", "block_size was 32"),
         ("resume with other data", {**resume, "train_file": files["other_train.jsonl"]}, [], {}, "train_file",
          "the training data changed"),
+        # --- DPO (recipes/dpo.py: the last element names the recipe)
+        ("dpo without a rejected column", {"train_file": files["pairs_no_rejected.jsonl"], "validation_file": None},
+         [], {}, "train_file", "has no 'rejected' column", "dpo"),
+        ("dpo empty completion", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None}, [], {},
+         "train_file", "row 3, chosen: the completion is empty", "dpo"),
+        ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
+         "beta", "must be > 0", "dpo"),
         ("resume with another global batch", {**resume, "per_device_train_batch_size": 4}, [], {},
          "per_device_train_batch_size", "global batch of 4 rows, this run has 8"),
     ]
@@ -200,7 +213,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
     good = {**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": existing,
             "overwrite_output_dir": True}
     cases, expected = [], {}
-    for name, changes, extra, env, field, words in _cases(existing, tiny_model, padded_data, files):
+    for name, changes, extra, env, field, words, *recipe in _cases(existing, tiny_model, padded_data, files):
         if changes is None:  # a case about the config file itself: only argv
             argv = extra
         else:
@@ -208,7 +221,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             config = tmp_path / f"case{len(cases)}.yaml"
             config.write_text(yaml.safe_dump({**good, **changes}))
             argv = ["--config", str(config), *extra]
-        cases.append({"name": name, "argv": argv, "env": env})
+        cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
     assert len(cases) >= 40
     before = tree_hash(existing)

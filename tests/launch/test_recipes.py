@@ -3,6 +3,8 @@
 - recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
   normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat; the same
   with whole chats packed (packing: true, bfd).
+- recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch), and the
+  held-out metrics with TRL's names.
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
 - LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-2, ZeRO-3 and FSDP2 equal the DDP ones; the base weights
   come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
@@ -107,16 +109,74 @@ def _sft_bfd(model, chats) -> dict:
 def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     """recipes/sft.py --packing true: whole chats packed best-fit decreasing, each with its assistant-only mask and
     its own positions; 2 ranks x 2 x 2 end with the weights of 1 process x 8 (SGD, 1e-6)."""
-    cfg = _sft_bfd(gpt2_256, chats)
-    one = runs.get("sft_bfd_one", "ddp.yaml", 1, 8, 1, cfg)
-    two = runs.get("sft_bfd_two", "ddp.yaml", 2, 2, 2, cfg)
-    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(gpt2_256)) > 1e-2, "it must train"
-    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
-    assert diff <= 1e-6, diff
+    one, two = _two_ranks_equal_one_process(runs, "sft_bfd", _sft_bfd(gpt2_256, chats), gpt2_256, moved=1e-2)
     summary = json.load(open(os.path.join(two, "summary.json")))
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
+
+
+def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float) -> tuple[str, str]:
+    """The planned runs ``<name>_one`` (1 process x 8) and ``<name>_two`` (2 ranks x 2 x accumulation 2): the first
+    trained (its weights moved more than ``moved`` from ``start``'s), both end within 1e-6 of each other, with the
+    same step losses (rel 1e-6). Their output folders."""
+    one = runs.get(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg)
+    two = runs.get(f"{name}_two", "ddp.yaml", 2, 2, 2, cfg)
+    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(start)) > moved, "it must train"
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
+    assert diff <= 1e-6, diff
     assert [r["loss"] for r in _rows(two) if "loss" in r] == pytest.approx([r["loss"] for r in _rows(one) if "loss" in r],
                                                                            rel=1e-6)
+    return one, two
+
+
+# ----------------------------------------------------------------------------------------------------- DPO
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """32 train and 7 held-out pairs of the built-in pydoc-preferences set (conversational), as jsonl files."""
+    from toolkit.builtin_data import pydoc_preferences
+
+    raw, d = pydoc_preferences(), tmp_path_factory.mktemp("pairs")
+    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
+        with open(d / name, "w") as f:
+            for row in raw[split].select(range(n)):
+                f.write(json.dumps(row) + "\n")
+    (d / "template.jinja").write_text(TEMPLATE)
+    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
+            "chat_template": str(d / "template.jinja")}
+
+
+def _dpo(model, pairs) -> dict:
+    return {**SGD, **pairs, "model_name_or_path": model, "packing": False, "block_size": 256, "learning_rate": 0.1,
+            "eval_on_start": True}
+
+
+def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
+    """recipes/dpo.py: 2 ranks x 2 pairs x accumulation 2 end with the weights of 1 process x 8 pairs (SGD, 1e-6):
+    each micro-step's summed pair losses are divided by the global batch's pairs; the held-out metrics (TRL's names)
+    start at the reference (loss log 2, rewards 0) and count each of the 7 pairs once."""
+    one, two = _two_ranks_equal_one_process(runs, "dpo", _dpo(gpt2_256, pairs), gpt2_256, moved=1e-3)
+    evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (one, two)}
+    start, end = evals[two][0], evals[two][-1]
+    assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["rewards/margins"] == 0.0
+    assert [r["eval_pairs"] for r in evals[two]] == [7, 7] and end["rewards/margins"] != 0.0
+    # A reward is beta x (a summed log-prob of about -500, whose fp32 spacing is 3e-5, minus the reference's): the
+    # two runs' forwards differ in batch shape, so rewards agree to a few 1e-6, log-probs to 1e-5 relative.
+    for key in ("eval_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], abs=1e-5), key
+    for key in ("logps/chosen", "logps/rejected"):
+        assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-5), key
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_dpo_under_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pairs, strategy):
+    """The same 2 x 2 x 2 DPO run with the policy sharded (ZeRO-3, FSDP2): the reference log-probs come from a whole
+    copy loaded outside the partitioning, so the run ends with the weights of 1 process x 8 (SGD, 1e-6)."""
+    cfg = _dpo(gpt2_256, pairs)
+    one = runs.get("dpo_one", "ddp.yaml", 1, 8, 1, cfg)
+    sharded = runs.get(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, cfg)
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(sharded, "final")))
+    assert diff <= 1e-6, diff
+    start = [r for r in _rows(sharded) if "eval_loss" in r][0]
+    assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["eval_pairs"] == 7
 
 
 # ------------------------------------------------------------------------------------------ classification
@@ -167,15 +227,19 @@ def _lora(tiny_model, padded_data) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats):
-    """The classifier, chat SFT with bfd packing and LoRA runs below, planned: those of one launch config and world
-    size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, or
+def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs):
+    """The classifier, chat SFT with bfd packing, DPO and LoRA runs below, planned: those of one launch config and world
+    size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, recipes/dpo.py, or
     recipes/gpt2.py with or without the probes)."""
     r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {})
     cfg = _classify(tiny_bert, classify_files)
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
+    r.plan("dpo_one", "ddp.yaml", 1, 8, 1, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
+    r.plan("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
+    for strategy in ("zero3", "fsdp"):  # joining the LoRA and classifier launches of those configs
+        r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
     r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
     for config in ("ddp.yaml", "fsdp.yaml"):
         r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)

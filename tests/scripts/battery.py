@@ -1,12 +1,14 @@
-"""Runs the real recipe (recipes/gpt2.py, through its own ``cli``) once per bad-input case, in one process.
+"""Runs the real recipe (recipes/gpt2.py, or the case's ``recipe``, through its own ``cli``) once per bad-input case,
+in one process.
 
-Usage: battery.py CASES_JSON OUT_JSON. Each case is {"name", "argv", "env"}; for each, the process environment gets
+Usage: battery.py CASES_JSON OUT_JSON. Each case is {"name", "argv", "env", optional "recipe": "dpo", ...}; for each, the process environment gets
 ``env``, ``sys.argv`` is the recipe's command line, and what the recipe does is recorded: its exit code, stderr, and
 whether the weights loaded (``toolkit.build`` logs "weights train in" right after they do). One process for every
 case because each would otherwise pay ~5 s of imports; accelerate's process-wide state is reset between cases.
 """
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -14,7 +16,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 import datasets.config  # noqa: E402
-import gpt2  # noqa: E402  the recipe itself, unchanged
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from huggingface_hub import constants as hub_constants  # noqa: E402
 
@@ -27,12 +28,14 @@ hub_offline = hub_constants.HF_HUB_OFFLINE
 for case in cases:
     saved_env = dict(os.environ)
     os.environ.update(case.get("env", {}))
-    sys.argv = ["recipes/gpt2.py", *case["argv"]]
+    recipe = case.get("recipe", "gpt2")
+    main = importlib.import_module(recipe).main  # the recipe itself, unchanged
+    sys.argv = [f"recipes/{recipe}.py", *case["argv"]]
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            cli(gpt2.main)
+            cli(main)
         except SystemExit as e:
             code = e.code
         except Exception as e:  # a traceback is a failure of the case; record it

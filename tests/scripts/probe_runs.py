@@ -2,7 +2,7 @@
 the same ranks, so that they pay for one process start (imports, the process group: ~5-10 s a launch) between them.
 
 Usage: probe_runs.py RUNS_JSON. RUNS_JSON is a list of {"argv": the recipe's command line, "copy_from": null or
-[run_dir, step, output_dir], "recipe": "gpt2" (default), "sft" or "classify" (recipes/<recipe>.py's ``main``),
+[run_dir, step, output_dir], "recipe": "gpt2" (default), "sft", "classify" or "dpo" (recipes/<recipe>.py's ``main``),
 "probe": true (default: probe_run.py's callbacks, gpt2 only) or false}. A run with ``copy_from`` starts from a copy of
 ``run_dir``'s ``checkpoints/step-<step>`` in its output_dir (made by the main process, after the run it comes from,
 before anyone parses the config).

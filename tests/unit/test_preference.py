@@ -1,0 +1,246 @@
+"""The DPO task (toolkit/preference.py) in process: which tokens are a completion's, a pair kept in one micro-batch,
+and TRL 1.16's ``DPOTrainer`` as the oracle of the first step's loss and gradients.
+
+- Equal-sized micro-batches (2 x 2 pairs): our step's loss and gradients equal TRL's within 1e-6 (fp32, one process).
+- Unequal micro-batches (1 + 3 pairs): ours equal the mean over the global batch's 4 pairs (what one micro-batch of
+  4 gives); TRL's are a mean of the two micro-batch means, which differs (both numbers in the assertion messages).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+# Text pairs of different completion lengths; each completion starts with a space and no prompt ends with one, so
+# the prompt's tokens are the same alone and followed by the completion (TRL tokenizes the prompt alone).
+PAIRS = [
+    {"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " a large city somewhere in Europe."},
+    {"prompt": "Two plus two equals", "chosen": " four, as everyone learns at school.", "rejected": " five."},
+    {"prompt": "Water boils at", "chosen": " one hundred degrees Celsius at sea level.", "rejected": " noon."},
+    {"prompt": "The sky is", "chosen": " blue", "rejected": " made of green cheese and old socks, they say."},
+]
+BETA = 0.1
+
+
+@pytest.fixture()
+def reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.model import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    disable_dropout(model)  # TRL's disable_dropout too: both sides deterministic
+    return model
+
+
+def _reference(tiny_model):
+    """A reference other than the starting weights (each weight moved by seeded noise), so that the first step's
+    losses are not all log 2 and a mean of micro-batch means shows in the loss, not only in the gradients."""
+    model = _model(tiny_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p += 0.05 * torch.randn(p.shape, generator=generator)
+    return model
+
+
+def _our_rows(tokenizer, ref):
+    """The pairs tokenized by the task, with ``ref``'s log-probs (what precompute_reference gives the recipe)."""
+    from datasets import Dataset, DatasetDict
+
+    from toolkit.config import DataArguments
+    from toolkit.preference import DPO, tokenize_pairs
+
+    task = DPO()
+    task.beta = BETA
+    raw = DatasetDict({"train": Dataset.from_list(PAIRS)})
+    rows = tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x"), block_size=64)["train"]
+    rows = task.precompute_reference(ref, {"train": rows}, 4, tokenizer.pad_token_id)["train"]
+    return task, rows
+
+
+def _our_step(task, rows, model, splits, tokenizer):
+    """One step of toolkit.loop.train_step over micro-batches of ``splits`` pairs each; returns (step loss: mean over the pairs, {name: grad})."""
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    from toolkit.loop import train_step
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(splits))
+    collate, at, micro = task.collator(tokenizer), 0, []
+    for n in splits:
+        micro.append(collate([rows[i] for i in range(at, at + n)]))
+        at += n
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = get_scheduler("constant", optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    grads = {}
+
+    def keep_grads(index):  # after the last backward, before the optimizer step clears them
+        if index == len(splits) - 1:
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    result = train_step(accelerator, model, optimizer, scheduler, micro, step=0, data_parallel_size=1,
+                        max_grad_norm=0.0, task=task, after_backward=keep_grads)
+    return float(result.loss_sum) / result.targets, grads
+
+
+def _trl_step(tiny_model, tokenizer, splits, tmp_path):
+    """TRL's DPOTrainer: its own tokenization and collator, ``training_step`` per micro-batch in the pairs' order
+    (what its train loop calls); returns (step loss as TRL logs it: the sum of the scaled micro-batch losses,
+    {name: grad})."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                     per_device_train_batch_size=max(splits), gradient_accumulation_steps=len(splits), beta=BETA,
+                     loss_type="sigmoid", max_length=None, report_to="none", learning_rate=0.0, seed=0,
+                     disable_dropout=True)
+    model, ref = _model(tiny_model), _reference(tiny_model)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(PAIRS),
+                         processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = len(splits)  # set by its train loop from the step's micro-batches
+    model.train()
+    rows, at, loss = trainer.train_dataset, 0, 0.0
+    for n in splits:
+        inputs = trainer._prepare_inputs(trainer.data_collator([rows[i] for i in range(at, at + n)]))
+        loss += float(trainer.training_step(model, inputs))
+        at += n
+    return loss, {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_text_completion_targets_are_its_tokens_and_eos(tiny_model):
+    from toolkit.loss import IGNORE_INDEX
+    from toolkit.preference import tokenize_completion
+
+    tokenizer = _tokenizer(tiny_model)
+    ids, labels = tokenize_completion(tokenizer, "The sky is", " blue", "row 0")
+    assert ids == tokenizer("The sky is blue")["input_ids"] + [tokenizer.eos_token_id]
+    targets = [i for i, label in zip(ids, labels) if label != IGNORE_INDEX]
+    assert targets == tokenizer(" blue")["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_conversational_completion_targets_only_the_completions_turn(tiny_model):
+    """An assistant turn inside a multi-turn prompt is context, not a target: only the completion's turn is."""
+    from toolkit.chat import set_chat_template
+    from toolkit.loss import IGNORE_INDEX
+    from toolkit.preference import tokenize_completion
+
+    tokenizer = _tokenizer(tiny_model)
+    set_chat_template(tokenizer, "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+              {"role": "user", "content": "Name a colour"}]
+    ids, labels = tokenize_completion(tokenizer, prompt, [{"role": "assistant", "content": "Red"}], "row 0")
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != IGNORE_INDEX]) == "Red<|endoftext|>"
+
+
+def test_an_empty_completion_is_refused(tiny_model):
+    from toolkit.errors import ConfigError
+    from toolkit.preference import tokenize_completion
+
+    with pytest.raises(ConfigError, match="row 3, rejected: the completion is empty"):
+        tokenize_completion(_tokenizer(tiny_model), "The sky is", " ", "row 3, rejected")
+
+
+def test_a_pair_is_one_row_of_a_micro_batch(tiny_model):
+    """The collator puts a pair's chosen and rejected sequences in the same micro-batch (chosen rows first) and
+    counts pairs as the targets the loss is normalised by."""
+    tokenizer = _tokenizer(tiny_model)
+    task, rows = _our_rows(tokenizer, _reference(tiny_model))
+    batch = task.collator(tokenizer)([rows[0], rows[1], rows[2]])
+    assert batch["num_targets"] == 3 and batch["input_ids"].shape[0] == 6
+    assert batch["input_ids"][3, :len(rows[0]["rejected_input_ids"])].tolist() == rows[0]["rejected_input_ids"]
+    assert batch["ref_chosen_logps"].shape == (3,)
+
+
+def test_first_step_equals_trl_on_equal_micro_batches(tiny_model, tmp_path, reset_accelerate):
+    tokenizer = _tokenizer(tiny_model)
+    trl_loss, trl_grads = _trl_step(tiny_model, tokenizer, [2, 2], tmp_path)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    model = _model(tiny_model)
+    task, rows = _our_rows(tokenizer, _reference(tiny_model))
+    assert float(torch.tensor(rows["ref_chosen_logps"]).abs().min()) > 1.0  # real log-probs, not zeros
+    loss, grads = _our_step(task, rows, model, [2, 2], tokenizer)
+    assert abs(loss - math.log(2)) > 1e-2, loss  # the policy is not its reference: a loss that says something
+    assert loss == pytest.approx(trl_loss, abs=1e-6), (loss, trl_loss)
+    assert _max_diff(grads, trl_grads) <= 1e-6
+    assert max(float(g.abs().max()) for g in grads.values()) > 1e-3  # gradients that say something
+
+
+def test_unequal_micro_batches_give_the_global_mean_where_trl_does_not(tiny_model, tmp_path, reset_accelerate):
+    """1 + 3 pairs: ours equals the one-micro-batch step over all 4 pairs (the global mean); TRL's step loss is the
+    mean of the micro-batch means (pair 0 counts three times as much as each of the others)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    tokenizer = _tokenizer(tiny_model)
+    trl_loss, trl_grads = _trl_step(tiny_model, tokenizer, [1, 3], tmp_path)
+
+    def ours(splits):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = _model(tiny_model)
+        task, rows = _our_rows(tokenizer, _reference(tiny_model))
+        return _our_step(task, rows, model, splits, tokenizer)
+
+    global_loss, global_grads = ours([4])
+    loss, grads = ours([1, 3])
+    assert loss == pytest.approx(global_loss, abs=1e-6) and _max_diff(grads, global_grads) <= 1e-6
+    gap = _max_diff(trl_grads, global_grads)
+    assert abs(trl_loss - global_loss) > 1e-4 and gap > 1e-4, (
+        f"TRL's 1+3 step loss {trl_loss:.6f} vs the global mean {global_loss:.6f}; its gradients differ by {gap:.2e}")
+
+
+def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tmp_path):
+    """loss_chunk_size: a micro-batch of b pairs holds 2b sequences, so the chunk count every rank runs is sized for
+    2b x block_size positions (``Task.sequences_per_row``); sized for b rows, 4 long pairs raised "needs N chunks"."""
+    import json
+
+    from toolkit.build import build
+    from toolkit.config import parse_args
+    from toolkit.preference import DPO
+
+    long = " and".join(" a sentence that goes on" for _ in range(6))  # about 40 tokens a completion
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": long, "rejected": p["rejected"]}) + "\n"
+                            for p in PAIRS))
+    cfg = parse_args(["--model_name_or_path", tiny_model, "--train_file", str(path), "--validation_split_percentage",
+                      "0", "--loss_chunk_size", "16", "--per_device_train_batch_size", "4", "--block_size", "64",
+                      "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    parts = build(cfg, None, log=lambda *a: None, task=DPO())
+    rows = parts.task.precompute_reference(_model(tiny_model), {"train": parts.train_dataset}, 4,
+                                           parts.tokenizer.pad_token_id)["train"]
+    batch = parts.collator([rows[i] for i in range(4)])
+    assert batch["input_ids"].numel() > 4 * 64  # more positions than 4 rows of block_size
+    parts.model.train()  # the training micro-batch's chunk count (the tiny GPT-2 has no dropout)
+    chunked = parts.task.row_losses(parts.model, batch, chunked=True)
+    plain = parts.task.row_losses(_model(tiny_model), batch)
+    assert torch.allclose(chunked, plain, atol=1e-5), (chunked, plain)

@@ -1,0 +1,255 @@
+"""Preference optimisation (DPO): pairs of completions to one prompt, the chosen one to be preferred to the rejected
+one, relative to a frozen reference model.
+
+Data: TRL's preference format, columns ``prompt``, ``chosen``, ``rejected``, either plain text (a completion follows
+its prompt; the tokenizer's EOS is appended, as TRL does) or conversational (lists of messages, rendered with the chat
+template). Either way ``prompt + completion`` is tokenized once, as chat SFT tokenizes a chat (``toolkit.chat``:
+``tokenize_chat``, ``tokenize_spans``), and the completion's tokens (an assistant turn with its end-of-turn token; a
+text completion and its EOS) are the targets. A row is a *pair*: its chosen and rejected sequences are collated into
+the same micro-batch (chosen rows first, then rejected, one forward), so they stay on one rank and one micro-step.
+Rows are truncated to ``block_size`` keeping their start; a pair left with no completion token on either side is
+dropped.
+
+Loss (``loss_type: sigmoid``, TRL's default and the DPO paper's), per pair, with log-probabilities *summed* over the
+completion's tokens (p: the policy's, r: the reference's):
+
+    loss = -logsigmoid(beta * ((p_chosen - r_chosen) - (p_rejected - r_rejected)))
+
+A pair is the target the core normalises by (``num_targets``): each micro-step backpropagates its pairs' summed loss
+divided by the global batch's pair count, so the objective is the mean over every pair of the global batch whatever
+its split over ranks and micro-steps. (TRL averages each micro-batch and divides by the accumulation steps: a mean of
+micro-batch means, the same only when every micro-batch holds as many pairs; docs/pitfalls.md.)
+
+Reference: the starting weights, evaluated once before training (TRL's ``precompute_ref_log_probs``) from a whole
+copy loaded for it and freed (``add_reference``; the policy itself may already be partitioned under ZeRO-3): every rank
+computes the log-probabilities of every pair in fixed chunks of ``per_device_eval_batch_size`` pairs in dataset order
+(so the values do not depend on the world size or the micro-batch), without grad, and they travel with the rows
+(``ref_chosen_logps``, ``ref_rejected_logps``). Exact and memory-free; its cost is one forward over the data per rank.
+
+Metrics (TRL's names) on the held-out pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta x log-ratio),
+``rewards/accuracies`` (the share of pairs whose chosen reward is higher), ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``, and ``eval_loss`` (the mean pair loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from datasets import DatasetDict
+
+from toolkit import data
+from toolkit.chat import assistant_spans, check_messages, set_chat_template, tokenize_spans
+from toolkit.config import DataArguments
+from toolkit.distributed import plain_loading
+from toolkit.errors import ConfigError
+from toolkit.loss import IGNORE_INDEX
+from toolkit.model import load_model
+from toolkit.tasks import CausalLM
+
+COLUMNS = ("prompt", "chosen", "rejected")
+SIDES = ("chosen", "rejected")
+# A row's keys per side: the chosen sequence under the core's names (what the resume check's data hash and the FLOPs
+# estimate read from any task's rows), the rejected one beside it.
+KEYS = {"chosen": ("input_ids", "labels"), "rejected": ("rejected_input_ids", "rejected_labels")}
+PYDOC_PREFERENCES = "pydoc-preferences"  # the built-in offline set (toolkit.builtin_data.pydoc_preferences)
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _conversational(value) -> bool:
+    return isinstance(value, list)
+
+
+def load_raw_pairs(args: DataArguments) -> DatasetDict:
+    """The splits, with the three columns checked: present, and all text or all conversational."""
+    from toolkit.builtin_data import pydoc_preferences
+
+    raw = data.load_splits(args, {PYDOC_PREFERENCES: pydoc_preferences})
+    for name, split in raw.items():
+        missing = [c for c in COLUMNS if c not in split.column_names]
+        if missing:
+            raise ConfigError("train_file", f"the {name} split has no {', '.join(map(repr, missing))} column "
+                                            f"(preference data needs prompt, chosen and rejected); it has "
+                                            f"{split.column_names}")
+        if len(split) and len({_conversational(split[0][c]) for c in COLUMNS}) != 1:
+            raise ConfigError("train_file", f"the {name} split mixes text and conversational columns; give prompt, "
+                                            "chosen and rejected all as text or all as lists of messages")
+    return raw
+
+
+def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``labels`` of prompt + completion, tokenized as one text; the completion's tokens are the
+    targets (conversational: its assistant turns with their end-of-turn tokens, as chat SFT labels them)."""
+    if _conversational(prompt):
+        if not any(m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in completion):
+            raise ConfigError("train_file", f"{where}: the completion has no assistant text; remove the pair")
+        messages = prompt + completion
+        check_messages(messages, where)
+        full, spans = assistant_spans(tokenizer, messages)
+        start = len(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+        return tokenize_spans(tokenizer, full, [s for s in spans if s[0] >= start])
+    if not isinstance(completion, str) or not completion.strip():
+        raise ConfigError("train_file", f"{where}: the completion is empty; remove the pair")
+    eos = tokenizer.eos_token or ""
+    full = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS to text completions
+    return tokenize_spans(tokenizer, full, [(len(prompt), len(full))])
+
+
+def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+    """Every pair tokenized (both sides, truncated to ``block_size``); pairs with no completion token left dropped."""
+
+    def tokenize(batch, indices):
+        out = {key: [] for side in SIDES for key in KEYS[side]}
+        for prompt, chosen, rejected, index in zip(batch["prompt"], batch["chosen"], batch["rejected"], indices):
+            for side, completion in zip(SIDES, (chosen, rejected)):
+                ids, labels = tokenize_completion(tokenizer, prompt, completion, f"row {index}, {side}")
+                out[KEYS[side][0]].append(ids[:block_size])
+                out[KEYS[side][1]].append(labels[:block_size])
+        return out
+
+    kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
+    tokenized = raw.map(tokenize, batched=True, with_indices=True, remove_columns=raw["train"].column_names,
+                        desc="tokenize preference pairs", **kwargs)
+
+    def has_targets(batch):  # position i predicts label i+1: a target after the first token, on both sides
+        return [all(any(x != IGNORE_INDEX for x in labels[1:]) for labels in pair)
+                for pair in zip(batch["labels"], batch["rejected_labels"])]
+
+    kept = tokenized.filter(has_targets, batched=True, desc="drop pairs with no completion token within block_size")
+    for name, split in kept.items():
+        if len(split) == 0:
+            raise ConfigError("block_size", f"no {name} pair has a completion token within block_size {block_size}; "
+                                            "raise block_size or shorten the prompts")
+    return kept
+
+
+class PairCollator:
+    """A micro-batch of pairs as one batch of sequences, chosen rows first then rejected (one forward), right-padded;
+    ``num_targets`` is the number of pairs (what the loss is averaged over), counted on the CPU."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        seqs = [r[KEYS[side][0]] for side in SIDES for r in rows]
+        labels_in = [r[KEYS[side][1]] for side in SIDES for r in rows]
+        ids, mask = data.pad_right(seqs, self.pad_token_id)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        for i, row_labels in enumerate(labels_in):
+            labels[i, :len(row_labels)] = torch.as_tensor(row_labels, dtype=torch.long)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "num_targets": len(rows),
+                 "num_tokens": int(mask.sum()), "num_slots": ids.numel()}
+        if REF_COLUMNS[0] in rows[0]:
+            for column in REF_COLUMNS:  # float32 -> float -> float32 is exact
+                batch[column] = torch.tensor([r[column] for r in rows], dtype=torch.float32)
+        return batch
+
+
+def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str) -> torch.Tensor:
+    """The loss of each pair (module docstring)."""
+    if loss_type != "sigmoid":
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    return -F.logsigmoid(beta * logits)
+
+
+class DPO(CausalLM):
+    """Direct preference optimisation of a causal LM on pairs (module docstring); the reference log-probabilities
+    are computed by ``precompute_reference`` before training and carried in the rows."""
+
+    name = "dpo"
+    sequences_per_row = 2  # chosen and rejected: what the chunked loss sizes its chunk count by
+    best_metric = ("eval_loss", min)
+
+    def __init__(self):
+        self.beta, self.loss_type = 0.1, "sigmoid"  # set from the config by check
+
+    def check(self, cfg) -> None:
+        if cfg.data.packing or cfg.data.packing_strategy:
+            raise ConfigError("packing", "DPO takes one pair per row (its two sequences in one micro-batch); set "
+                                         "packing: false and unset packing_strategy")
+        cfg.data.packing = False
+        self.beta, self.loss_type = cfg.train.beta, cfg.train.loss_type
+
+    def load_raw(self, args):
+        raw = load_raw_pairs(args)
+        self.conversational = len(raw["train"]) > 0 and _conversational(raw["train"][0]["prompt"])
+        return raw
+
+    def prepare_tokenizer(self, tokenizer, cfg) -> None:
+        if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
+            set_chat_template(tokenizer, cfg.data.chat_template)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    def tokenize(self, raw, tokenizer, args, block_size: int):
+        if self.conversational and not getattr(tokenizer, "chat_template", None):
+            set_chat_template(tokenizer, None)  # refuses: conversational pairs need a template
+        return tokenize_pairs(raw, tokenizer, args, block_size)
+
+    def collator(self, tokenizer):
+        return PairCollator(tokenizer.pad_token_id)
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return torch.tensor(batch["input_ids"].shape[0] // 2)
+
+    def sequence_logps(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) log-probabilities summed over each completion's tokens: minus the causal LM's per-row
+        summed cross-entropy on the completion labels."""
+        logps = -super().row_losses(model, batch, chunked)
+        return logps.chunk(2)
+
+    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
+        chosen, rejected = self.sequence_logps(model, batch, chunked)
+        return dpo_losses(chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"], self.beta,
+                          self.loss_type)
+
+    def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
+        chosen, rejected = self.sequence_logps(model, batch, chunked)
+        return chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+
+    def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
+        chosen, rejected, ref_chosen, ref_rejected = (torch.cat([r[i].double() for r in rows]) for i in range(4))
+        reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
+        losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
+        return {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
+                "rewards/rejected": float(reward_rejected.mean()),
+                "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
+                "rewards/margins": float((reward_chosen - reward_rejected).mean()),
+                "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
+                "eval_pairs": len(losses)}
+
+    def add_reference(self, cfg, accelerator, parts) -> None:
+        """``parts``' train and eval datasets with the reference log-probabilities: the starting weights loaded whole
+        on every rank (``plain_loading``: outside ZeRO-3's partitioning, before any strategy shards the policy, so the
+        same under DDP, ZeRO and FSDP), evaluated, then freed; with LoRA the base model is the reference (the adapter
+        starts at zero)."""
+        with plain_loading(accelerator):
+            reference = load_model(cfg.model)
+        datasets = self.precompute_reference(reference, {"train": parts.train_dataset, "validation": parts.eval_dataset},
+                                             cfg.train.per_device_eval_batch_size, parts.tokenizer.pad_token_id)
+        del reference
+        parts.train_dataset, parts.eval_dataset = datasets["train"], datasets["validation"]
+
+    @torch.no_grad()
+    def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:
+        """Each dataset with the starting weights' log-probabilities as two columns (``REF_COLUMNS``), computed in
+        chunks of ``batch_size`` pairs in dataset order (the same values on any world size), in eval mode."""
+        was_training = model.training
+        model.eval()
+        collate, out = PairCollator(pad_token_id), {}
+        device = next(model.parameters()).device
+        for name, split in datasets.items():
+            if split is None:
+                out[name] = None
+                continue
+            values = {column: [] for column in REF_COLUMNS}
+            for start in range(0, len(split), batch_size):
+                batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                for column, logps in zip(REF_COLUMNS, self.sequence_logps(model, batch)):
+                    values[column] += logps.float().cpu().tolist()
+            for column in REF_COLUMNS:
+                split = split.add_column(column, values[column])
+            out[name] = split
+        model.train(was_training)
+        return out
