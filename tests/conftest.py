@@ -13,13 +13,19 @@ import pytest
 from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, execute_quickstart, log_launches
 
 
-# The suite runs on two pytest workers (setup.cfg: ``-n 2 --dist loadgroup``). A launch leaves a core idle while it
-# imports, waits on gloo or runs one rank; a second worker fills it. Each file is one group, so its module-scoped
-# planned launches run on one worker, once; the files that read the session's executed notebook join its group.
-# Groups go out longest first (measured launch seconds per file), so that no long file starts last.
+# The full suite runs on two pytest workers (setup.cfg: ``-n auto --dist loadgroup``, auto being the hook below). A
+# launch leaves a core idle while it imports, waits on gloo or runs one rank; a second worker fills it. Each file is
+# one group, so its module-scoped planned launches run on one worker, once; the files that read the session's executed
+# notebook join its group. Groups go out longest first (measured launch seconds per file), so no long file starts last.
 LONGEST_FIRST = ["test_strategies", "test_reliability", "test_verify", "test_multinode", "test_parallel",
                  "test_precision", "test_recipes", "test_notebook", "test_config_launch", "test_core"]
 SAME_GROUP = {"test_report_launch": "test_notebook"}  # both read the ``quickstart`` fixture (one execution)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """2 workers for the full suite; none for the quick layer (``-m "not slow"``), where starting two workers (each
+    importing torch and transformers) costs more than the few short launches gain."""
+    return 0 if "not slow" in (config.option.markexpr or "") else 2
 
 
 def pytest_collection_modifyitems(session, config, items):
