@@ -13,29 +13,6 @@ import pytest
 from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, execute_quickstart, log_launches
 
 
-# The full suite runs on two pytest workers (setup.cfg: ``-n auto --dist loadgroup``, auto being the hook below). A
-# launch leaves a core idle while it imports, waits on gloo or runs one rank; a second worker fills it. Each file is
-# one group, so its module-scoped planned launches run on one worker, once; the files that read the session's executed
-# notebook join its group. Groups go out longest first (measured launch seconds per file), so no long file starts last.
-LONGEST_FIRST = ["test_strategies", "test_reliability", "test_verify", "test_multinode", "test_parallel",
-                 "test_precision", "test_recipes", "test_notebook", "test_config_launch", "test_core"]
-SAME_GROUP = {"test_report_launch": "test_notebook"}  # both read the ``quickstart`` fixture (one execution)
-
-
-def pytest_xdist_auto_num_workers(config):
-    """2 workers for the full suite; none for the quick layer (``-m "not slow"``), where starting two workers (each
-    importing torch and transformers) costs more than the few short launches gain."""
-    return 0 if "not slow" in (config.option.markexpr or "") else 2
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    for item in items:
-        group = SAME_GROUP.get(item.path.stem, item.path.stem)
-        item.add_marker(pytest.mark.xdist_group(f"{item.path.parent.name}/{group}"))
-    items.sort(key=lambda item: rank.get(SAME_GROUP.get(item.path.stem, item.path.stem), len(rank)))  # stable
-
-
 def pytest_configure(config):
     if os.environ.get(LAUNCH_LOG_ENV):  # every subprocess's command and wall time, for tests/scripts/launch_log.py
         log_launches(os.environ[LAUNCH_LOG_ENV])
