@@ -376,9 +376,9 @@ class TrainingArguments:
                                         "GPUs (toolkit/accounting.py), none on a CPU."}
     )
     loss_chunk_size: int = field(
-        default=0, metadata={"help": "Compute the training loss this many token positions at a time, never holding "
-                                     "the whole micro-batch's fp32 logits (the largest activation of a small model "
-                                     "with a big vocabulary); 0 = off."}
+        default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
+                                     "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
+                                     "(the largest activation of a small model with a big vocabulary); 0 = off."}
     )
     cpu_memory_reuse: Optional[bool] = field(
         default=None, metadata={"help": "On CPU ranks, keep freed memory in the process for reuse (glibc mallopt) "

@@ -158,19 +158,26 @@ def assert_final_is_full_and_reloads(out, tiny_model):
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
 
 
+def _sgd_equals_one_process(runs, strategy: str, name: str, extra: dict, tiny_model: str) -> tuple[str, str]:
+    """The run of ``strategy`` and its one-process reference (SGD): both trained, weights equal to 1e-6, really
+    distributed, the same losses step by step. Returns (run, reference)."""
+    out = runs.strategy(strategy, name, extra)
+    ref = runs.reference(name, extra)
+    assert max_abs_diff(load_weights(final(ref)), load_weights(tiny_model)) > 1e-2, "the runs must actually train"
+    diff = max_abs_diff(load_weights(final(out)), load_weights(final(ref)))
+    print(f"{strategy} {name} max|dw| = {diff:.2e}")
+    assert diff <= 1e-6
+    assert_really_distributed(out, strategy, clipping=0.0)
+    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-6)
+    return out, ref
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", CORE + ["zero3_offload"])
 def test_sgd_matches_one_process(runs, strategy, tiny_model):
-    out = runs.strategy(strategy, "sgd", SGD)
-    ref = runs.reference("sgd", SGD)
-    assert max_abs_diff(load_weights(final(ref)), load_weights(tiny_model)) > 1e-2, "the runs must actually train"
-    diff = max_abs_diff(load_weights(final(out)), load_weights(final(ref)))
-    print(f"{strategy} SGD max|dw| = {diff:.2e}")
-    assert diff <= 1e-6
-    assert_really_distributed(out, strategy, clipping=0.0)
+    out, _ = _sgd_equals_one_process(runs, strategy, "sgd", SGD, tiny_model)
     if strategy == "zero3_offload":  # the recipe's SGD, not accelerate's silent swap to DeepSpeedCPUAdam
         assert probes(out)[0]["basic_optimizer_type"] == "SGD"
-    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -204,14 +211,7 @@ def test_bfd_packing_matches_one_process(runs, strategy, tiny_model):
     """packing_strategy: bfd on 2 ranks x 2 x 2 trains like 1 process x 8 on the same global batches of packed rows
     (SGD, <= 1e-6), under DDP, ZeRO-3 and FSDP2: the bins come before the order, so every world size sees the same
     rows; position_ids reach the sharded model, and the guard passes on the prepared (sharded) model."""
-    out = runs.strategy(strategy, "bfd_sgd", BFD)
-    ref = runs.reference("bfd_sgd", BFD)
-    assert max_abs_diff(load_weights(final(ref)), load_weights(tiny_model)) > 1e-2, "the runs must actually train"
-    diff = max_abs_diff(load_weights(final(out)), load_weights(final(ref)))
-    print(f"{strategy} bfd SGD max|dw| = {diff:.2e}")
-    assert diff <= 1e-6
-    assert_really_distributed(out, strategy, clipping=0.0)
-    assert [r["loss"] for r in metrics(out)] == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-6)
+    out, ref = _sgd_equals_one_process(runs, strategy, "bfd_sgd", BFD, tiny_model)
     summary, unpacked = (json.load(open(os.path.join(d, "summary.json"))) for d in (out, runs.reference("sgd", SGD)))
     # whole documents, several per row: fewer rows than the unpacked run's, fuller (measured: 29 rows against 48)
     print(f"{strategy} bfd: {summary['train_rows']} rows, fill rate {summary['fill_rate']:.3f}; unpacked "
