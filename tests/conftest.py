@@ -1,16 +1,18 @@
 """Fixtures: a tiny GPT-2 with the real GPT-2 tokenizer saved to disk, a SentencePiece tokenizer trained offline, padded
-data, the executed quickstart notebook.
+data, the executed quickstart notebook, the session's pool of planned runs, and the models and data the launched
+recipes train on (session-wide: the pool plans every module's runs from them before the first launch).
 
 Shared helpers (launching, weights, comparisons) are in helpers.py; test modules import it, never each other.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
 import pytest
-from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, execute_quickstart, log_launches
+from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, RunPool, execute_quickstart, log_launches
 
 
 def pytest_configure(config):
@@ -19,10 +21,23 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def shared_runs() -> dict:
-    """Finished probe runs by everything that decides their output (helpers.Runs), for every module of the session:
-    the same run asked for by two modules launches once."""
-    return {}
+def run_pool(request) -> RunPool:
+    """Every planned run of the session (helpers.RunPool), planned before the first launch so that the runs of one
+    launch config and world size share a launch whichever module asked for them. A test module that plans runs has a
+    ``plan_runs(pool, <session fixtures>...)`` that returns its ``Runs`` by fixture name; it is called here for each
+    module with a selected test that uses the pool (so ``-k`` on one module launches none of another's runs), and
+    the module's fixture returns ``run_pool.modules[(module, fixture)]``."""
+    pool = RunPool()
+    modules = []
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "plan_runs") and module not in modules and "run_pool" in item.fixturenames:
+            modules.append(module)
+    for module in modules:
+        names = list(inspect.signature(module.plan_runs).parameters)[1:]
+        for fixture, runs in module.plan_runs(pool, **{n: request.getfixturevalue(n) for n in names}).items():
+            pool.modules[(module.__name__, fixture)] = runs
+    return pool
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +106,92 @@ def quickstart(tmp_path_factory) -> dict:
     """notebooks/quickstart.ipynb executed once per session (~45 s), its notebook_launcher cell QUICKSTART_LAUNCHES
     times in a row; its two runs serve the notebook and report tests."""
     return execute_quickstart(tmp_path_factory.mktemp("quickstart"), launches=QUICKSTART_LAUNCHES)
+
+
+# ---------------------------------------------------------------- the launched recipes' models and data
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chats(tmp_path_factory):
+    from toolkit.builtin_data import pydoc_chats
+
+    raw = pydoc_chats()
+    d = tmp_path_factory.mktemp("chats")
+    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
+        with open(d / name, "w") as f:
+            for row in raw[split].select(range(n)):
+                f.write(json.dumps({"messages": row["messages"]}) + "\n")
+    (d / "template.jinja").write_text(TEMPLATE)
+    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
+            "chat_template": str(d / "template.jinja")}
+
+
+@pytest.fixture(scope="session")
+def gpt2_256(tmp_path_factory):
+    """The tiny GPT-2 with 256 positions: rows long enough to hold several chats."""
+    from toolkit.offline import save_tiny_gpt2
+
+    return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
+                          n_positions=256, seed=0)
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory):
+    """32 train and 7 held-out pairs of the built-in pydoc-preferences set (conversational), as jsonl files."""
+    from toolkit.builtin_data import pydoc_preferences
+
+    raw, d = pydoc_preferences(), tmp_path_factory.mktemp("pairs")
+    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
+        with open(d / name, "w") as f:
+            for row in raw[split].select(range(n)):
+                f.write(json.dumps(row) + "\n")
+    (d / "template.jinja").write_text(TEMPLATE)
+    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
+            "chat_template": str(d / "template.jinja")}
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    from toolkit.offline import save_tiny_bert
+
+    return save_tiny_bert(str(tmp_path_factory.mktemp("models") / "tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def classify_files(tmp_path_factory) -> dict:
+    """jsonl train (48 rows) and validation (17 rows) files of the built-in stdlib-docstrings set, picked explicitly:
+    its rows are sorted by class, so its first rows hold one class only, and the metrics of such rows cannot show a
+    row counted twice, or in place of another. Here the six classes take turns, each round starting one class further
+    on, so that rows one or two rounds apart hold different classes: a row counted in place of one a batch or two
+    away (2 ranks x 3 rows: a round; accelerate pads the last batch with rows from the start) changes the classes
+    counted."""
+    from toolkit.builtin_data import stdlib_docstrings
+
+    raw, d = stdlib_docstrings(), tmp_path_factory.mktemp("classify")
+    names = raw["train"].features["label"].names
+    files = {}
+    for split, n in (("train", 48), ("validation", 17)):
+        texts = [iter(r["text"] for r in raw[split] if r["label"] == c) for c in range(len(names))]
+        classes = [(i + i // len(names)) % len(names) for i in range(n)]
+        rows = [{"text": next(texts[c]), "label": names[c]} for c in classes]
+        files[f"{split}_file"] = str(d / f"{split}.jsonl")
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
+
+
+@pytest.fixture(scope="session")
+def stored(tmp_path_factory, tiny_model):
+    """The tiny model stored in bf16, and the very same values stored in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("dtypes")
+    bf16, fp32 = str(root / "bf16"), str(root / "fp32")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    AutoModelForCausalLM.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
+    AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(fp32)
+    for folder in (bf16, fp32):
+        tokenizer.save_pretrained(folder)
+    return {"bf16": bf16, "fp32": fp32}

@@ -164,14 +164,17 @@ def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None
     return proc
 
 
-def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None
+def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None, processes_each: int = 1
             ) -> list[subprocess.CompletedProcess]:
-    """Independent commands all at once, each as ``run(cmd, check=False, env=...)`` would run it: their start-ups
-    (imports, single-threaded) overlap instead of adding up."""
+    """Independent commands, as many at once as the CPUs take (``processes_each``: the busy processes each one starts,
+    e.g. 2 for a 2-rank launch), each as ``run(cmd, check=False, env=...)`` would run it: their start-ups (imports,
+    single-threaded) overlap instead of adding up, where there are cores for them. On 2 cores four 2-rank launches at
+    once took 29 s and 143 CPU s, where one such launch alone takes 6.4 s and 11 CPU s (2026-12-05)."""
     from concurrent.futures import ThreadPoolExecutor
 
     envs = envs or [None] * len(cmds)
-    with ThreadPoolExecutor(max_workers=len(cmds) or 1) as pool:
+    workers = max(1, min(len(cmds), (os.cpu_count() or 1) // processes_each))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda c: run(c[0], check=False, timeout=timeout, env=c[1]), zip(cmds, envs)))
 
 
@@ -180,14 +183,15 @@ def launch_command(script_args: list[str], num_processes: int = 2, config: str =
     """The command ``launch`` runs."""
     if num_processes == 1 and config == "ddp.yaml" and not launcher_args:
         return [sys.executable, script, *script_args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+    return [sys.executable, os.path.join(SCRIPTS, "accelerate_launch.py"), "--config_file", os.path.join(CONFIGS, config),
             "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launcher_args, script,
             *script_args]
 
 
 def launch(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
            check: bool = True, launcher_args: tuple = (), timeout: int = 600) -> subprocess.CompletedProcess:
-    """``accelerate launch``, or plain ``python`` for one process with the DDP config (the user's two ways to run; one
+    """``accelerate launch`` (accelerate's launcher through tests/scripts/accelerate_launch.py: its exit skips the
+    interpreter's teardown), or plain ``python`` for one process with the DDP config (the user's two ways to run; one
     process under DeepSpeed or FSDP goes through ``accelerate launch --num_processes 1``, as it must).
     ``launcher_args``: more options for ``accelerate launch`` (e.g. ``--mixed_precision bf16``)."""
     cmd = launch_command(script_args, num_processes, config, script, launcher_args)
@@ -201,22 +205,108 @@ def args_from(d: dict) -> list[str]:
     return out
 
 
+class RunPool:
+    """The planned runs of the whole session (conftest's ``run_pool``), whichever module planned them: the first test
+    that asks for a planned run launches, in one launch of tests/scripts/probe_runs.py, every planned run not yet done
+    with the same launch config and world size (a *kind*), in the order planned (one run after another in the same
+    ranks, each with its own output_dir, bit-identical to lone launches). A run that resumes another's checkpoint
+    (``copy_from``) joins once that run is done or earlier in the same launch.
+
+    Runs are known by their output_dir. A planned run equal to one planned before (the same script, launch config and
+    its content, world size and every field: ``Runs._shared_key``) is that run; a run made outside a plan is kept
+    under its key too, so that any module asking for an equal run reads it instead of launching it again. Runs seeded
+    with a checkpoint are never shared. A launch that fails fails every test that asks for one of its runs, once:
+    the others get its error without launching it again."""
+
+    def __init__(self):
+        self.specs: dict[str, dict] = {}  # output_dir -> what to launch
+        self.done: dict[str, str] = {}  # output_dir -> where the run is (itself, or an equal run's)
+        self.same: dict[str, str] = {}  # output_dir -> that of an equal run planned before
+        self.planned_keys: dict[str, str] = {}  # key -> output_dir of the run planned under it
+        self.finished: dict[str, str] = {}  # key -> output_dir of a finished run
+        self.failed: dict[str, str] = {}  # output_dir -> the error of the launch that held it
+        self.modules: dict[tuple[str, str], "Runs"] = {}  # (module, fixture) -> its Runs, planned at the session's start
+
+    def add(self, out: str, spec: dict) -> None:
+        key = spec["key"]
+        if key is not None and key in self.planned_keys:
+            self.same[out] = self.planned_keys[key]
+            return
+        if key is not None:
+            self.planned_keys[key] = out
+        if spec["copy_from"]:
+            source, step = spec["copy_from"]
+            spec = {**spec, "copy_from": (self.same.get(source, source), step)}
+        self.specs[out] = spec
+
+    def get(self, out: str, _launching: tuple = ()) -> str:
+        """The output_dir of a planned run, launched (with every planned run that can join it) if not done yet."""
+        out = self.same.get(out, out)
+        if out in self.done:
+            return self.done[out]
+        if out in self.failed:
+            raise AssertionError(f"{out}: its launch failed earlier in this session:\n{self.failed[out]}")
+        spec = self.specs[out]
+        kind = spec["kind"]
+        if spec["copy_from"]:
+            self.get(spec["copy_from"][0], _launching)  # its source's launch first
+        # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
+        # (unless that kind waits on this one: then they wait for a later launch).
+        for other, s in list(self.specs.items()):
+            source = s["copy_from"] and s["copy_from"][0]
+            if other in self.done or s["kind"] != kind or not source or source in self.done or source in self.failed:
+                continue
+            if self.specs[source]["kind"] != kind and self.specs[source]["kind"] not in _launching:
+                self.get(source, (*_launching, kind))
+        batch: list[str] = []
+        for other, s in self.specs.items():
+            if other in self.done or other in self.failed or s["kind"] != kind:
+                continue
+            if s["copy_from"] and s["copy_from"][0] not in self.done and s["copy_from"][0] not in batch:
+                continue  # its source is of another kind, not run yet: a later launch
+            batch.append(other)
+        runs = []
+        for other in batch:
+            s = self.specs[other]
+            if s["key"] is not None and s["key"] in self.finished:
+                self.done[other] = self.finished[s["key"]]
+                continue
+            run = {"out": other, "argv": s["argv"], "recipe": s["recipe"], "probe": s["probe"], "key": s["key"]}
+            if s["copy_from"]:
+                source, step = s["copy_from"]
+                if source in self.done:  # made before this launch: seeded here
+                    CopyCheckpoint(self.done[source], step)(other)
+                else:  # made earlier in this launch: seeded there, after it
+                    run["copy_from"] = [source, step, other]
+            runs.append(run)
+        try:
+            if len(runs) == 1 and "copy_from" not in runs[0] and (runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True):
+                launch(runs[0]["argv"], num_processes=kind[1], config=kind[0],
+                       script=os.path.join(SCRIPTS, "probe_run.py"))
+            elif runs:
+                launch_runs(os.path.dirname(runs[0]["out"]), runs, num_processes=kind[1], config=kind[0])
+        except AssertionError as e:
+            for r in runs:
+                self.failed[r["out"]] = str(e)[-20000:]
+            raise
+        for r in runs:
+            self.done[r["out"]] = r["out"]
+            if r["key"] is not None:
+                self.finished[r["key"]] = r["out"]
+        return self.done[out]
+
+
 class Runs:
-    """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py), keyed by name, so that
-    several tests share one launch (each costs ~5-10 s of process start).
+    """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py) of one test module, keyed
+    by name, so that several tests share one launch (each costs ~5-10 s of process start).
 
-    Runs declared with ``plan`` are launched together: the first ``get`` of a planned run launches every planned run
-    not yet done with the same launch config and world size in one launch (tests/scripts/probe_runs.py: one run after
-    another in the same ranks, each with its own output_dir, bit-identical to lone launches), in the order planned; a
-    run that resumes another's checkpoint (``copy_from``) joins once that run is done or earlier in the same launch.
+    Runs declared with ``plan`` go into ``pool`` (``RunPool``: the session's ``run_pool``, where every module's runs of
+    one launch config and world size share a launch; a private pool when none is given). ``get`` of a run never
+    planned launches it alone, unless the pool holds an equal run (planned or made)."""
 
-    ``shared`` (the session fixture ``shared_runs``): a registry of finished runs by everything that decides their
-    output (script, launch config and its content, world size, every field); a run another module already made is
-    read from there instead of launched again. Runs seeded with a checkpoint are never shared."""
-
-    def __init__(self, tmp, model: str, data: dict, common: dict, shared: dict | None = None):
+    def __init__(self, tmp, model: str | None, data: dict, common: dict, pool: RunPool | None = None):
         self.tmp, self.model, self.data, self.common, self.done = tmp, model, data, common, {}
-        self.shared = shared
+        self.pool = pool if pool is not None else RunPool()
         self.planned: dict[str, dict] = {}
 
     def _cfg(self, out: str, micro: int, accum: int, extra: dict) -> dict:
@@ -238,8 +328,15 @@ class Runs:
         only)."""
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
         assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"
-        self.planned[name] = dict(config=config or "ddp.yaml", world=world, micro=micro, accum=accum, extra=extra,
-                                  copy_from=copy_from, recipe=recipe, probe=probe)
+        config = config or "ddp.yaml"
+        self.planned[name] = dict(config=config, world=world, micro=micro, accum=accum, extra=extra,
+                                  copy_from=copy_from)
+        out = str(self.tmp / name)
+        key = None if copy_from or (recipe, probe) != ("gpt2", True) else self._shared_key(
+            config, world, micro, accum, extra)
+        self.pool.add(out, {"kind": (config, world), "argv": args_from(self._cfg(out, micro, accum, extra)),
+                            "recipe": recipe, "probe": probe, "key": key,
+                            "copy_from": copy_from and (str(self.tmp / copy_from[0]), copy_from[1])})
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
         if name in self.planned:
@@ -256,8 +353,11 @@ class Runs:
         if name not in self.done:
             config = config or "ddp.yaml"
             key = None if prepare else self._shared_key(config, world, micro, accum, extra)
-            if self.shared is not None and key in self.shared:
-                self.done[name] = self.shared[key]
+            if key in self.pool.finished:
+                self.done[name] = self.pool.finished[key]
+                return self.done[name]
+            if key in self.pool.planned_keys:  # planned by a module: its batch launches now, with it
+                self.done[name] = self.pool.get(self.pool.planned_keys[key])
                 return self.done[name]
             out = str(self.tmp / name)
             if prepare:
@@ -265,61 +365,13 @@ class Runs:
             launch(args_from(self._cfg(out, micro, accum, extra)), num_processes=world, config=config,
                    script=os.path.join(SCRIPTS, "probe_run.py"))
             self.done[name] = out
-            if self.shared is not None and key is not None:
-                self.shared[key] = out
+            if key is not None:
+                self.pool.finished[key] = out
         return self.done[name]
 
-    def get_planned(self, name: str, _launching: tuple = ()) -> str:
-        """The output_dir of a planned run, launched (with every planned run that can join it) if not done yet."""
-        if name in self.done:
-            return self.done[name]
-        spec = self.planned[name]
-        kind = (spec["config"], spec["world"])
-        if spec["copy_from"]:
-            self.get_planned(spec["copy_from"][0], _launching)  # its source's launch first
-        # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
-        # (unless that kind waits on this one: then they wait for a later launch).
-        for other, s in list(self.planned.items()):
-            source = s["copy_from"] and s["copy_from"][0]
-            if other in self.done or (s["config"], s["world"]) != kind or not source or source in self.done:
-                continue
-            source_kind = (self.planned[source]["config"], self.planned[source]["world"])
-            if source_kind != kind and source_kind not in _launching:
-                self.get_planned(source, (*_launching, kind))
-        batch: list[str] = []
-        for other, s in self.planned.items():
-            if other in self.done or (s["config"], s["world"]) != kind:
-                continue
-            if s["copy_from"] and s["copy_from"][0] not in self.done and s["copy_from"][0] not in batch:
-                continue  # its source is of another kind, not run yet: a later launch
-            batch.append(other)
-        runs = []
-        for other in batch:
-            s = self.planned[other]
-            key = None if s["copy_from"] or (s["recipe"], s["probe"]) != ("gpt2", True) else self._shared_key(
-                s["config"], s["world"], s["micro"], s["accum"], s["extra"])
-            if self.shared is not None and key in self.shared:
-                self.done[other] = self.shared[key]
-                continue
-            out = str(self.tmp / other)
-            run = {"name": other, "key": key, "out": out, "recipe": s["recipe"], "probe": s["probe"],
-                   "argv": args_from(self._cfg(out, s["micro"], s["accum"], s["extra"]))}
-            if s["copy_from"]:
-                source, step = s["copy_from"]
-                if source in self.done:  # made before this launch: seeded here
-                    CopyCheckpoint(self.done[source], step)(out)
-                else:  # made earlier in this launch: seeded there, after it
-                    run["copy_from"] = [str(self.tmp / source), step, out]
-            runs.append(run)
-        if len(runs) == 1 and "copy_from" not in runs[0] and (runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True):
-            launch(runs[0]["argv"], num_processes=kind[1], config=kind[0], script=os.path.join(SCRIPTS, "probe_run.py"))
-        elif runs:
-            launch_runs(self.tmp, runs, num_processes=kind[1], config=kind[0])
-        for r in runs:
-            self.done[r["name"]] = r["out"]
-            if self.shared is not None and r["key"] is not None:
-                self.shared[r["key"]] = r["out"]
-        return self.done[name]
+    def get_planned(self, name: str) -> str:
+        """The output_dir of a planned run (launched with its whole batch if not done yet)."""
+        return self.pool.get(str(self.tmp / name))
 
 
 def launch_runs(folder, runs: list[dict], num_processes: int = 2, config: str = "ddp.yaml"

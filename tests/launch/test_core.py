@@ -50,10 +50,10 @@ COMM = {**ADAMW, "max_steps": 3, "save_steps": 1, "save_total_limit": 2, "packin
         "report_to": "tensorboard"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
-    """Every run below, planned: the 2-rank runs share a launch, and so do the 1-process ones (helpers.Runs.plan)."""
-    r = CoreRuns(tmp_path_factory.mktemp("core"), tiny_model, padded_data, COMMON, shared=shared_runs)
+def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+    """Every run below, planned (conftest's run_pool): the 2-rank runs join the session's 2-rank DDP launch, the
+    1-process ones its 1-process launch."""
+    r = CoreRuns(tmp_path_factory.mktemp("core"), tiny_model, padded_data, COMMON, pool=pool)
     for layout in ("2x2x2", "1x8x1", "1x2x4"):
         r.plan_layout(f"sgd_{layout}", layout, SGD)
     r.plan_layout("sgd_2x2x2_buggy", "2x2x2", {**SGD, "loss_normalization": "per_micro_batch", "max_steps": 3})
@@ -69,7 +69,12 @@ def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
     r.plan_layout("sgd9_2x2x2_resumed_at_6", "2x2x2", {**SGD_ACROSS_EPOCHS, "resume_from_checkpoint": "latest"},
                   copy_from=("sgd9_2x2x2", 6))
     r.plan_layout("comm_2x1x4", (2, 1, 4), COMM)
-    return r
+    return {"runs": r}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
 
 
 def ckpt(out, step):

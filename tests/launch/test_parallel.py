@@ -23,12 +23,24 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
               lr_scheduler_type="constant", weight_decay=0, save_steps=2)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
-    r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON, shared=shared_runs)
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data):
+    """The runs below, planned (conftest's run_pool): HSDP and its resumed run in one launch, the TP runs in another."""
+    r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("hsdp", "hsdp.yaml", 4, 2, 1, {})  # and its resumed run after it, in the same launch
     r.plan("hsdp_resumed", "hsdp.yaml", 4, 2, 1, {"resume_from_checkpoint": "latest"}, copy_from=("hsdp", 2))
-    return r
+    r.plan("one", None, 1, 8, 1, {"save_steps": None})
+    tp = Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, COMMON, pool=pool)  # save_steps 2: checkpoints
+    tp.plan("one", None, 1, 8, 1, {})
+    tp.plan("tp", "tp.yaml", 2, 8, 1, {})
+    tp.plan("tp_adamw", "tp.yaml", 2, 8, 1, TP_ADAMW)
+    tp.plan("tp_adamw_resumed", "tp.yaml", 2, 8, 1, {**TP_ADAMW, "resume_from_checkpoint": "latest"},
+            copy_from=("tp_adamw", 2))
+    return {"runs": r, "tp_runs": tp}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
 
 
 def _probe(out: str, rank: int) -> dict:
@@ -38,7 +50,7 @@ def _probe(out: str, rank: int) -> dict:
 
 def test_hsdp_on_four_ranks_equals_one_process(runs):
     # Without checkpoints (save_steps at its default): the one-process SGD reference of test_precision.py and
-    # test_strategies.py, launched once per session (shared_runs).
+    # test_strategies.py, launched once per session (run_pool).
     reference = runs.get("one", None, 1, 8, 1, {"save_steps": None})
     hsdp = runs.get("hsdp", "hsdp.yaml", 4, 2, 1, {})
     assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(hsdp, "final"))) <= 1e-6
@@ -61,13 +73,8 @@ def test_hsdp_exports_full_weights_and_resumes(runs):
 
 # ------------------------------------------------------------------------------------------- tensor parallel
 @pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory, tiny_llama, padded_data):
-    r = Runs(tmp_path_factory.mktemp("tp"), tiny_llama, padded_data, COMMON)  # save_steps 2: the TP run checkpoints
-    r.plan("tp", "tp.yaml", 2, 8, 1, {})  # the TP runs below share a launch
-    r.plan("tp_adamw", "tp.yaml", 2, 8, 1, TP_ADAMW)
-    r.plan("tp_adamw_resumed", "tp.yaml", 2, 8, 1, {**TP_ADAMW, "resume_from_checkpoint": "latest"},
-           copy_from=("tp_adamw", 2))
-    return r
+def tp_runs(run_pool):
+    return run_pool.modules[(__name__, "tp_runs")]
 
 
 TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,

@@ -9,7 +9,6 @@ transformers 5 loads a checkpoint in the dtype it was stored in, and most Hub re
 import os
 
 import pytest
-import torch
 from helpers import Runs, args_from, launch, load_weights, max_abs_diff
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
@@ -17,19 +16,18 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
               lr_scheduler_type="constant", weight_decay=0)
 
 
-@pytest.fixture(scope="module")
-def stored(tmp_path_factory, tiny_model):
-    """The tiny model stored in bf16, and the very same values stored in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def plan_runs(pool, tmp_path_factory, stored, padded_data):
+    """The two runs from the stored bf16 and fp32 copies, planned (conftest's run_pool): they join the session's 2-rank
+    DDP launch."""
+    runs = Runs(tmp_path_factory.mktemp("precision"), None, padded_data, COMMON, pool=pool)
+    for name, folder in stored.items():
+        runs.plan(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
+    return {"stored_runs": runs}
 
-    root = tmp_path_factory.mktemp("dtypes")
-    bf16, fp32 = str(root / "bf16"), str(root / "fp32")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    AutoModelForCausalLM.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
-    AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(fp32)
-    for folder in (bf16, fp32):
-        tokenizer.save_pretrained(folder)
-    return {"bf16": bf16, "fp32": fp32}
+
+@pytest.fixture(scope="module")
+def stored_runs(run_pool):
+    return run_pool.modules[(__name__, "stored_runs")]
 
 
 def _dtypes(folder: str) -> set:
@@ -40,14 +38,11 @@ def _dtypes(folder: str) -> set:
 
 
 @pytest.mark.slow
-def test_bf16_checkpoint_trains_in_fp32_like_its_fp32_copy(tmp_path_factory, stored, padded_data):
+def test_bf16_checkpoint_trains_in_fp32_like_its_fp32_copy(stored, stored_runs):
     assert _dtypes(stored["bf16"]) == {"BF16"} and _dtypes(stored["fp32"]) == {"F32"}
-    runs = Runs(tmp_path_factory.mktemp("precision"), None, padded_data, COMMON)
-    for name, folder in stored.items():  # both in one launch
-        runs.plan(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
     outs = {}
     for name, folder in stored.items():
-        outs[name] = runs.get(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
+        outs[name] = stored_runs.get(f"from_{name}", "ddp.yaml", 2, 2, 2, {"model_name_or_path": folder})
     a, b = (load_weights(os.path.join(outs[n], "final")) for n in ("bf16", "fp32"))
     assert max_abs_diff(a, b) <= 1e-6
     assert max_abs_diff(a, load_weights(stored["fp32"])) > 1e-2, "the runs must actually train"
@@ -97,10 +92,10 @@ BF16_TOLERANCE = {"ddp.yaml": 2e-3, "fsdp.yaml": 4e-3, "zero2.yaml": 1.2e-2, "ze
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
+def bf16_runs(tmp_path_factory, tiny_model, padded_data, run_pool):
     """One set of runs for every strategy below: the one-process bf16 and fp32 references launch once (the fp32 one
     is test_strategies.py's SGD reference: once per session)."""
-    return Runs(tmp_path_factory.mktemp("bf16"), tiny_model, padded_data, COMMON, shared=shared_runs)
+    return Runs(tmp_path_factory.mktemp("bf16"), tiny_model, padded_data, COMMON, pool=run_pool)
 
 
 @pytest.mark.slow

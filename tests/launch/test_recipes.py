@@ -32,8 +32,6 @@ from helpers import (
 pytestmark = pytest.mark.slow
 
 SFT = os.path.join(ROOT, "recipes", "sft.py")
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
            max_steps=3, logging_steps=1, seed=7, report_to="none", shuffle=True, per_device_eval_batch_size=3)
 ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", weight_decay=0.01,
@@ -55,21 +53,6 @@ def _rows(out):
 
 
 # ------------------------------------------------------------------------------------------------ chat SFT
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory):
-    from toolkit.builtin_data import pydoc_chats
-
-    raw = pydoc_chats()
-    d = tmp_path_factory.mktemp("chats")
-    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
-        with open(d / name, "w") as f:
-            for row in raw[split].select(range(n)):
-                f.write(json.dumps({"messages": row["messages"]}) + "\n")
-    (d / "template.jinja").write_text(TEMPLATE)
-    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
-            "chat_template": str(d / "template.jinja")}
-
-
 def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     cfg = {**SGD, **chats, "model_name_or_path": tiny_model, "packing": False, "block_size": 64}
     one = _run(SFT, str(tmp_path / "one"), cfg)
@@ -91,15 +74,6 @@ def test_sft_refuses_wrapped_packing_before_any_weights_load(tmp_path, tiny_mode
                              "packing": True, "packing_strategy": "wrapped"}), num_processes=1, script=SFT, check=False)
     assert proc.returncode == 2 and "packing_strategy: chat SFT packs whole chats only" in proc.stderr
     assert not os.path.exists(tmp_path / "p")
-
-
-@pytest.fixture(scope="module")
-def gpt2_256(tmp_path_factory):
-    """The tiny GPT-2 with 256 positions: rows long enough to hold several chats."""
-    from toolkit.offline import save_tiny_gpt2
-
-    return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
-                          n_positions=256, seed=0)
 
 
 def _sft_bfd(model, chats) -> dict:
@@ -129,21 +103,6 @@ def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: 
 
 
 # ----------------------------------------------------------------------------------------------------- DPO
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """32 train and 7 held-out pairs of the built-in pydoc-preferences set (conversational), as jsonl files."""
-    from toolkit.builtin_data import pydoc_preferences
-
-    raw, d = pydoc_preferences(), tmp_path_factory.mktemp("pairs")
-    for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
-        with open(d / name, "w") as f:
-            for row in raw[split].select(range(n)):
-                f.write(json.dumps(row) + "\n")
-    (d / "template.jinja").write_text(TEMPLATE)
-    return {"train_file": str(d / "train.jsonl"), "validation_file": str(d / "valid.jsonl"),
-            "chat_template": str(d / "template.jinja")}
-
-
 def _dpo(model, pairs) -> dict:
     return {**SGD, **pairs, "model_name_or_path": model, "packing": False, "block_size": 256, "learning_rate": 0.1,
             "eval_on_start": True}
@@ -180,37 +139,8 @@ def test_dpo_under_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pairs, str
 
 
 # ------------------------------------------------------------------------------------------ classification
-@pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory):
-    from toolkit.offline import save_tiny_bert
-
-    return save_tiny_bert(str(tmp_path_factory.mktemp("models") / "tiny-bert"))
-
-
 CLASSIFY_DATA = dict(dataset_name="stdlib-docstrings", max_train_samples=48, max_eval_samples=17, packing=False,
                      block_size=64)
-
-
-@pytest.fixture(scope="module")
-def classify_files(tmp_path_factory) -> dict:
-    """jsonl train (48 rows) and validation (17 rows) files of the built-in stdlib-docstrings set, picked explicitly:
-    its rows are sorted by class, so its first rows hold one class only, and the metrics of such rows cannot show a
-    row counted twice, or in place of another. Here the six classes take turns, each round starting one class further
-    on, so that rows one or two rounds apart hold different classes: a row counted in place of one a batch or two
-    away (2 ranks x 3 rows: a round; accelerate pads the last batch with rows from the start) changes the classes
-    counted."""
-    from toolkit.builtin_data import stdlib_docstrings
-
-    raw, d = stdlib_docstrings(), tmp_path_factory.mktemp("classify")
-    names = raw["train"].features["label"].names
-    files = {}
-    for split, n in (("train", 48), ("validation", 17)):
-        texts = [iter(r["text"] for r in raw[split] if r["label"] == c) for c in range(len(names))]
-        classes = [(i + i // len(names)) % len(names) for i in range(n)]
-        rows = [{"text": next(texts[c]), "label": names[c]} for c in classes]
-        files[f"{split}_file"] = str(d / f"{split}.jsonl")
-        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return files
 
 
 def _classify(tiny_bert, classify_files) -> dict:
@@ -226,12 +156,11 @@ def _lora(tiny_model, padded_data) -> dict:
     return {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs):
     """The classifier, chat SFT with bfd packing, DPO and LoRA runs below, planned: those of one launch config and world
     size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, recipes/dpo.py, or
     recipes/gpt2.py with or without the probes)."""
-    r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {})
+    r = Runs(tmp_path_factory.mktemp("recipes"), None, {}, {}, pool=pool)
     cfg = _classify(tiny_bert, classify_files)
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
@@ -247,7 +176,12 @@ def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, g
         r.plan(f"lora_{name}", f"{name}.yaml", 2, 2, 2, _lora(tiny_model, padded_data))
     r.plan("lora_resumed", "ddp.yaml", 2, 2, 2, {**_lora(tiny_model, padded_data), "resume_from_checkpoint": "latest"},
            copy_from=("lora_ddp", 2), probe=False)  # recipes/gpt2.py itself
-    return r
+    return {"runs": r}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
 
 
 def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(runs, tiny_bert, classify_files):

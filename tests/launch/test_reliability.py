@@ -52,12 +52,17 @@ NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at 
 SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data):
-    r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON)
+def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+    """Planned (conftest's run_pool): they join the session's 2-rank DDP launch."""
+    r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False)
     r.plan("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED, probe=False)
-    return r
+    return {"runs": r}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
 
 
 def _steps_logged(out: str) -> list[int]:

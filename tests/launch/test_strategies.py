@@ -87,10 +87,10 @@ def scratch(tiny_model) -> dict:
     return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
-    """Every run below, planned: the runs of one launch config and world size share a launch (helpers.Runs.plan)."""
-    r = StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON, shared=shared_runs)
+def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+    """Every run below, planned (conftest's run_pool): the runs of one launch config and world size share a launch
+    with those of the other modules."""
+    r = StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON, pool=pool)
     for name, extra in (("sgd", SGD), ("adamw", ADAMW), ("scratch_sgd", scratch(tiny_model)), ("bfd_sgd", BFD)):
         r.plan(f"{name}_1x8x1", None, 1, 8, 1, extra)
     for strategy in CORE + ["zero3_offload"]:
@@ -113,7 +113,12 @@ def runs(tmp_path_factory, tiny_model, padded_data, shared_runs):
             r.plan(f"sgd_{switch}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, {**SGD, switch: SWITCH_VALUES[switch]})
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
-    return r
+    return {"runs": r}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
 
 
 def final(out):
@@ -307,8 +312,8 @@ def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strate
 
 @pytest.fixture(scope="module")
 def refusals(request, tmp_path_factory, tiny_model, padded_data):
-    """The 2-rank launches of the quick refusal tests below (each stops before the weights load), started all at once,
-    those of the tests selected in this session only: test id -> (the finished launch, its output_dir)."""
+    """The 2-rank launches of the quick refusal tests below (each stops before the weights load), as many at once as
+    the CPUs take (helpers.run_all), those of the tests selected in this session only: test id -> (the finished launch, its output_dir)."""
     selected = {item.name for item in request.session.items if item.path == request.path}
     root = tmp_path_factory.mktemp("refusals")
     cases = {}  # test id -> (launch arguments, extra environment)
@@ -329,7 +334,7 @@ def refusals(request, tmp_path_factory, tiny_model, padded_data):
     for config in SILENT_FALLBACK:
         case(f"test_silent_fallback_is_refused[{config}]", config=config, env={"TOOLKIT_CPU_SHIM": "0"})
     names = list(cases)
-    procs = run_all([cases[n][0] for n in names], envs=[cases[n][1] for n in names])
+    procs = run_all([cases[n][0] for n in names], envs=[cases[n][1] for n in names], processes_each=2)
     return {n: (proc, cases[n][2]) for n, proc in zip(names, procs)}
 
 

@@ -87,3 +87,35 @@ def test_smollm2_round_trip(tmp_path):
     mtime = (tmp_path / "smollm2" / "model.safetensors").stat().st_mtime_ns
     assert offline.save_smollm2(tmp_path / "smollm2") == path
     assert (tmp_path / "smollm2" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_gguf_name_map_is_built_once_per_load():
+    """transformers builds gguf's TensorNameMap in every submodule it recurses into (docs/pitfalls.md#gguf-name-map);
+    under ``gguf_name_map_built_once`` one build serves them all and the weights map is the same."""
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("pip install --no-deps gguf")
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    builds = []
+    original = gguf.get_tensor_name_map
+
+    def counted(arch, n_blocks):
+        builds.append((arch, n_blocks))
+        return original(arch, n_blocks)
+
+    gguf.get_tensor_name_map = counted
+    try:
+        plain = get_gguf_hf_weights_map(model, TensorProcessor())
+        per_module = len(builds)
+        builds.clear()
+        with offline.gguf_name_map_built_once():
+            cached = get_gguf_hf_weights_map(model, TensorProcessor())
+    finally:
+        gguf.get_tensor_name_map = original
+    assert per_module == len(list(model.modules())) > 10  # one build per module: the upstream cost
+    assert len(builds) == 1 and cached == plain and "blk.0.attn_q.weight" in plain
+    assert gguf.get_tensor_name_map is original  # restored after the load

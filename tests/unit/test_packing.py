@@ -18,7 +18,6 @@ from toolkit.packing import (
     best_fit_decreasing,
     check_packed_attention,
     collate_packed,
-    pack_documents,
 )
 from toolkit.tasks import CausalLM, model_inputs
 
