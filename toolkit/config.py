@@ -44,7 +44,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
-LOSS_TYPES = ("sigmoid",)  # DPO losses (TRL's loss_type names)
+LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
@@ -415,7 +415,9 @@ class TrainingArguments:
                                        "-logsigmoid(beta x the difference of the chosen and rejected log-ratios)."}
     )
     loss_type: str = field(
-        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper."}
+        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper, or 'ipo' (TRL's "
+                                             "IPO: the squared distance of the token-averaged log-ratio difference "
+                                             "from 1/(2 beta))."}
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "

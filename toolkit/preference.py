@@ -15,6 +15,10 @@ completion's tokens (p: the policy's, r: the reference's):
 
     loss = -logsigmoid(beta * ((p_chosen - r_chosen) - (p_rejected - r_rejected)))
 
+``loss_type: ipo`` (TRL's IPO, its length-normalised form), with n the completion's token count:
+
+    loss = ((p_chosen - r_chosen) / n_chosen - (p_rejected - r_rejected) / n_rejected - 1 / (2 beta))**2
+
 A pair is the target the core normalises by (``num_targets``): each micro-step backpropagates its pairs' summed loss
 divided by the global batch's pair count, so the objective is the mean over every pair of the global batch whatever
 its split over ranks and micro-steps. (TRL averages each micro-batch and divides by the accumulation steps: a mean of
@@ -160,12 +164,22 @@ class PairCollator:
         return batch
 
 
-def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str) -> torch.Tensor:
-    """The loss of each pair (module docstring)."""
-    if loss_type != "sigmoid":
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    return -F.logsigmoid(beta * logits)
+def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str,
+               lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss of each pair (module docstring). ``ipo`` (TRL's): ``(delta - 1 / (2 beta))**2``, where delta is the
+    difference of the chosen and rejected log-ratios each divided by its completion's token count (``lengths``)."""
+    chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    if loss_type == "ipo":
+        chosen_tokens, rejected_tokens = lengths
+        return (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def completion_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) completion token counts of a micro-batch's pairs (at least 1), what ``ipo`` averages by."""
+    return (batch["labels"] != IGNORE_INDEX).sum(dim=1).clamp(min=1).chunk(2)
 
 
 class DPO(CausalLM):
@@ -232,17 +246,19 @@ class DPO(CausalLM):
     def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
         ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
         chosen, rejected = self.sequence_logps(model, batch, chunked)
-        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
+        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
+                          completion_lengths(batch))
 
     def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
         ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
         chosen, rejected = self.sequence_logps(model, batch, chunked)
-        return chosen, rejected, ref_chosen, ref_rejected
+        return chosen, rejected, ref_chosen, ref_rejected, *completion_lengths(batch)
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
-        chosen, rejected, ref_chosen, ref_rejected = (torch.cat([r[i].double() for r in rows]) for i in range(4))
+        chosen, rejected, ref_chosen, ref_rejected, *lengths = (torch.cat([r[i].double() for r in rows])
+                                                                 for i in range(6))
         reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
-        losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
+        losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
         return {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
                 "rewards/rejected": float(reward_rejected.mean()),
                 "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
