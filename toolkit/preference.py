@@ -193,6 +193,7 @@ class DPO(CausalLM):
     def __init__(self):
         self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check
         self.reference, self.block_size, self.start = None, None, None  # the live copy (toolkit.reference)
+        self.last_eval: dict = {}  # the last evaluation's metrics, for the summary
 
     def check(self, cfg) -> None:
         if cfg.data.packing or cfg.data.packing_strategy:
@@ -259,12 +260,14 @@ class DPO(CausalLM):
                                                                  for i in range(6))
         reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
         losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
-        return {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
-                "rewards/rejected": float(reward_rejected.mean()),
-                "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
-                "rewards/margins": float((reward_chosen - reward_rejected).mean()),
-                "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
-                "eval_pairs": len(losses)}
+        metrics = {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
+                   "rewards/rejected": float(reward_rejected.mean()),
+                   "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
+                   "rewards/margins": float((reward_chosen - reward_rejected).mean()),
+                   "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
+                   "eval_pairs": len(losses)}
+        self.last_eval = metrics
+        return metrics
 
     def add_reference(self, cfg, accelerator, parts) -> None:
         """With ``precompute_ref_log_probs``: ``parts``' train and eval datasets with the reference log-probabilities,
@@ -289,7 +292,8 @@ class DPO(CausalLM):
             self.start = fingerprint(self.reference if kind == "live" else unwrap(model))
 
     def summary(self, accelerator, model) -> dict:
-        """``reference``: its kind and, unless precomputed, each rank's fingerprint of its frozen weights at the start
+        """The last evaluation's ``eval_rewards/accuracies`` and ``eval_rewards/margins`` (TRL's names; None without
+        evaluation), and ``reference``: its kind and, unless precomputed, each rank's fingerprint of its frozen weights at the start
         and at the end (equal: it never changed) and how many elements that rank holds (sharded: fewer)."""
         kind = reference_kind(self.cfg)
         out = {"kind": kind}
@@ -297,7 +301,9 @@ class DPO(CausalLM):
             end = fingerprint(self.reference if kind == "live" else unwrap(model))
             out["ranks"] = gather_object(accelerator, {"start": self.start["sha256"], "end": end["sha256"],
                                                        "numel": end["numel"]})
-        return {"reference": out}
+        # TRL's names for its eval metrics: the last evaluation's reward accuracy and margin
+        last = {f"eval_{key}": self.last_eval.get(key) for key in ("rewards/accuracies", "rewards/margins")}
+        return {"reference": out, **last}
 
     @torch.no_grad()
     def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:
