@@ -22,8 +22,9 @@ from toolkit.preference import DPO
 
 def main(callbacks=None):
     cfg = parse_args()  # bad fields (beta <= 0 too) stop here, before any process group, data or weights
-    accelerator = make_accelerator(cfg.train)
     task = DPO()
+    task.check(cfg)  # and a reference the launch cannot give (FSDP1 without precompute_ref_log_probs)
+    accelerator = make_accelerator(cfg.train)
     parts = build(cfg, accelerator, task=task)  # columns checked before the weights load; pairs tokenized
     task.add_reference(cfg, accelerator, parts)  # precomputed: the starting weights' log-probs, carried in the rows
     return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)

@@ -7,8 +7,8 @@ template). Either way ``prompt + completion`` is tokenized once, as chat SFT tok
 ``tokenize_chat``, ``tokenize_spans``), and the completion's tokens (an assistant turn with its end-of-turn token; a
 text completion and its EOS) are the targets. A row is a *pair*: its chosen and rejected sequences are collated into
 the same micro-batch (chosen rows first, then rejected, one forward), so they stay on one rank and one micro-step.
-Rows are truncated to ``block_size`` keeping their start; a pair left with no completion token on either side is
-dropped.
+Rows are truncated to ``block_size`` keeping their start; a prompt that leaves either completion no token within
+``block_size`` is refused (naming the row), where TRL would train the pair as a tie.
 
 Loss (``loss_type: sigmoid``, TRL's default and the DPO paper's), per pair, with log-probabilities *summed* over the
 completion's tokens (p: the policy's, r: the reference's):
@@ -115,13 +115,19 @@ def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list
 
 
 def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every pair tokenized (both sides, truncated to ``block_size``); pairs with no completion token left dropped."""
+    """Every pair tokenized (both sides, truncated to ``block_size``, keeping the start); a prompt that leaves a
+    completion no token within ``block_size`` is refused, naming the row."""
 
     def tokenize(batch, indices):
         out = {key: [] for side in SIDES for key in KEYS[side]}
         for prompt, chosen, rejected, index in zip(batch["prompt"], batch["chosen"], batch["rejected"], indices):
             for side, completion in zip(SIDES, (chosen, rejected)):
                 ids, labels = tokenize_completion(tokenizer, prompt, completion, f"row {index}, {side}")
+                prompt_tokens = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+                if prompt_tokens >= block_size:  # TRL would train it as a tie: both log-probs over no token
+                    raise ConfigError("block_size", f"row {index}: the prompt is {prompt_tokens} tokens, so block_size "
+                                                    f"{block_size} leaves its {side} completion no token; raise "
+                                                    "block_size or remove the pairs with longer prompts")
                 out[KEYS[side][0]].append(ids[:block_size])
                 out[KEYS[side][1]].append(labels[:block_size])
         return out
@@ -238,7 +244,8 @@ class DPO(CausalLM):
         if REF_COLUMNS[0] in batch:
             return batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]
         if self.reference is not None:
-            logps = self.sequence_logps(self.reference, batch, chunked)
+            with self.autocast():  # the policy's prepared forward runs under the launch's mixed precision: so does this
+                logps = self.sequence_logps(self.reference, batch, chunked)
             reshard(self.reference)
             return logps
         with unwrap(model).disable_adapter():
@@ -287,7 +294,7 @@ class DPO(CausalLM):
         """The live reference, loaded and sharded as the policy was; its fingerprint before the first step."""
         kind = reference_kind(self.cfg)
         if kind == "live":
-            self.reference = load_live(self.cfg, accelerator, self.block_size)
+            self.reference, self.autocast = load_live(self.cfg, accelerator, self.block_size), accelerator.autocast
         if kind != "precomputed":
             self.start = fingerprint(self.reference if kind == "live" else unwrap(model))
 

@@ -248,3 +248,23 @@ def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tm
     chunked = parts.task.row_losses(parts.model, batch, chunked=True)
     plain = parts.task.row_losses(_model(tiny_model), batch)
     assert torch.allclose(chunked, plain, atol=1e-5), (chunked, plain)
+
+
+def test_a_prompt_that_fills_block_size_is_refused_naming_the_row(tiny_model):
+    """A prompt of block_size tokens or more leaves its completions no token (TRL would train the pair as a tie):
+    refused with the row, the prompt's length and the fix; one token shorter and the pair trains."""
+    from datasets import Dataset, DatasetDict
+
+    from toolkit.config import DataArguments
+    from toolkit.errors import ConfigError
+    from toolkit.preference import tokenize_pairs
+
+    tokenizer = _tokenizer(tiny_model)
+    long = {"prompt": "one two three four five six seven eight", "chosen": " nine", "rejected": " ten eleven"}
+    prompt = len(tokenizer(long["prompt"])["input_ids"])
+    raw = DatasetDict({"train": Dataset.from_list([PAIRS[0], long])})
+    with pytest.raises(ConfigError, match=f"block_size: row 1: the prompt is {prompt} tokens, so block_size {prompt} "
+                                          "leaves its chosen completion no token; raise block_size"):
+        tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x"), block_size=prompt)
+    rows = tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x", overwrite_cache=True), block_size=prompt + 1)
+    assert len(rows["train"]) == 2
