@@ -4,8 +4,9 @@ the starting weights (``toolkit.preference``).
 Data: TRL's preference format, ``prompt`` / ``chosen`` / ``rejected`` as text or as lists of messages (local
 jsonl/parquet or the Hub), or ``dataset_name: pydoc-preferences`` (questions about Python, the section's answer chosen
 and another topic's answer rejected, built offline). The loss is the mean over every pair of the global batch,
-whatever the split over ranks and micro-steps; the reference log-probabilities are computed once, before training,
-from the starting weights. Held-out pairs give TRL's metrics (rewards/accuracies, rewards/margins, ...).
+whatever the split over ranks and micro-steps; the reference is a frozen copy of the starting weights sharded like the
+policy (with LoRA: the adapter disabled), or its log-probabilities computed once before training
+(precompute_ref_log_probs: true). Held-out pairs give TRL's metrics (rewards/accuracies, rewards/margins, ...).
 
     python -m toolkit.offline tiny-gpt2 outputs/models/tiny-gpt2
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/dpo.py --config recipes/configs/dpo_tiny.yaml
@@ -21,10 +22,11 @@ from toolkit.preference import DPO
 
 def main(callbacks=None):
     cfg = parse_args()  # bad fields (beta <= 0 too) stop here, before any process group, data or weights
-    accelerator = make_accelerator(cfg.train)
     task = DPO()
+    task.check(cfg)  # and a reference the launch cannot give (FSDP1 without precompute_ref_log_probs)
+    accelerator = make_accelerator(cfg.train)
     parts = build(cfg, accelerator, task=task)  # columns checked before the weights load; pairs tokenized
-    task.add_reference(cfg, accelerator, parts)  # the starting weights' log-probs, once, carried in the rows
+    task.add_reference(cfg, accelerator, parts)  # precomputed: the starting weights' log-probs, carried in the rows
     return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)
 
 

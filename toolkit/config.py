@@ -44,7 +44,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
-LOSS_TYPES = ("sigmoid",)  # DPO losses (TRL's loss_type names)
+LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
@@ -178,6 +178,11 @@ class ModelArguments:
     merge_lora: bool = field(
         default=False, metadata={"help": "Also export the merged full weights (base + adapter) to final/merged/."}
     )
+    ref_model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "DPO: the reference model (Hub id or local folder, the policy's tokenizer); "
+                                        "default: the policy's starting weights (with use_peft: the base, adapter "
+                                        "disabled)."}
+    )
 
     def __post_init__(self):
         _one_of(self, "torch_dtype", TORCH_DTYPES)
@@ -189,7 +194,7 @@ class ModelArguments:
                                           "exported without the base, which must be loadable again)")
         if self.merge_lora and not self.use_peft:
             raise ConfigError("merge_lora", "merges LoRA adapters into the weights; set use_peft: true, or drop it")
-        for name in ("model_name_or_path", "config_name", "tokenizer_name"):
+        for name in ("model_name_or_path", "config_name", "tokenizer_name", "ref_model_name_or_path"):
             value = getattr(self, name)
             # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.
             if value and value.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(value)):
@@ -410,7 +415,14 @@ class TrainingArguments:
                                        "-logsigmoid(beta x the difference of the chosen and rejected log-ratios)."}
     )
     loss_type: str = field(
-        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper."}
+        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper, or 'ipo' (TRL's "
+                                             "IPO: the squared distance of the token-averaged log-ratio difference "
+                                             "from 1/(2 beta))."}
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "
+                                         "training (a whole copy, then freed) instead of a live frozen copy sharded "
+                                         "like the policy."}
     )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})

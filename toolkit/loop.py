@@ -453,6 +453,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     task, args, started = task or CausalLM(), cfg.train, time.time()
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
     model, accumulation = run.model, args.gradient_accumulation_steps
+    task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:  # every rank, the same row: the prepared model may need collectives for a forward
         check_packed_attention(model, packed_guard_row(train_dataset), tokenizer.pad_token_id, accelerator.device)
         accelerator.print("packing_strategy bfd: checked that a packed document's logits do not depend on the "
@@ -514,6 +515,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), preempted=preempted,
         final_model=os.path.abspath(layout.final_dir(args.output_dir)) if exported else None,
         data_parallel_size=run.data_parallel_size, train_rows=len(train_dataset), fill_rate=window.run_fill_rate())
+    summary.update(task.summary(accelerator, model))
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass.
     _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)

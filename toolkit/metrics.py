@@ -76,11 +76,17 @@ def format_run_summary(summary: dict) -> str:
         f"{summary.get('train_rows', '?')} training rows, fill rate "
         + (f"{summary['fill_rate']:.3f}" if summary.get("fill_rate") is not None else "n/a"),
         f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
+        *([f"  last eval: rewards/accuracies {summary['eval_rewards/accuracies']:.4f}, rewards/margins "
+           f"{summary['eval_rewards/margins']:.4f}"] if summary.get("eval_rewards/accuracies") is not None else []),
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
             "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
             if summary.get("preempted") else "  model: not saved (save_final_model false)"),
     ]
     return "\n".join(lines)
+
+
+# The eval metrics the progress bar prints, of any task (DPO's: TRL's reward accuracy and margin).
+EVAL_SHOWN = ("eval_loss", "perplexity", "accuracy", "macro_f1", "rewards/accuracies", "rewards/margins")
 
 
 class MetricsLogger:
@@ -126,7 +132,7 @@ class MetricsLogger:
                     post["mfu"] = f"{100 * row['mfu']:.1f}%"
                 self.bar.set_postfix(**post)
             if "eval_loss" in row:
-                shown = [f"{k} {row[k]:.4f}" for k in ("eval_loss", "perplexity", "accuracy", "macro_f1") if k in row]
+                shown = [f"{k} {row[k]:.4f}" for k in EVAL_SHOWN if k in row]
                 self.bar.write(f"step {row['step']}: " + " ".join(shown))
 
     def advance(self, n: int = 1) -> None:

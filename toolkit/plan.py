@@ -26,6 +26,10 @@ With D data-parallel devices:
     TP         everything / (devices per node), one node only (tp.yaml: TP with data parallelism is refused);
                activations inside attention and the MLP / t too
 
+DPO (``--recipe dpo``): its live reference copy holds weights only, sharded like the policy's (whole under DDP and
+ZeRO-1/2, / D under ZeRO-3 and FSDP2); none with ``--lora-r`` (the adapter disabled is the reference) or
+``--precompute-ref-log-probs``; under TP a live reference is refused.
+
 With LoRA (``--lora-r``, ``--lora-target-modules``) the base weights are frozen (weights only, sharded like the
 weights); the adapters the recipes would train with the same fields (r x (in + out) per adapted layer: peft's default
 targets for the model type unless named, e.g. Llama's q_proj and v_proj; counted by peft on the meta model) carry the
@@ -190,6 +194,14 @@ def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkp
     return out
 
 
+def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: int, precision: str) -> float:
+    """Bytes of DPO's live reference copy on one device (``toolkit.reference``): weights only, no gradients or
+    optimizer state, sharded as the policy's weights are (ZeRO-3 and FSDP2: / D, HSDP: / devices per node), whole
+    under DDP and ZeRO-1/2 (a stage-0 engine: 2-byte weights under DeepSpeed's bf16/fp16, as TRL prepares it)."""
+    return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab), strategy, devices,
+                                   per_node, precision)["weights"]
+
+
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
 
 
@@ -225,14 +237,18 @@ def _fits(total: dict, gpu_memory: float) -> str:
 
 
 def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int = 4, seq: int = 2048,
-         precision: str = "bf16", checkpointing: bool = False) -> list[dict]:
+         precision: str = "bf16", checkpointing: bool = False, reference: bool = False) -> list[dict]:
     """One row per strategy. ``activations``/``total``/``fits`` are for the run asked for (``checkpointing``); the
-    same for the other choice are under ``*_other`` so that a user sees what checkpointing would change."""
+    same for the other choice are under ``*_other`` so that a user sees what checkpointing would change.
+    ``reference``: DPO's live reference copy is counted too (``reference_per_device``)."""
     devices = gpus * nodes
     rows = []
     for name in STRATEGIES:
         config = launch_config(name, gpus, nodes, precision)
         states = model_states_per_device(m, name, devices, gpus, precision)
+        if reference:
+            states["reference"] = reference_per_device(m, name, devices, gpus, precision)
+            config = config if name != "TP" else None  # a live reference is refused under TP: precompute it
         on_device = sum(v for k, v in states.items() if k != "cpu")
         tp = gpus if name == "TP" else 1
         row = {"strategy": name, "config": config, **states, "model_states": on_device}
@@ -262,7 +278,7 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         f"GB (10^9 bytes) per device. activations low / expected / high, {ckpt} and {other} gradient checkpointing; "
         "fits: high (maybe: expected) below 90% of the device",
         "",
-        f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activations':>17} "
+        f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'ref':>8} {'states':>8} {'activations':>17} "
         f"{other + ' ckpt':>17} {'total (expected)':>17} {'fits':>5} {other + ' ckpt':>12}  launch",
     ]
     for r in rows:
@@ -270,9 +286,11 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
                 for a in (r["activations"], r["activations_other"])]
         cpu = f" (+{r['cpu'] / GB:.1f} GB optimizer state in CPU memory)" if r.get("cpu") else ""
         launch = (f"accelerate launch {r['config']}{cpu}" if r["config"] else
-                  "one node only (tensor parallel with data parallelism is refused with these versions)")
+                  "DPO's live reference is not sharded under TP: add --precompute-ref-log-probs" if "reference" in r
+                  else "one node only (tensor parallel with data parallelism is refused with these versions)")
         lines.append(f"{r['strategy']:<17} {r['weights'] / GB:>8.2f} {r['gradients'] / GB:>8.2f} "
-                     f"{r['optimizer'] / GB:>8.2f} {r['model_states'] / GB:>8.2f} {acts[0]:>17} {acts[1]:>17} "
+                     f"{r['optimizer'] / GB:>8.2f} {r.get('reference', 0) / GB:>8.2f} {r['model_states'] / GB:>8.2f} "
+                     f"{acts[0]:>17} {acts[1]:>17} "
                      f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5} {r['fits_other']:>12}  {launch}")
     lines += ["", "then the recipe with the fields planned: <recipe> --config <yours> " + recipe_fields(args)]
     if args.nodes > 1:
@@ -287,6 +305,8 @@ def recipe_fields(args) -> str:
               f"--per_device_train_batch_size {args.micro_batch} --block_size {args.seq_len}")
     if args.gradient_checkpointing:
         fields += " --gradient_checkpointing true"
+    if args.precompute_ref_log_probs:
+        fields += " --precompute_ref_log_probs true"
     if args.lora_r:
         fields += f" --use_peft true --lora_r {args.lora_r}"
         if args.lora_target_modules:
@@ -307,6 +327,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-target-modules", nargs="+", default=None,
                         help="the recipe's lora_target_modules (default: peft's for the model type, as the recipes)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--recipe", choices=["gpt2", "sft", "classify", "dpo"], default="gpt2",
+                        help="dpo: count the live reference model too (not with --lora-r: the adapter is disabled for "
+                             "it; not with --precompute-ref-log-probs)")
+    parser.add_argument("--precompute-ref-log-probs", action="store_true",
+                        help="DPO's precompute_ref_log_probs: no reference in memory while training")
     args = parser.parse_args(argv)
     for name in ("gpus", "nodes", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:
@@ -320,7 +345,8 @@ def main(argv=None) -> int:
         print(f"plan error: --model {args.model}: {str(e).splitlines()[0]} (give a model folder, its config.json "
               "or a Hub name that is reachable or cached)", file=sys.stderr)
         return 2
+    reference = args.recipe == "dpo" and not args.lora_r and not args.precompute_ref_log_probs
     rows = plan(m, args.gpus, args.gpu_memory, args.nodes, args.micro_batch, args.seq_len, args.precision,
-                args.gradient_checkpointing)
+                args.gradient_checkpointing, reference=reference)
     print(format_plan(m, rows, args))
     return 0

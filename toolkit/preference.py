@@ -7,24 +7,30 @@ template). Either way ``prompt + completion`` is tokenized once, as chat SFT tok
 ``tokenize_chat``, ``tokenize_spans``), and the completion's tokens (an assistant turn with its end-of-turn token; a
 text completion and its EOS) are the targets. A row is a *pair*: its chosen and rejected sequences are collated into
 the same micro-batch (chosen rows first, then rejected, one forward), so they stay on one rank and one micro-step.
-Rows are truncated to ``block_size`` keeping their start; a pair left with no completion token on either side is
-dropped.
+Rows are truncated to ``block_size`` keeping their start; a prompt that leaves either completion no token within
+``block_size`` is refused (naming the row), where TRL would train the pair as a tie.
 
 Loss (``loss_type: sigmoid``, TRL's default and the DPO paper's), per pair, with log-probabilities *summed* over the
 completion's tokens (p: the policy's, r: the reference's):
 
     loss = -logsigmoid(beta * ((p_chosen - r_chosen) - (p_rejected - r_rejected)))
 
+``loss_type: ipo`` (TRL's IPO, its length-normalised form), with n the completion's token count:
+
+    loss = ((p_chosen - r_chosen) / n_chosen - (p_rejected - r_rejected) / n_rejected - 1 / (2 beta))**2
+
 A pair is the target the core normalises by (``num_targets``): each micro-step backpropagates its pairs' summed loss
 divided by the global batch's pair count, so the objective is the mean over every pair of the global batch whatever
 its split over ranks and micro-steps. (TRL averages each micro-batch and divides by the accumulation steps: a mean of
 micro-batch means, the same only when every micro-batch holds as many pairs; docs/pitfalls.md.)
 
-Reference: the starting weights, evaluated once before training (TRL's ``precompute_ref_log_probs``) from a whole
-copy loaded for it and freed (``add_reference``; the policy itself may already be partitioned under ZeRO-3): every rank
-computes the log-probabilities of every pair in fixed chunks of ``per_device_eval_batch_size`` pairs in dataset order
-(so the values do not depend on the world size or the micro-batch), without grad, and they travel with the rows
-(``ref_chosen_logps``, ``ref_rejected_logps``). Exact and memory-free; its cost is one forward over the data per rank.
+Reference (``toolkit.reference``): by default a live frozen copy of the starting weights (or
+``ref_model_name_or_path``), sharded like the policy, evaluated beside it on every micro-batch without grad; with
+``use_peft`` the policy with its adapter disabled. With ``precompute_ref_log_probs`` (TRL's name) the starting weights
+are evaluated once before training from a whole copy loaded for it and freed (``add_reference``; the policy itself may
+already be partitioned under ZeRO-3): every rank computes the log-probabilities of every pair in fixed chunks of
+``per_device_eval_batch_size`` pairs in dataset order (so the values do not depend on the world size or the
+micro-batch), and they travel with the rows (``ref_chosen_logps``, ``ref_rejected_logps``). Both give the same run.
 
 Metrics (TRL's names) on the held-out pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta x log-ratio),
 ``rewards/accuracies`` (the share of pairs whose chosen reward is higher), ``rewards/margins``, ``logps/chosen``,
@@ -40,11 +46,25 @@ from datasets import DatasetDict
 from toolkit import data
 from toolkit.chat import assistant_spans, check_messages, set_chat_template, tokenize_spans
 from toolkit.config import DataArguments
-from toolkit.distributed import plain_loading
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
-from toolkit.model import load_model
+from toolkit.reference import check_reference, fingerprint, load_live, load_whole, reference_kind, reshard
 from toolkit.tasks import CausalLM
+
+
+def unwrap(model):
+    """The module under DDP's or DeepSpeed's wrapper (an FSDP2 module is the model itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        return model.module
+    return model
+
+
+def gather_object(accelerator, value) -> list:
+    from accelerate.utils import gather_object as gather
+
+    return gather([value]) if accelerator.num_processes > 1 else [value]
 
 COLUMNS = ("prompt", "chosen", "rejected")
 SIDES = ("chosen", "rejected")
@@ -95,13 +115,19 @@ def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list
 
 
 def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every pair tokenized (both sides, truncated to ``block_size``); pairs with no completion token left dropped."""
+    """Every pair tokenized (both sides, truncated to ``block_size``, keeping the start); a prompt that leaves a
+    completion no token within ``block_size`` is refused, naming the row."""
 
     def tokenize(batch, indices):
         out = {key: [] for side in SIDES for key in KEYS[side]}
         for prompt, chosen, rejected, index in zip(batch["prompt"], batch["chosen"], batch["rejected"], indices):
             for side, completion in zip(SIDES, (chosen, rejected)):
                 ids, labels = tokenize_completion(tokenizer, prompt, completion, f"row {index}, {side}")
+                prompt_tokens = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+                if prompt_tokens >= block_size:  # TRL would train it as a tie: both log-probs over no token
+                    raise ConfigError("block_size", f"row {index}: the prompt is {prompt_tokens} tokens, so block_size "
+                                                    f"{block_size} leaves its {side} completion no token; raise "
+                                                    "block_size or remove the pairs with longer prompts")
                 out[KEYS[side][0]].append(ids[:block_size])
                 out[KEYS[side][1]].append(labels[:block_size])
         return out
@@ -144,31 +170,44 @@ class PairCollator:
         return batch
 
 
-def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str) -> torch.Tensor:
-    """The loss of each pair (module docstring)."""
-    if loss_type != "sigmoid":
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    return -F.logsigmoid(beta * logits)
+def dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str,
+               lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss of each pair (module docstring). ``ipo`` (TRL's): ``(delta - 1 / (2 beta))**2``, where delta is the
+    difference of the chosen and rejected log-ratios each divided by its completion's token count (``lengths``)."""
+    chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    if loss_type == "ipo":
+        chosen_tokens, rejected_tokens = lengths
+        return (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def completion_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) completion token counts of a micro-batch's pairs (at least 1), what ``ipo`` averages by."""
+    return (batch["labels"] != IGNORE_INDEX).sum(dim=1).clamp(min=1).chunk(2)
 
 
 class DPO(CausalLM):
     """Direct preference optimisation of a causal LM on pairs (module docstring); the reference log-probabilities
-    are computed by ``precompute_reference`` before training and carried in the rows."""
+    come from the rows (precomputed) or from the reference at each micro-step (``reference_logps``)."""
 
     name = "dpo"
     sequences_per_row = 2  # chosen and rejected: what the chunked loss sizes its chunk count by
     best_metric = ("eval_loss", min)
 
     def __init__(self):
-        self.beta, self.loss_type = 0.1, "sigmoid"  # set from the config by check
+        self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check
+        self.reference, self.block_size, self.start = None, None, None  # the live copy (toolkit.reference)
+        self.last_eval: dict = {}  # the last evaluation's metrics, for the summary
 
     def check(self, cfg) -> None:
         if cfg.data.packing or cfg.data.packing_strategy:
             raise ConfigError("packing", "DPO takes one pair per row (its two sequences in one micro-batch); set "
                                          "packing: false and unset packing_strategy")
         cfg.data.packing = False
-        self.beta, self.loss_type = cfg.train.beta, cfg.train.loss_type
+        check_reference(cfg)
+        self.beta, self.loss_type, self.cfg = cfg.train.beta, cfg.train.loss_type, cfg
 
     def load_raw(self, args):
         raw = load_raw_pairs(args)
@@ -198,37 +237,80 @@ class DPO(CausalLM):
         logps = -super().row_losses(model, batch, chunked)
         return logps.chunk(2)
 
+    @torch.no_grad()
+    def reference_logps(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (chosen, rejected) log-probabilities: carried in the batch when precomputed, else from the
+        live copy, or from the policy with its adapter disabled (``toolkit.reference``)."""
+        if REF_COLUMNS[0] in batch:
+            return batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]
+        if self.reference is not None:
+            with self.autocast():  # the policy's prepared forward runs under the launch's mixed precision: so does this
+                logps = self.sequence_logps(self.reference, batch, chunked)
+            reshard(self.reference)
+            return logps
+        with unwrap(model).disable_adapter():
+            return self.sequence_logps(model, batch, chunked)
+
     def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
+        ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
         chosen, rejected = self.sequence_logps(model, batch, chunked)
-        return dpo_losses(chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"], self.beta,
-                          self.loss_type)
+        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
+                          completion_lengths(batch))
 
     def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
+        ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
         chosen, rejected = self.sequence_logps(model, batch, chunked)
-        return chosen, rejected, batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        return chosen, rejected, ref_chosen, ref_rejected, *completion_lengths(batch)
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
-        chosen, rejected, ref_chosen, ref_rejected = (torch.cat([r[i].double() for r in rows]) for i in range(4))
+        chosen, rejected, ref_chosen, ref_rejected, *lengths = (torch.cat([r[i].double() for r in rows])
+                                                                 for i in range(6))
         reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
-        losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
-        return {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
-                "rewards/rejected": float(reward_rejected.mean()),
-                "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
-                "rewards/margins": float((reward_chosen - reward_rejected).mean()),
-                "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
-                "eval_pairs": len(losses)}
+        losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
+        metrics = {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
+                   "rewards/rejected": float(reward_rejected.mean()),
+                   "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
+                   "rewards/margins": float((reward_chosen - reward_rejected).mean()),
+                   "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
+                   "eval_pairs": len(losses)}
+        self.last_eval = metrics
+        return metrics
 
     def add_reference(self, cfg, accelerator, parts) -> None:
-        """``parts``' train and eval datasets with the reference log-probabilities: the starting weights loaded whole
-        on every rank (``plain_loading``: outside ZeRO-3's partitioning, before any strategy shards the policy, so the
-        same under DDP, ZeRO and FSDP), evaluated, then freed; with LoRA the base model is the reference (the adapter
-        starts at zero)."""
-        with plain_loading(accelerator):
-            reference = load_model(cfg.model)
+        """With ``precompute_ref_log_probs``: ``parts``' train and eval datasets with the reference log-probabilities,
+        from a whole copy on every rank (``reference.load_whole``: outside ZeRO-3's partitioning, before any strategy
+        shards the policy, so the same under DDP, ZeRO and FSDP), evaluated, then freed. Otherwise the live reference
+        is loaded once the policy is prepared (``prepared``)."""
+        self.block_size = parts.block_size
+        if reference_kind(cfg) != "precomputed":
+            return
+        reference = load_whole(cfg, accelerator)
         datasets = self.precompute_reference(reference, {"train": parts.train_dataset, "validation": parts.eval_dataset},
                                              cfg.train.per_device_eval_batch_size, parts.tokenizer.pad_token_id)
         del reference
         parts.train_dataset, parts.eval_dataset = datasets["train"], datasets["validation"]
+
+    def prepared(self, accelerator, model) -> None:
+        """The live reference, loaded and sharded as the policy was; its fingerprint before the first step."""
+        kind = reference_kind(self.cfg)
+        if kind == "live":
+            self.reference, self.autocast = load_live(self.cfg, accelerator, self.block_size), accelerator.autocast
+        if kind != "precomputed":
+            self.start = fingerprint(self.reference if kind == "live" else unwrap(model))
+
+    def summary(self, accelerator, model) -> dict:
+        """The last evaluation's ``eval_rewards/accuracies`` and ``eval_rewards/margins`` (TRL's names; None without
+        evaluation), and ``reference``: its kind and, unless precomputed, each rank's fingerprint of its frozen weights at the start
+        and at the end (equal: it never changed) and how many elements that rank holds (sharded: fewer)."""
+        kind = reference_kind(self.cfg)
+        out = {"kind": kind}
+        if kind != "precomputed":
+            end = fingerprint(self.reference if kind == "live" else unwrap(model))
+            out["ranks"] = gather_object(accelerator, {"start": self.start["sha256"], "end": end["sha256"],
+                                                       "numel": end["numel"]})
+        # TRL's names for its eval metrics: the last evaluation's reward accuracy and margin
+        last = {f"eval_{key}": self.last_eval.get(key) for key in ("rewards/accuracies", "rewards/margins")}
+        return {"reference": out, **last}
 
     @torch.no_grad()
     def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:

@@ -118,6 +118,8 @@ def summarize(run: dict) -> dict:
         "best_eval_step": best["step"] if best else None,
         "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best and "perplexity" in best else None,
         "best_accuracy": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
+        **_first_and_last(evals, "rewards/accuracies", "reward_accuracy"),
+        **_first_and_last(evals, "rewards/margins", "reward_margin"),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / world if world and tokens_per_s else None,
         "steps_per_s": summary.get("steps_per_s"),
@@ -128,6 +130,13 @@ def summarize(run: dict) -> dict:
         "seconds": summary.get("seconds"),
         "final_model": _final_model(run),
     }
+
+
+def _first_and_last(evals: list[dict], metric: str, name: str) -> dict:
+    """``first_<name>`` and ``final_<name>``: ``metric`` (e.g. DPO's rewards/accuracies) at the first and the last
+    evaluation that has it; None where none has."""
+    values = [r[metric] for r in evals if r.get(metric) is not None]
+    return {f"first_{name}": values[0] if values else None, f"final_{name}": values[-1] if values else None}
 
 
 def _mean(values) -> float | None:
@@ -151,6 +160,8 @@ ROWS = (  # (label, key, format)
     ("eval loss first -> best", None, None),
     ("best eval perplexity", "best_perplexity", ".2f"),
     ("best eval accuracy (classifiers)", "best_accuracy", ".4f"),
+    ("eval reward accuracy first -> last (DPO)", "reward_accuracy", ".4f"),
+    ("eval reward margin first -> last (DPO)", "reward_margin", ".4f"),
     ("training tokens/s", "tokens_per_s", ",.0f"),
     ("tokens/s per device", "tokens_per_s_per_device", ",.0f"),
     ("optimizer steps/s (wall)", "steps_per_s", ".3f"),
@@ -181,6 +192,8 @@ def _cell(s: dict, label: str, key, spec) -> str:
         best = _fmt(s["best_eval_loss"], ".4f")
         at = f" (step {s['best_eval_step']})" if s["best_eval_step"] is not None else ""
         return f"{_fmt(s['first_eval_loss'], '.4f')} -> {best}{at}"
+    if key in ("reward_accuracy", "reward_margin"):
+        return f"{_fmt(s['first_' + key], spec)} -> {_fmt(s['final_' + key], spec)}"
     value = _fmt(s[key], spec)
     if key == "world_size" and s["world_size_source"] == "inferred from tokens/step":
         value += " (inferred)"

@@ -13,6 +13,8 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     count_targets(batch)                the targets of a micro-batch, as a tensor (the loop's per_micro_batch mode)
     row_losses(model, batch, chunked)   per-row *summed* loss: the loop divides by the global batch's targets
     eval_rows(model, batch, chunked)    per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
+    prepared(accelerator, model)        after the strategy prepared the model (DPO: its live reference, sharded alike)
+    summary(accelerator, model)         collective, at the end: entries the task adds to summary.json
 
 and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's),
 ``sequences_per_row`` (the model's rows per dataset row: 1, or 2 for a preference pair) and ``best_metric`` (the
@@ -92,6 +94,13 @@ class Task(ABC):
     @abstractmethod
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
         """The eval metrics from every batch's gathered ``eval_rows``."""
+
+    def prepared(self, accelerator, model) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
+        """Called on every rank once the strategy has prepared ``model``, before any step."""
+
+    def summary(self, accelerator, model) -> dict:
+        """Collective (every rank calls it, before the process group ends): entries for the run's summary."""
+        return {}
 
 
 class CausalLM(Task):

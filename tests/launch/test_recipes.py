@@ -3,8 +3,9 @@
 - recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
   normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat; the same
   with whole chats packed (packing: true, bfd).
-- recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch), and the
-  held-out metrics with TRL's names.
+- recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch) under DDP,
+  ZeRO-2, ZeRO-3 and FSDP2, the held-out metrics with TRL's names; the live reference sharded like the policy and
+  unchanged, the precomputed reference giving the same run, LoRA DPO adapters equal, a resume bit-identical.
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
 - LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-2, ZeRO-3 and FSDP2 equal the DDP ones; the base weights
   come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
@@ -88,31 +89,67 @@ def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
 
 
-def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float) -> tuple[str, str]:
+def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float,
+                                 loss_rel: float = 1e-6) -> tuple[str, str]:
     """The planned runs ``<name>_one`` (1 process x 8) and ``<name>_two`` (2 ranks x 2 x accumulation 2): the first
     trained (its weights moved more than ``moved`` from ``start``'s), both end within 1e-6 of each other, with the
-    same step losses (rel 1e-6). Their output folders."""
+    same step losses (within ``loss_rel``). Their output folders."""
     one = runs.get(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg)
     two = runs.get(f"{name}_two", "ddp.yaml", 2, 2, 2, cfg)
     assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(start)) > moved, "it must train"
     diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(two, "final")))
     assert diff <= 1e-6, diff
     assert [r["loss"] for r in _rows(two) if "loss" in r] == pytest.approx([r["loss"] for r in _rows(one) if "loss" in r],
-                                                                           rel=1e-6)
+                                                                           rel=loss_rel)
     return one, two
 
 
 # ----------------------------------------------------------------------------------------------------- DPO
 def _dpo(model, pairs) -> dict:
     return {**SGD, **pairs, "model_name_or_path": model, "packing": False, "block_size": 256, "learning_rate": 0.1,
-            "eval_on_start": True}
+            "eval_on_start": True, "save_steps": 2}
+
+
+def _dpo_precomputed(model, pairs) -> dict:
+    return {**_dpo(model, pairs), "precompute_ref_log_probs": True}
+
+
+def _dpo_lora(model, pairs) -> dict:
+    """DPO's LoRA runs, without evaluation (the adapters are what they compare)."""
+    return {**_dpo(model, pairs), **LORA, "merge_lora": False, "learning_rate": 0.5, "validation_file": None,
+            "eval_on_start": False, "save_steps": None}
+
+
+DPO_STRATEGIES = ("zero2", "zero3", "fsdp")  # beside DDP
+DPO_LORA_STRATEGIES = ("ddp", "zero3", "fsdp")
+
+
+def _reference(run) -> dict:
+    return json.load(open(os.path.join(run, "summary.json")))["reference"]
+
+
+def _assert_reference_unchanged(run, kind: str, sharded: bool, whole: int | None = None) -> int:
+    """The run's reference (summary.json) is of ``kind`` and each rank's frozen weights hash the same at the end as
+    at the start; ``sharded``: the ranks hold different halves (fewer than ``whole`` elements each), else the same
+    whole copy. Returns the elements rank 0 holds."""
+    reference = _reference(run)
+    ranks = reference["ranks"]
+    assert reference["kind"] == kind and len(ranks) == 2, reference
+    assert all(r["start"] == r["end"] for r in ranks), ranks
+    if sharded:
+        assert ranks[0]["start"] != ranks[1]["start"] and max(r["numel"] for r in ranks) < 0.51 * whole, ranks
+    else:
+        assert ranks[0] == ranks[1], ranks
+    return ranks[0]["numel"]
 
 
 def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
     """recipes/dpo.py: 2 ranks x 2 pairs x accumulation 2 end with the weights of 1 process x 8 pairs (SGD, 1e-6):
     each micro-step's summed pair losses are divided by the global batch's pairs; the held-out metrics (TRL's names)
     start at the reference (loss log 2, rewards 0) and count each of the 7 pairs once."""
-    one, two = _two_ranks_equal_one_process(runs, "dpo", _dpo(gpt2_256, pairs), gpt2_256, moved=1e-3)
+    # The live reference's log-probs come from each micro-batch's own forward (other shapes on 1 and 2 ranks): a
+    # summed log-prob of about -500 has an fp32 spacing of 3e-5, so the step losses agree to 1.6e-6 relative.
+    one, two = _two_ranks_equal_one_process(runs, "dpo", _dpo(gpt2_256, pairs), gpt2_256, moved=1e-3, loss_rel=5e-6)
     evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (one, two)}
     start, end = evals[two][0], evals[two][-1]
     assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["rewards/margins"] == 0.0
@@ -125,17 +162,81 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-5), key
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
-def test_dpo_under_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pairs, strategy):
-    """The same 2 x 2 x 2 DPO run with the policy sharded (ZeRO-3, FSDP2): the reference log-probs come from a whole
-    copy loaded outside the partitioning, so the run ends with the weights of 1 process x 8 (SGD, 1e-6)."""
+def test_dpo_metrics_reach_the_summary_and_the_report(runs, gpt2_256, pairs):
+    """On the finished 2-rank DPO run: metrics.jsonl's evaluations carry TRL's metric names; summary.json has the
+    last one's eval_rewards/accuracies and eval_rewards/margins; ``toolkit report`` shows both first -> last."""
+    from toolkit.report import load_run, summarize, table
+
+    two = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
+    evals = [r for r in _rows(two) if "eval_loss" in r]
+    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+             "logps/rejected")
+    assert len(evals) == 2 and all(name in r for r in evals for name in names)
+    summary = json.load(open(os.path.join(two, "summary.json")))
+    assert summary["eval_rewards/accuracies"] == evals[-1]["rewards/accuracies"]
+    assert summary["eval_rewards/margins"] == evals[-1]["rewards/margins"] != 0.0
+    s = summarize(load_run(two))
+    assert (s["first_reward_margin"], s["final_reward_margin"]) == (0.0, evals[-1]["rewards/margins"])
+    assert (s["first_reward_accuracy"], s["final_reward_accuracy"]) == (0.0, evals[-1]["rewards/accuracies"])
+    line = next(" ".join(x.split()) for x in table([s]).splitlines() if x.startswith("eval reward margin"))
+    assert line == f"eval reward margin first -> last (DPO) 0.0000 -> {evals[-1]['rewards/margins']:.4f}", line
+
+
+@pytest.mark.parametrize("strategy", DPO_STRATEGIES)
+def test_dpo_under_zero2_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pairs, strategy):
+    """The same 2 x 2 x 2 DPO run under ZeRO-2, and with the policy sharded (ZeRO-3, FSDP2): its live reference
+    is sharded as the policy is (each rank holds half of it: summary.json), never changes (each rank's shard hashes
+    the same at the end), and the run ends with the weights of 1 process x 8 (SGD, 1e-6)."""
     cfg = _dpo(gpt2_256, pairs)
     one = runs.get("dpo_one", "ddp.yaml", 1, 8, 1, cfg)
-    sharded = runs.get(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, cfg)
-    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(sharded, "final")))
+    run = runs.get(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, cfg)
+    diff = max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(run, "final")))
     assert diff <= 1e-6, diff
-    start = [r for r in _rows(sharded) if "eval_loss" in r][0]
+    start = [r for r in _rows(run) if "eval_loss" in r][0]
     assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["eval_pairs"] == 7
+    whole = _assert_reference_unchanged(runs.get("dpo_two", "ddp.yaml", 2, 2, 2, cfg), "live", sharded=False)
+    _assert_reference_unchanged(run, "live", sharded=strategy != "zero2", whole=whole)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_dpo_precomputed_reference_equals_the_live_one(runs, gpt2_256, pairs, strategy):
+    """precompute_ref_log_probs: true (one pass of a whole copy before training) ends with the weights of the live
+    reference's run (1e-6), under DDP and with the policy and the live reference sharded by ZeRO-3."""
+    name = {"ddp": "dpo_two", "zero3": "dpo_zero3"}[strategy]
+    live = runs.get(name, f"{strategy}.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
+    pre = runs.get(f"{name}_precomputed", f"{strategy}.yaml", 2, 2, 2, _dpo_precomputed(gpt2_256, pairs))
+    assert _reference(pre) == {"kind": "precomputed"} and _reference(live)["kind"] == "live"
+    diff = max_abs_diff(load_weights(os.path.join(live, "final")), load_weights(os.path.join(pre, "final")))
+    assert diff <= 1e-6, diff
+    evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (live, pre)}
+    assert [r["rewards/margins"] for r in evals[pre]] == pytest.approx([r["rewards/margins"] for r in evals[live]],
+                                                                       abs=1e-5)
+
+
+def test_dpo_resumes_bit_identically(runs, gpt2_256, pairs):
+    """A DPO run resumed from its step-2 checkpoint (2 ranks, DDP, live reference loaded again from the starting
+    weights) ends bit-identical to the uninterrupted run."""
+    cfg = _dpo(gpt2_256, pairs)
+    straight = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, cfg)
+    resumed = runs.get("dpo_resumed", "ddp.yaml", 2, 2, 2, {**cfg, "resume_from_checkpoint": "latest"},
+                       prepare=copy_checkpoint(straight, 2))
+    assert [r["step"] for r in _rows(resumed) if "loss" in r] == [3]  # it went on from step 2
+    assert max_abs_diff(load_weights(os.path.join(straight, "final")), load_weights(os.path.join(resumed, "final"))) == 0.0
+
+
+def test_dpo_lora_adapters_on_two_ranks_equal_one_process(runs, gpt2_256, pairs):
+    """LoRA DPO: the reference is the base with the adapter disabled (no copy; its frozen weights unchanged on every
+    rank, sharded under ZeRO-3 and FSDP2); 2 ranks x 2 x 2 under DDP, ZeRO-3 and FSDP2 train the adapters of 1 process
+    x 8 (SGD, 1e-6)."""
+    cfg = _dpo_lora(gpt2_256, pairs)
+    one = _adapter(runs.get("dpo_lora_one", "ddp.yaml", 1, 8, 1, cfg))
+    assert max(float(v.abs().max()) for k, v in one.items() if "lora_B" in k) > 1e-3  # B starts at 0: it trained
+    whole = None
+    for strategy in DPO_LORA_STRATEGIES:
+        run = runs.get(f"dpo_lora_{strategy}", f"{strategy}.yaml", 2, 2, 2, cfg)
+        assert max_abs_diff(one, _adapter(run)) <= 1e-6, strategy
+        numel = _assert_reference_unchanged(run, "adapter", sharded=strategy != "ddp", whole=whole)
+        whole = whole or numel
 
 
 # ------------------------------------------------------------------------------------------ classification
@@ -165,10 +266,19 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
-    r.plan("dpo_one", "ddp.yaml", 1, 8, 1, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
-    r.plan("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
-    for strategy in ("zero3", "fsdp"):  # joining the LoRA and classifier launches of those configs
-        r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
+    dpo, dpo_lora = _dpo(gpt2_256, pairs), _dpo_lora(gpt2_256, pairs)
+    r.plan("dpo_one", "ddp.yaml", 1, 8, 1, dpo, recipe="dpo", probe=False)
+    r.plan("dpo_lora_one", "ddp.yaml", 1, 8, 1, dpo_lora, recipe="dpo", probe=False)
+    r.plan("dpo_two", "ddp.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False)
+    r.plan("dpo_resumed", "ddp.yaml", 2, 2, 2, {**dpo, "resume_from_checkpoint": "latest"}, copy_from=("dpo_two", 2),
+           recipe="dpo", probe=False)
+    for strategy in DPO_STRATEGIES:  # joining the LoRA and classifier launches of those configs
+        r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False)
+    for name in ("dpo_two", "dpo_zero3"):
+        r.plan(f"{name}_precomputed", r.planned[name]["config"], 2, 2, 2, _dpo_precomputed(gpt2_256, pairs),
+               recipe="dpo", probe=False)
+    for strategy in DPO_LORA_STRATEGIES:
+        r.plan(f"dpo_lora_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo_lora, recipe="dpo", probe=False)
     r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
     for config in ("ddp.yaml", "fsdp.yaml"):
         r.plan(f"classify_lora_{config}", config, 2, 2, 2, _classify_lora(tiny_bert), recipe="classify", probe=False)

@@ -120,3 +120,17 @@ def test_trackers_get_finite_scalars_at_the_row_step(tmp_path):
     # step is the x axis, not a scalar; NaN and strings are not plotted; the file keeps the whole row
     assert accelerator.logged == [({"loss": 1.5, "tokens_seen": 640}, 7)]
     assert read_metrics(str(tmp_path))[0]["note"] == "x"
+
+
+def test_the_eval_line_shows_dpo_reward_accuracy_and_margin(tmp_path, capsys):
+    """The line the progress bar prints at an evaluation: DPO's held-out reward accuracy and margin (TRL's names)
+    beside the loss; a language model's line is unchanged."""
+    logger = _logger(tmp_path)
+    logger.log({"step": 20, "eval_loss": 0.68257, "rewards/accuracies": 0.4615, "rewards/margins": 0.0351,
+                "rewards/chosen": -0.01, "eval_pairs": 13})
+    logger.log({"step": 30, "eval_loss": 3.0, "perplexity": 20.0855})
+    logger.close()
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line.startswith("step ")]
+    assert lines == ["step 20: eval_loss 0.6826 rewards/accuracies 0.4615 rewards/margins 0.0351",
+                     "step 30: eval_loss 3.0000 perplexity 20.0855"], lines

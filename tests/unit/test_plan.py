@@ -129,3 +129,25 @@ def test_launch_options_run_what_was_planned(llama7b, monkeypatch, nodes):
             assert (args.num_processes, args.num_machines, args.mixed_precision) == (8 * nodes, nodes, mixed), row
             if row["strategy"].startswith("ZeRO"):
                 assert args.use_deepspeed and int(args.zero_stage) == int(row["strategy"][5]), row
+
+
+def test_dpo_counts_its_live_reference_sharded_like_the_weights(llama7b, capsys):
+    """--recipe dpo: the live reference copy adds weights only (no gradients, no optimizer state), whole under DDP
+    and ZeRO-2 (a stage-0 engine: 2-byte weights under bf16), an eighth under ZeRO-3 and FSDP2 on 8; TP is refused
+    (precompute); nothing with LoRA or --precompute-ref-log-probs."""
+    from toolkit.plan import main
+
+    m = count_model(llama7b)
+    plain = {r["strategy"]: r for r in plan(m, 8, 80e9)}
+    dpo = {r["strategy"]: r for r in plan(m, 8, 80e9, reference=True)}
+    assert dpo["DDP"]["reference"] == 4 * m.params and dpo["ZeRO-2"]["reference"] == 2 * m.params
+    assert dpo["ZeRO-3"]["reference"] == 2 * m.params / 8 and dpo["FSDP2"]["reference"] == 4 * m.params / 8
+    for name in ("DDP", "ZeRO-2", "ZeRO-3", "FSDP2"):
+        assert dpo[name]["model_states"] == plain[name]["model_states"] + dpo[name]["reference"], name
+    assert dpo["TP"]["config"] is None and dpo["TP"]["fits"] == "n/a" and plain["TP"]["config"] is not None
+    for extra in ([], ["--lora-r", "16"], ["--precompute-ref-log-probs"]):
+        assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--recipe", "dpo", *extra]) == 0
+    printed = capsys.readouterr().out.split("GB (10^9 bytes)")[1:]
+    ddp = [next(line.split() for line in text.splitlines() if line.startswith("DDP ")) for text in printed]
+    assert [row[4] for row in ddp] == [f"{4 * m.params / 1e9:.2f}", "0.00", "0.00"]  # the ref column
+    assert "--precompute_ref_log_probs true" in printed[2] and "precompute-ref-log-probs" in printed[0]

@@ -120,3 +120,23 @@ def test_format_run_summary():
                                "distributed_type": "MULTI_CPU"})
     assert "12 optimizer steps, 3,072 tokens in 11.7 s (262 tokens/s" in text
     assert "world size 2 (MULTI_CPU)" in text and "best eval perplexity: 9644.44" in text and "/x/final" in text
+
+
+def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
+    """A DPO run's held-out reward accuracy and margin (TRL's names in metrics.jsonl) from its first to its last
+    evaluation, in the summary and the table; the end-of-run lines print the last evaluation's (summary.json)."""
+    rows = [{"step": 0, "eval_loss": 0.6931, "rewards/accuracies": 0.0, "rewards/margins": 0.0},
+            {"step": 20, "loss": 0.69, "eval_loss": 0.6826, "rewards/accuracies": 0.4615, "rewards/margins": 0.0351},
+            {"step": 40, "loss": 0.68, "eval_loss": 0.6745, "rewards/accuracies": 0.5385, "rewards/margins": 0.0582}]
+    dpo = summarize(load_run(write_run(tmp_path / "dpo", rows)))
+    assert (dpo["first_reward_accuracy"], dpo["final_reward_accuracy"]) == (0.0, 0.5385)
+    assert (dpo["first_reward_margin"], dpo["final_reward_margin"]) == (0.0, 0.0582)
+    lm = summarize(load_run(write_run(tmp_path / "lm", synthetic_rows(), CONFIG)))
+    assert lm["first_reward_accuracy"] is None and lm["final_reward_margin"] is None
+    lines = [" ".join(line.split()) for line in table([dpo, lm]).splitlines()]
+    assert "eval reward accuracy first -> last (DPO) 0.0000 -> 0.5385 ? -> ?" in lines, lines
+    assert "eval reward margin first -> last (DPO) 0.0000 -> 0.0582 ? -> ?" in lines, lines
+    printed = format_run_summary({"steps": 40, "tokens_seen": 100, "seconds": 1.0, "tokens_per_s": 100.0,
+                                  "best_eval_eval_loss": 0.6745, "eval_rewards/accuracies": 0.5385,
+                                  "eval_rewards/margins": 0.0582})
+    assert "last eval: rewards/accuracies 0.5385, rewards/margins 0.0582" in printed
