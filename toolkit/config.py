@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import glob
 import importlib.util
 import math
 import os
@@ -241,8 +242,11 @@ class DataArguments:
         default=None, metadata={"help": "Hub dataset, or 'pydoc' (CPython's reference docs, no download)."}
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "Local txt/json/jsonl/csv/parquet file."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file (same formats)."})
+    train_file: Optional[str] = field(default=None, metadata={
+        "help": "Local txt/json/jsonl/csv/parquet file(s): a path, a glob ('data/part-*.jsonl', quoted), or several "
+                "separated by commas (in YAML also a list)."})
+    validation_file: Optional[str] = field(default=None, metadata={
+        "help": "Local validation file(s), as train_file (same format)."})
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train held out when the dataset has no validation split."}
     )
@@ -294,6 +298,38 @@ class DataArguments:
     sample_seed = 42
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
 
+    def data_files(self, name: str = "train_file") -> list[str]:
+        """The files ``train_file`` or ``validation_file`` names: comma-separated paths or globs (a YAML list is
+        joined with commas), each glob expanded in sorted order; refuses a glob that matches nothing, a missing or
+        empty file and an unknown extension (one format per field)."""
+        files = []
+        for piece in (p.strip() for p in getattr(self, name).split(",")):
+            if not piece:
+                continue
+            if glob.has_magic(piece):
+                matched = sorted(p for p in glob.glob(piece, recursive=True) if os.path.isfile(p))
+                if not matched:
+                    raise ConfigError(name, f"the pattern {piece!r} matches no file; check the path (quote the "
+                                            "pattern on the command line so that the shell does not expand it)")
+                files += matched
+            else:
+                files.append(piece)
+        if not files:
+            raise ConfigError(name, "names no file")
+        for path in files:
+            if not os.path.isfile(path):
+                raise ConfigError(name, f"file not found: {path}")
+            ext = os.path.splitext(path)[1].lower()
+            if ext not in DATA_EXTENSIONS:
+                raise ConfigError(name, f"unsupported extension {ext!r} ({path}); use one of "
+                                        f"{', '.join(DATA_EXTENSIONS)}")
+            if os.path.getsize(path) == 0:
+                raise ConfigError(name, f"file is empty: {path}")
+        formats = {DATA_EXTENSIONS[os.path.splitext(p)[1].lower()] for p in files}
+        if len(formats) > 1:
+            raise ConfigError(name, f"mixes formats ({', '.join(sorted(formats))}); give files of one format")
+        return files
+
     @property
     def padding_free(self) -> bool:
         """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
@@ -303,16 +339,8 @@ class DataArguments:
         if self.dataset_name is not None and self.train_file is not None:
             raise ConfigError("train_file", "set either dataset_name or train_file, not both")
         for name in ("train_file", "validation_file"):
-            path = getattr(self, name)
-            if path is None:
-                continue
-            if not os.path.isfile(path):
-                raise ConfigError(name, f"file not found: {path}")
-            ext = os.path.splitext(path)[1].lower()
-            if ext not in DATA_EXTENSIONS:
-                raise ConfigError(name, f"unsupported extension {ext!r}; use one of {', '.join(DATA_EXTENSIONS)}")
-            if os.path.getsize(path) == 0:
-                raise ConfigError(name, f"file is empty: {path}")
+            if getattr(self, name) is not None:
+                self.data_files(name)  # checks every file the field names
         if not 0 <= self.validation_split_percentage < 100:
             raise ConfigError("validation_split_percentage",
                               f"must be in [0, 100), got {self.validation_split_percentage}")
@@ -591,6 +619,7 @@ def _optional_fields() -> set[str]:
             if type(None) in typing.get_args(hint)}
 
 
+FILE_LISTS = ("train_file", "validation_file")  # a YAML list is one comma-separated value (DataArguments.data_files)
 NULL_WORDS = ("null", "none", "None", "~", "")  # on the command line: unset an optional field (YAML's null)
 
 
@@ -611,6 +640,8 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
             nulls[key] = None
         elif isinstance(value, bool):
             argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, (list, tuple)) and key in FILE_LISTS:
+            argv += [f"--{key}", ",".join(str(v) for v in value)]
         elif isinstance(value, (list, tuple)):
             argv += [f"--{key}", *[str(v) for v in value]]
         elif isinstance(value, dict):
