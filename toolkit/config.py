@@ -293,6 +293,15 @@ class DataArguments:
         default=None, metadata={"help": "Keep N validation documents (before tokenization and packing), drawn as "
                                         "max_train_samples' rows are."}
     )
+    streaming: bool = field(
+        default=False, metadata={"help": "run_clm's name: read train_file as a stream (nothing tokenized ahead, "
+                                         "bounded memory), in the same order on any world size (shuffled in windows "
+                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT."}
+    )
+    shuffle_buffer_size: int = field(
+        default=10_000, metadata={"help": "With streaming: rows per shuffled window of the stream (held in memory "
+                                          "on every rank); a larger window mixes the corpus more."}
+    )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
     sample_seed = 42
@@ -330,6 +339,15 @@ class DataArguments:
             raise ConfigError(name, f"mixes formats ({', '.join(sorted(formats))}); give files of one format")
         return files
 
+    def _check_stream(self) -> None:
+        """What a stream (``toolkit.stream``) cannot honour, refused before work."""
+        if self.train_file is None:
+            raise ConfigError("streaming", "streams local files: set train_file (paths, a glob or a list), not "
+                                           "dataset_name")
+        if self.max_train_samples is not None:
+            raise ConfigError("max_train_samples", "draws rows from the whole training set, which a stream does "
+                                                   "not have; bound a stream with max_steps")
+
     @property
     def padding_free(self) -> bool:
         """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
@@ -346,6 +364,9 @@ class DataArguments:
                               f"must be in [0, 100), got {self.validation_split_percentage}")
         _positive(self, "block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                   allow_none=True)
+        _positive(self, "shuffle_buffer_size")
+        if self.streaming:
+            self._check_stream()
         if self.packing_strategy is not None:
             if self.packing_strategy not in PACKING_STRATEGIES:
                 raise ConfigError("packing_strategy", f"{self.packing_strategy!r} is not one of "
@@ -532,6 +553,8 @@ class RunConfig:
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
         self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
+        if self.data.streaming:
+            self._check_stream()
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         self.elastic_restart = elastic.continue_restart(self)
@@ -540,6 +563,16 @@ class RunConfig:
         if positions is not None and self.data.block_size is not None and self.data.block_size > positions:
             raise ConfigError("block_size",
                               f"{self.data.block_size} exceeds the model's {positions} positions; use <= {positions}")
+
+    def _check_stream(self) -> None:
+        if self.train.max_steps <= 0:
+            raise ConfigError("max_steps", "streaming: a stream has no length, so num_train_epochs cannot say when "
+                                           "to stop; set max_steps (the run also ends, with a message, if the "
+                                           "stream ends first)")
+        if self.train.dataloader_num_workers:
+            raise ConfigError("dataloader_num_workers", "streaming: the stream is read and tokenized in the "
+                                                        "training process (its position goes into checkpoints); "
+                                                        "set dataloader_num_workers: 0")
 
     def _check_output_dir(self) -> None:
         """Never start over an earlier run's files by accident; never promise a resume that has nothing to load."""
