@@ -3,6 +3,9 @@
 - recipes/sft.py: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 (SGD, 1e-6): the loss is
   normalised by the assistant tokens of the whole global batch, whose count varies a lot from chat to chat; the same
   with whole chats packed (packing: true, bfd).
+- recipes/sft.py with streaming: true on chats in 3 files: the same equality step by step, and the stream's step-2
+  checkpoint of the 2-rank run resumed on 1 process ends as the uninterrupted runs do (the order's window and
+  source position carried across world sizes).
 - recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch), and the
   held-out metrics with TRL's names.
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
@@ -112,6 +115,43 @@ def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     one, two = _two_ranks_equal_one_process(runs, "sft_bfd", _sft_bfd(gpt2_256, chats), gpt2_256, moved=1e-2)
     summary = json.load(open(os.path.join(two, "summary.json")))
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
+
+
+@pytest.fixture(scope="module")
+def chat_shards(tmp_path_factory, chats):
+    """The 32 training chats as a stream of 3 files (11, 11, 10 chats), the same template and held-out file."""
+    d = tmp_path_factory.mktemp("chat-shards")
+    lines = open(chats["train_file"]).read().splitlines(keepends=True)
+    for i, start in enumerate((0, 11, 22)):
+        (d / f"part-{i}.jsonl").write_text("".join(lines[start:start + 11]))
+    return {**chats, "train_file": str(d / "part-*.jsonl")}
+
+
+def _sft_stream(model, chat_shards) -> dict:
+    """3 steps of 8 chats from windows of 10 (windows straddle steps and files); a checkpoint every step; the first
+    4 held-out chats (max_eval_samples: the stream's first rows)."""
+    return {**SGD, **chat_shards, "model_name_or_path": model, "streaming": True, "shuffle_buffer_size": 10,
+            "packing": True, "block_size": 256, "save_steps": 1, "max_eval_samples": 4}
+
+
+def test_sft_on_a_stream_of_files_on_two_ranks_equals_one_process_and_resumes_on_one(runs, gpt2_256, chat_shards):
+    """recipes/sft.py --streaming true on 3 files: 2 ranks x 2 x 2 (each rank tokenizing its own chats, packed bfd
+    per micro-batch) end with the weights of 1 process x 8 (SGD, 1e-6), the same loss and tokens at every step; the
+    2-rank run's step-2 checkpoint (mid-window: g = 16 of a window 10..19) resumed on 1 process takes the same rows
+    (the same tokens at step 3) and ends there too."""
+    cfg = _sft_stream(gpt2_256, chat_shards)
+    one, two = _two_ranks_equal_one_process(runs, "sft_stream", cfg, gpt2_256, moved=1e-2)
+    tokens = {run: [(r["step"], r["tokens_seen"]) for r in _rows(run) if "loss" in r] for run in (one, two)}
+    assert tokens[one] == tokens[two] and len(tokens[one]) == 3
+    resumed = runs.get("sft_stream_resumed", "ddp.yaml", 1, 8, 1, {**cfg, "resume_from_checkpoint": "latest"},
+                       prepare=copy_checkpoint(two, 2))
+    state = json.load(open(os.path.join(two, "checkpoints", "step-2", "toolkit_state.json")))
+    assert state["loop"]["stream"]["window"] == 1 and state["order"]["shuffle_buffer_size"] == 10
+    assert [(r["step"], r["tokens_seen"]) for r in _rows(resumed) if "loss" in r] == tokens[one][2:]
+    diff = max_abs_diff(load_weights(os.path.join(resumed, "final")), load_weights(os.path.join(one, "final")))
+    assert diff <= 1e-6, diff
+    assert [r["eval_tokens"] for r in _rows(two) if "eval_loss" in r] == [r["eval_tokens"] for r in _rows(one)
+                                                                          if "eval_loss" in r]
 
 
 def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float) -> tuple[str, str]:
@@ -227,7 +267,7 @@ def _lora(tiny_model, padded_data) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs):
+def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs, chat_shards):
     """The classifier, chat SFT with bfd packing, DPO and LoRA runs below, planned: those of one launch config and world
     size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, recipes/dpo.py, or
     recipes/gpt2.py with or without the probes)."""
@@ -236,6 +276,11 @@ def runs(tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, g
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
+    stream = _sft_stream(gpt2_256, chat_shards)
+    r.plan("sft_stream_one", "ddp.yaml", 1, 8, 1, stream, recipe="sft", probe=False)
+    r.plan("sft_stream_two", "ddp.yaml", 2, 2, 2, stream, recipe="sft", probe=False)
+    r.plan("sft_stream_resumed", "ddp.yaml", 1, 8, 1, {**stream, "resume_from_checkpoint": "latest"},
+           copy_from=("sft_stream_two", 2), recipe="sft", probe=False)  # another world size, no launch of its own
     r.plan("dpo_one", "ddp.yaml", 1, 8, 1, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
     r.plan("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs), recipe="dpo", probe=False)
     for strategy in ("zero3", "fsdp"):  # joining the LoRA and classifier launches of those configs
