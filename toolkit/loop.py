@@ -276,15 +276,27 @@ def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: Loo
     return iter(accelerator.skip_first_batches(train_dl, skip) if skip else train_dl)
 
 
-def next_micro_batches(batches, run, device) -> list[dict] | None:
-    """This rank's micro-batches of the next step; None when a stream has ended (a map-style epoch never runs out
-    here: the loop starts the next one)."""
+def next_micro_batches(batches, run, accelerator, state: LoopState) -> list[dict] | None:
+    """This rank's micro-batches of the next step; None, said once, when a stream has ended (a map-style epoch never
+    runs out here: the loop starts the next one)."""
     if run.train_dl is not None:
         return [next(batches) for _ in range(run.sampler.gradient_accumulation_steps)]
     step = next(batches, None)
     if step is None:
+        accelerator.print(f"the stream ended after step {state.step} of max_steps {run.total_steps} "
+                          f"({state.samples_seen} rows trained on): the run ends here")
         return None
-    return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in step]
+    return [{k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in step]
+
+
+def _finish_step(state: LoopState, result: StepResult, run) -> bool:
+    """Count the step into the position; True when a map-style epoch ended (a stream is one pass: instead, where a
+    resume restarts it is recorded)."""
+    ended = state.finish_step(result, run.steps_per_epoch)
+    if run.train_dl is None:
+        state.stream = run.sampler.position(state.step)
+        return False
+    return ended
 
 
 def _call(callbacks, event: str, **kwargs) -> None:
@@ -507,10 +519,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         while state.step < run.total_steps:
             if batches is None:  # an epoch starts, or resumes part-way
                 batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, accumulation)
-            micro_batches = next_micro_batches(batches, run, accelerator.device)
+            micro_batches = next_micro_batches(batches, run, accelerator, state)
             if micro_batches is None:  # every rank reads the same stream: all stop at this step
-                accelerator.print(f"the stream ended after step {state.step} of max_steps {run.total_steps} "
-                                  f"({state.samples_seen} rows trained on): the run ends here")
                 break
             result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
                                 data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
@@ -519,10 +529,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
                                 stop_flag=preemption.requested(), overflows=overflows,
                                 max_consecutive_overflows=args.max_consecutive_overflows)
             overflows = result.overflows
-            if state.finish_step(result, run.steps_per_epoch) and run.train_dl is not None:
+            if _finish_step(state, result, run):
                 batches = None  # the epoch's last step: the next one starts the next epoch
-            if run.train_dl is None:  # a stream: where a resume restarts it
-                state.stream = run.sampler.position(state.step)
             window.add(result)
             logger.advance()
             last = state.step == run.total_steps

@@ -154,12 +154,15 @@ class TrainStream:
     """One rank's micro-batches of a stream, step by step (see the module docstring for the order).
 
     ``keep(row) -> bool`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike);
-    ``encode(rows) -> rows`` tokenizes this rank's rows; ``collate(rows) -> micro-batch``; ``block_size`` with
-    ``bfd`` packs each micro-batch's documents."""
+    ``encode(rows) -> rows`` tokenizes this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs
+    each micro-batch's documents. ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or
+    its start (default: ``spec``'s files, ``open_source``; bench/streaming.py passes a generator's)."""
 
     def __init__(self, spec: StreamSpec, *, keep, encode, collate, micro: int, accumulation: int,
-                 data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0):
+                 data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0,
+                 source: Callable[[dict | None], object] | None = None):
         self.spec, self.keep, self.encode, self.collate = spec, keep, encode, collate
+        self.source = source or (lambda state: open_source(spec.files, spec.seed, spec.shuffle, state))
         self.micro, self.accumulation = micro, accumulation
         self.dp, self.rank, self.bfd_block_size = data_parallel_size, rank, bfd_block_size
         self.steps_per_epoch = max_steps or 1  # a stream is one pass: its "epoch" is the run's max_steps
@@ -182,8 +185,8 @@ class TrainStream:
             raise ConfigError("shuffle_buffer_size", f"the checkpoint's stream position is window {first}, this run "
                                                      f"would resume in window {g0 // self.spec.window}: the window "
                                                      "size changed; resume with the checkpoint's shuffle_buffer_size")
-        source = open_source(self.spec.files, self.spec.seed, self.spec.shuffle, position["source"] if position else None)
-        self.windows = windows = Windows(source, self.spec, self.keep, first_window=first)
+        self.windows = windows = Windows(self.source(position["source"] if position else None), self.spec, self.keep,
+                                         first_window=first)
         step = start_step
         while True:
             start = step * B
@@ -206,7 +209,7 @@ class TrainStream:
     def head(self, n: int) -> list[dict]:
         """The first ``n`` rows of the global order, tokenized (the same on every rank): for the FLOPs estimate and
         the packing guard."""
-        windows = Windows(open_source(self.spec.files, self.spec.seed, self.spec.shuffle), self.spec, self.keep)
+        windows = Windows(self.source(None), self.spec, self.keep)
         windows.available(min(n, self.spec.window))
         rows = self.encode([windows.row(g) for g in range(min(n, len(windows.loaded.get(0, (None, []))[1])))])
         return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size else rows

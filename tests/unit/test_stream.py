@@ -127,3 +127,28 @@ def test_a_stream_reads_local_files_and_packs_whole_documents(tiny_model, tmp_pa
             build(_config(tiny_model, tmp_path), task=task)
     parts = build(_config(tiny_model, tmp_path))  # packing unset on a causal-LM stream: bfd
     assert parts.train_dataset.bfd_block_size == parts.block_size and parts.eval_dataset is None
+
+
+def test_datasets_own_stream_tools_break_the_order_contract(shards):
+    """Why toolkit.stream owns the order (docs/pitfalls.md#stream-order): on this 4-file stream, datasets 5.2's
+    ``split_dataset_by_node`` hands whole files to ranks, so 2 ranks see other global batches than 1 process; and a
+    ``shuffle(buffer_size)`` stream resumed from its ``state_dict`` does not continue its order (the buffer is not
+    saved). The windows above keep both (the two tests before)."""
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    def stream():
+        return load_dataset("json", data_files={"train": shards}, split="train", streaming=True)
+
+    one = [r["text"] for r in stream()][:32]
+    ranks = [[r["text"] for r in split_dataset_by_node(stream(), rank=r, world_size=2)] for r in (0, 1)]
+    two = [row for step in range(8) for rank in ranks for row in rank[step * 2:(step + 1) * 2]][:32]
+    assert [sorted(one[i:i + 4]) for i in range(0, 32, 4)] != [sorted(two[i:i + 4]) for i in range(0, 32, 4)]
+
+    shuffled = stream().shuffle(seed=3, buffer_size=16)
+    whole, it = [r["text"] for r in shuffled], iter(shuffled)
+    head = [next(it)["text"] for _ in range(20)]
+    state = shuffled.state_dict()
+    resumed = stream().shuffle(seed=3, buffer_size=16)
+    resumed.load_state_dict(state)
+    assert head == whole[:20] and head + [r["text"] for r in resumed] != whole
