@@ -81,6 +81,7 @@ def test_a_resume_with_another_window_size_is_refused(shards):
         next(moved.steps(2, positions[1]))
 
 
+@pytest.mark.slow  # an in-process run: ~2 s alone, more beside other work
 def test_a_stream_shorter_than_max_steps_ends_the_run_cleanly_with_a_message(tiny_model, tmp_path, capsys):
     from helpers import train_in_process
 
@@ -117,6 +118,7 @@ def test_a_stream_reads_local_files_and_packs_whole_documents(tiny_model, tmp_pa
     from toolkit.build import build
     from toolkit.classification import SequenceClassification
     from toolkit.preference import DPO
+    from toolkit.tasks import CausalLM
 
     with pytest.raises(ConfigError, match="streaming.*set train_file"):
         DataArguments(dataset_name="pydoc", streaming=True)
@@ -125,8 +127,9 @@ def test_a_stream_reads_local_files_and_packs_whole_documents(tiny_model, tmp_pa
     for task, words in ((DPO(), "reference log-probs"), (SequenceClassification(), "whole training set")):
         with pytest.raises(ConfigError, match=f"streaming.*{task.name} task cannot train on a stream.*{words}"):
             build(_config(tiny_model, tmp_path), task=task)
-    parts = build(_config(tiny_model, tmp_path))  # packing unset on a causal-LM stream: bfd
-    assert parts.train_dataset.bfd_block_size == parts.block_size and parts.eval_dataset is None
+    cfg = _config(tiny_model, tmp_path)
+    CausalLM().check(cfg)  # packing unset on a causal-LM stream: whole documents, bfd
+    assert cfg.data.packing and cfg.data.padding_free
 
 
 def test_datasets_own_stream_tools_break_the_order_contract(shards):
