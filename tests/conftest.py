@@ -195,3 +195,13 @@ def stored(tmp_path_factory, tiny_model):
     for folder in (bf16, fp32):
         tokenizer.save_pretrained(folder)
     return {"bf16": bf16, "fp32": fp32}
+
+
+@pytest.fixture(scope="session")
+def chat_shards(tmp_path_factory, chats):
+    """The 32 training chats as a stream of 3 files (11, 11, 10 chats), the same template and held-out file."""
+    d = tmp_path_factory.mktemp("chat-shards")
+    lines = open(chats["train_file"]).read().splitlines(keepends=True)
+    for i, start in enumerate((0, 11, 22)):
+        (d / f"part-{i}.jsonl").write_text("".join(lines[start:start + 11]))
+    return {**chats, "train_file": str(d / "part-*.jsonl")}

@@ -13,6 +13,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   packing       padding-free packing: best-fit-decreasing rows of whole documents, their forward, the guard
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
   order         the global sample order (independent of world size and accumulation)
+  stream        the same order for a stream (streaming: true): shuffled windows, g % dp per rank, exact resume
   distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees
   model         tokenizer and model loading (tensor-parallel too), disable_dropout
   lora          LoRA through peft: wrap, adapter and merged export, loading an export back

@@ -21,10 +21,12 @@ from toolkit import data, lora
 from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
 from toolkit.distributed import (
+    data_parallel_rank,
     data_parallel_size,
     resolve_activation_checkpointing,
     tensor_parallel_size,
 )
+from toolkit.errors import ConfigError
 from toolkit.model import (
     check_chunked_loss,
     disable_dropout,
@@ -37,6 +39,7 @@ from toolkit.model import (
     parameter_dtypes,
 )
 from toolkit.order import require_one_global_batch
+from toolkit.stream import StreamSpec, TrainStream, eval_rows
 from toolkit.tasks import CausalLM, Task
 
 
@@ -69,6 +72,9 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     task = task or CausalLM()
     if log is None:
         log = accelerator.print if accelerator is not None else print
+    if cfg.data.streaming and task.stream_refusal:
+        raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
+                                       "streaming: false")
     task.check(cfg)
     if cfg.model.use_peft:
         lora.check_available()
@@ -79,10 +85,12 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
-    raw = task.load_raw(cfg.data)  # checks files and columns before the weights load
+    raw = None if cfg.data.streaming else task.load_raw(cfg.data)  # checks files and columns before the weights load
     task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
     block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
-    if accelerator is not None:
+    if cfg.data.streaming:  # nothing tokenized ahead: the first rows are read (and checked) here
+        lm = stream_data(cfg, accelerator, task, tokenizer, block_size, log)
+    elif accelerator is not None:
         with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
             lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
     else:
@@ -91,8 +99,9 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     checkpointing, resume = cfg.train.gradient_checkpointing, None
     if accelerator is not None:  # checked here so that a run that cannot go on stops before the weights load
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
-        require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
-                                 data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
+        if not cfg.data.streaming:
+            require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
+                                     data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
         resume = plan_resume(cfg, accelerator, lm["train"])  # refuses a resume that cannot continue; carried to train
     tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
     model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size)
@@ -117,3 +126,27 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=task.collator(tokenizer), block_size=block_size, task=task, resume=resume)
+
+
+def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: int, log) -> dict:
+    """``streaming: true``: {"train": this rank's ``TrainStream``, "validation": the first ``max_eval_samples`` rows
+    of ``validation_file`` tokenized, or no key without one}. The first training row is read and checked here."""
+    keep, encode = task.stream_rows(tokenizer, cfg.data, block_size)
+    spec = StreamSpec(cfg.data.data_files("train_file"), cfg.data.shuffle_buffer_size, cfg.train.seed,
+                      cfg.train.shuffle)
+    dp, rank = (data_parallel_size(accelerator), data_parallel_rank(accelerator)) if accelerator is not None else (1, 0)
+    bfd = block_size if cfg.data.padding_free else None
+    train = TrainStream(spec, keep=keep, encode=encode, collate=task.collator(tokenizer),
+                        micro=cfg.train.per_device_train_batch_size, accumulation=cfg.train.gradient_accumulation_steps,
+                        data_parallel_size=dp, rank=rank, bfd_block_size=bfd, max_steps=cfg.train.max_steps)
+    if not train.head(1):
+        raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row")
+    lm = {"train": train}
+    if cfg.data.validation_file:
+        lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), keep, encode, cfg.data.max_eval_samples,
+                                     bfd)
+    else:
+        log("streaming: no validation_file, so no evaluation (a stream has no held-out part)")
+    log(f"streaming {len(spec.files)} file(s) in windows of {spec.window} rows (shuffle_buffer_size), "
+        f"{dp} data-parallel rank(s) each tokenizing its own rows")
+    return lm

@@ -228,6 +228,22 @@ class ChatSFT(CausalLM):
     def load_raw(self, args):
         return load_raw_chats(args)
 
+    def stream_rows(self, tokenizer, args, block_size: int):
+        column = messages_column(args)
+
+        def keep(row) -> bool:
+            check_messages(row.get(column), f"a row of the stream (columns {sorted(row)})")
+            return True  # a chat with no assistant token within block_size stays: a row without targets
+
+        def encode(rows):
+            out = []
+            for row in rows:
+                ids, labels = tokenize_chat(tokenizer, row[column])
+                out.append({"input_ids": ids[:block_size], "labels": labels[:block_size]})
+            return out
+
+        return keep, encode
+
     def prepare_tokenizer(self, tokenizer, cfg) -> None:
         set_chat_template(tokenizer, cfg.data.chat_template)
 

@@ -190,6 +190,7 @@ class SequenceClassification(Task):
     by class; accuracy and macro-F1 on the validation split (the functions above)."""
 
     name = "sequence-classification"
+    stream_refusal = "its labels, stratified split and class weights come from the whole training set"
     auto_class = "AutoModelForSequenceClassification"
     peft_task_type = "SEQ_CLS"
     best_metric = ("accuracy", max)

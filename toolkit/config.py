@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import glob
 import importlib.util
 import math
 import os
@@ -246,8 +247,11 @@ class DataArguments:
         default=None, metadata={"help": "Hub dataset, or 'pydoc' (CPython's reference docs, no download)."}
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "Local txt/json/jsonl/csv/parquet file."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file (same formats)."})
+    train_file: Optional[str] = field(default=None, metadata={
+        "help": "Local txt/json/jsonl/csv/parquet file(s): a path, a glob ('data/part-*.jsonl', quoted), or several "
+                "separated by commas (in YAML also a list)."})
+    validation_file: Optional[str] = field(default=None, metadata={
+        "help": "Local validation file(s), as train_file (same format)."})
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train held out when the dataset has no validation split."}
     )
@@ -294,10 +298,60 @@ class DataArguments:
         default=None, metadata={"help": "Keep N validation documents (before tokenization and packing), drawn as "
                                         "max_train_samples' rows are."}
     )
+    streaming: bool = field(
+        default=False, metadata={"help": "run_clm's name: read train_file as a stream (nothing tokenized ahead, "
+                                         "bounded memory), in the same order on any world size (shuffled in windows "
+                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT."}
+    )
+    shuffle_buffer_size: int = field(
+        default=10_000, metadata={"help": "With streaming: rows per shuffled window of the stream (held in memory "
+                                          "on every rank); a larger window mixes the corpus more."}
+    )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
     sample_seed = 42
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
+
+    def data_files(self, name: str = "train_file") -> list[str]:
+        """The files ``train_file`` or ``validation_file`` names: comma-separated paths or globs (a YAML list is
+        joined with commas), each glob expanded in sorted order; refuses a glob that matches nothing, a missing or
+        empty file and an unknown extension (one format per field)."""
+        files = []
+        for piece in (p.strip() for p in getattr(self, name).split(",")):
+            if not piece:
+                continue
+            if glob.has_magic(piece):
+                matched = sorted(p for p in glob.glob(piece, recursive=True) if os.path.isfile(p))
+                if not matched:
+                    raise ConfigError(name, f"the pattern {piece!r} matches no file; check the path (quote the "
+                                            "pattern on the command line so that the shell does not expand it)")
+                files += matched
+            else:
+                files.append(piece)
+        if not files:
+            raise ConfigError(name, "names no file")
+        for path in files:
+            if not os.path.isfile(path):
+                raise ConfigError(name, f"file not found: {path}")
+            ext = os.path.splitext(path)[1].lower()
+            if ext not in DATA_EXTENSIONS:
+                raise ConfigError(name, f"unsupported extension {ext!r} ({path}); use one of "
+                                        f"{', '.join(DATA_EXTENSIONS)}")
+            if os.path.getsize(path) == 0:
+                raise ConfigError(name, f"file is empty: {path}")
+        formats = {DATA_EXTENSIONS[os.path.splitext(p)[1].lower()] for p in files}
+        if len(formats) > 1:
+            raise ConfigError(name, f"mixes formats ({', '.join(sorted(formats))}); give files of one format")
+        return files
+
+    def _check_stream(self) -> None:
+        """What a stream (``toolkit.stream``) cannot honour, refused before work."""
+        if self.train_file is None:
+            raise ConfigError("streaming", "streams local files: set train_file (paths, a glob or a list), not "
+                                           "dataset_name")
+        if self.max_train_samples is not None:
+            raise ConfigError("max_train_samples", "draws rows from the whole training set, which a stream does "
+                                                   "not have; bound a stream with max_steps")
 
     @property
     def padding_free(self) -> bool:
@@ -308,21 +362,16 @@ class DataArguments:
         if self.dataset_name is not None and self.train_file is not None:
             raise ConfigError("train_file", "set either dataset_name or train_file, not both")
         for name in ("train_file", "validation_file"):
-            path = getattr(self, name)
-            if path is None:
-                continue
-            if not os.path.isfile(path):
-                raise ConfigError(name, f"file not found: {path}")
-            ext = os.path.splitext(path)[1].lower()
-            if ext not in DATA_EXTENSIONS:
-                raise ConfigError(name, f"unsupported extension {ext!r}; use one of {', '.join(DATA_EXTENSIONS)}")
-            if os.path.getsize(path) == 0:
-                raise ConfigError(name, f"file is empty: {path}")
+            if getattr(self, name) is not None:
+                self.data_files(name)  # checks every file the field names
         if not 0 <= self.validation_split_percentage < 100:
             raise ConfigError("validation_split_percentage",
                               f"must be in [0, 100), got {self.validation_split_percentage}")
         _positive(self, "block_size", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                   allow_none=True)
+        _positive(self, "shuffle_buffer_size")
+        if self.streaming:
+            self._check_stream()
         if self.packing_strategy is not None:
             if self.packing_strategy not in PACKING_STRATEGIES:
                 raise ConfigError("packing_strategy", f"{self.packing_strategy!r} is not one of "
@@ -516,6 +565,8 @@ class RunConfig:
         if self.data.dataset_name is None and self.data.train_file is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
         self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
+        if self.data.streaming:
+            self._check_stream()
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         self.elastic_restart = elastic.continue_restart(self)
@@ -524,6 +575,16 @@ class RunConfig:
         if positions is not None and self.data.block_size is not None and self.data.block_size > positions:
             raise ConfigError("block_size",
                               f"{self.data.block_size} exceeds the model's {positions} positions; use <= {positions}")
+
+    def _check_stream(self) -> None:
+        if self.train.max_steps <= 0:
+            raise ConfigError("max_steps", "streaming: a stream has no length, so num_train_epochs cannot say when "
+                                           "to stop; set max_steps (the run also ends, with a message, if the "
+                                           "stream ends first)")
+        if self.train.dataloader_num_workers:
+            raise ConfigError("dataloader_num_workers", "streaming: the stream is read and tokenized in the "
+                                                        "training process (its position goes into checkpoints); "
+                                                        "set dataloader_num_workers: 0")
 
     def _check_output_dir(self) -> None:
         """Never start over an earlier run's files by accident; never promise a resume that has nothing to load."""
@@ -603,6 +664,7 @@ def _optional_fields() -> set[str]:
             if type(None) in typing.get_args(hint)}
 
 
+FILE_LISTS = ("train_file", "validation_file")  # a YAML list is one comma-separated value (DataArguments.data_files)
 NULL_WORDS = ("null", "none", "None", "~", "")  # on the command line: unset an optional field (YAML's null)
 
 
@@ -623,6 +685,8 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
             nulls[key] = None
         elif isinstance(value, bool):
             argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, (list, tuple)) and key in FILE_LISTS:
+            argv += [f"--{key}", ",".join(str(v) for v in value)]
         elif isinstance(value, (list, tuple)):
             argv += [f"--{key}", *[str(v) for v in value]]
         elif isinstance(value, dict):

@@ -89,14 +89,10 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
                 }
             )
     else:
-        files = {"train": args.train_file}
+        files = {"train": args.data_files("train_file")}
         if args.validation_file:
-            files["validation"] = args.validation_file
-        builders = {DATA_EXTENSIONS[os.path.splitext(p)[1].lower()] for p in files.values()}
-        if len(builders) != 1:
-            raise ConfigError("validation_file", "train_file and validation_file must have the same format")
-        builder = builders.pop()
-        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+            files["validation"] = args.data_files("validation_file")
+        builder, kwargs = file_builder(files)
         try:
             raw = load_dataset(builder, data_files=files, **kwargs)
         except Exception as e:  # malformed json/csv: name the file, not a pyarrow internals trace
@@ -114,6 +110,16 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
     if args.max_eval_samples and "validation" in raw:
         raw["validation"] = sample_rows(raw["validation"], args.max_eval_samples, args.sample_seed)
     return raw
+
+
+def file_builder(files: dict) -> tuple[str, dict]:
+    """The ``datasets`` builder that reads every file of ``files`` (split -> paths) and its keyword arguments;
+    refuses splits of different formats."""
+    builders = {DATA_EXTENSIONS[os.path.splitext(p)[1].lower()] for paths in files.values() for p in paths}
+    if len(builders) != 1:
+        raise ConfigError("validation_file", "train_file and validation_file must have the same format")
+    builder = builders.pop()
+    return builder, {"keep_linebreaks": True} if builder == "text" else {}
 
 
 def sample_rows(split, n: int, seed: int):

@@ -403,6 +403,12 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     return config.dp_replicate_size * config.dp_shard_size
 
 
+def data_parallel_rank(accelerator: Accelerator) -> int:
+    """This rank's index among the data-parallel ranks: accelerate's mesh puts tensor (and context) parallelism
+    innermost, so the ranks of one TP group are consecutive and share it."""
+    return accelerator.process_index // (accelerator.num_processes // data_parallel_size(accelerator))
+
+
 def gather_for_metrics(accelerator: Accelerator, rows):
     """accelerate's ``gather_for_metrics`` of per-row tensors (nested tuples/lists/dicts), over the data-parallel ranks
     only: each validation row once.

@@ -13,7 +13,7 @@ from toolkit.model import load_model, max_positions
 
 def first_prompt(dataset) -> list[int]:
     """The prompt tokens of a tokenized dataset's first chat: everything before its first assistant token."""
-    row = dataset[0]
+    row = dataset.head(1)[0] if hasattr(dataset, "head") else dataset[0]  # a stream (toolkit.stream): its first row
     first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
     return row["input_ids"][:first]
 

@@ -50,6 +50,7 @@ from toolkit.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_ro
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
+from toolkit.stream import TrainStream
 from toolkit.tasks import CausalLM
 
 
@@ -265,11 +266,37 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
 
 # ------------------------------------------------------------------------------------------- between steps
 def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: LoopState, accumulation: int):
-    """An iterator over this rank's micro-batches from the loop's position to the end of the current epoch."""
+    """An iterator over this rank's micro-batches from the loop's position to the end of the current epoch; for a
+    stream (``train_dl`` None), over its steps from the loop's position (lists of micro-batches)."""
+    if train_dl is None:
+        return sampler.steps(state.step, state.stream)
     sampler.use_epoch(state.epoch)
     # Mid-epoch resume: skip the micro-batches of the steps already done in this epoch (same order: same epoch).
     skip = state.step_in_epoch * accumulation
     return iter(accelerator.skip_first_batches(train_dl, skip) if skip else train_dl)
+
+
+def next_micro_batches(batches, run, accelerator, state: LoopState) -> list[dict] | None:
+    """This rank's micro-batches of the next step; None, said once, when a stream has ended (a map-style epoch never
+    runs out here: the loop starts the next one)."""
+    if run.train_dl is not None:
+        return [next(batches) for _ in range(run.sampler.gradient_accumulation_steps)]
+    step = next(batches, None)
+    if step is None:
+        accelerator.print(f"the stream ended after step {state.step} of max_steps {run.total_steps} "
+                          f"({state.samples_seen} rows trained on): the run ends here")
+        return None
+    return [{k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in step]
+
+
+def _finish_step(state: LoopState, result: StepResult, run) -> bool:
+    """Count the step into the position; True when a map-style epoch ended (a stream is one pass: instead, where a
+    resume restarts it is recorded)."""
+    ended = state.finish_step(result, run.steps_per_epoch)
+    if run.train_dl is None:
+        state.stream = run.sampler.position(state.step)
+        return False
+    return ended
 
 
 def _call(callbacks, event: str, **kwargs) -> None:
@@ -337,11 +364,19 @@ def _reuse_cpu_memory(args: TrainingArguments, model, device: torch.device) -> b
     return not (args.loss_chunk_size or checkpointing)
 
 
+def _head(train_dataset, n: int) -> dict:
+    """The first ``n`` training rows as columns (a stream's first rows of its global order)."""
+    if isinstance(train_dataset, TrainStream):
+        rows = train_dataset.head(n)
+        return {key: [r[key] for r in rows] for key in rows[0]}
+    return train_dataset[: min(len(train_dataset), n)]
+
+
 def _model_flops_per_token(model, train_dataset, packing: bool) -> float:
     """Before ``prepare`` (ZeRO-3 and FSDP shard the parameters): 6N + 12 L d T at the run's mean attention span (a
     row; a document of a bfd-packed row, which attends to itself only)."""
     layers, width = model_shape(model.config)
-    head = train_dataset[: min(len(train_dataset), 256)]
+    head = _head(train_dataset, 256)
     spans = ([n for row in head[SEQ_LENGTHS] for n in row] if SEQ_LENGTHS in head
              else [len(head["input_ids"][0])] if packing else [len(r) for r in head["input_ids"]])
     return flops_per_token(count_parameters(model), layers, width, sum(spans) / len(spans))
@@ -354,11 +389,14 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     args = cfg.train
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     dp = data_parallel_size(accelerator)
-    require_one_global_batch(len(train_dataset), micro, dp, accumulation)
-    sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
+    if isinstance(train_dataset, TrainStream):  # its own order (toolkit.stream), read in this process: no loader
+        sampler, loaders = train_dataset, [None]
+    else:
+        require_one_global_batch(len(train_dataset), micro, dp, accumulation)
+        sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
+        loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
+                              num_workers=args.dataloader_num_workers)]
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * sampler.steps_per_epoch)
-    loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
-                          num_workers=args.dataloader_num_workers)]
     if eval_dataset is not None and len(eval_dataset) > 0:
         loaders.append(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
@@ -369,7 +407,8 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     resume = resume or plan_resume(cfg, accelerator, train_dataset)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
     keep_embeddings_out_of_fsdp_units(accelerator, model)
-    model, optimizer, *loaders, scheduler = accelerator.prepare(model, optimizer, *loaders, scheduler)
+    model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders), scheduler)
+    loaders = prepared if loaders[0] is not None else [None, *prepared]
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, train_dl=loaders[0],
                eval_dl=loaders[1] if len(loaders) > 1 else None, sampler=sampler, total_steps=total_steps,
                data_parallel_size=dp,
@@ -389,14 +428,16 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
                                                  if isinstance(value, (int, float, str, bool))})
     global_batch, per_epoch = run.sampler.global_batch_size, run.steps_per_epoch
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing and not cfg.data.padding_free else None
+    streaming = isinstance(train_dataset, TrainStream)
+    length = ("a stream, one pass" if streaming else
+              f"{per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch)")
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
         f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
         f"{args.gradient_accumulation_steps} | global batch {global_batch} sequences"
         + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else
            " (whole documents packed per row, padding-free)" if cfg.data.padding_free else " (padded, variable length)")
-        + f" | {per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch) | "
-        f"{run.total_steps} optimizer steps from step {state.step}"
+        + f" | {length} | {run.total_steps} optimizer steps from step {state.step}"
     )
     return MetricsLogger(accelerator, args.output_dir, run.total_steps, start_step=state.step,
                          resume=resumed_from is not None)
@@ -455,7 +496,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     model, accumulation = run.model, args.gradient_accumulation_steps
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:  # every rank, the same row: the prepared model may need collectives for a forward
-        check_packed_attention(model, packed_guard_row(train_dataset), tokenizer.pad_token_id, accelerator.device)
+        rows = train_dataset.head(64) if isinstance(train_dataset, TrainStream) else train_dataset
+        check_packed_attention(model, packed_guard_row(rows), tokenizer.pad_token_id, accelerator.device)
         accelerator.print("packing_strategy bfd: checked that a packed document's logits do not depend on the "
                           "documents before it in its row")
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
@@ -478,7 +520,9 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         while state.step < run.total_steps:
             if batches is None:  # an epoch starts, or resumes part-way
                 batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, accumulation)
-            micro_batches = [next(batches) for _ in range(accumulation)]
+            micro_batches = next_micro_batches(batches, run, accelerator, state)
+            if micro_batches is None:  # every rank reads the same stream: all stop at this step
+                break
             result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
                                 data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
@@ -486,7 +530,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
                                 stop_flag=preemption.requested(), overflows=overflows,
                                 max_consecutive_overflows=args.max_consecutive_overflows)
             overflows = result.overflows
-            if state.finish_step(result, run.steps_per_epoch):
+            if _finish_step(state, result, run):
                 batches = None  # the epoch's last step: the next one starts the next epoch
             window.add(result)
             logger.advance()
@@ -514,7 +558,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         tokens=state.tokens_seen - start_tokens, steps=state.step - start_step, flops_per_token=run.flops_per_token,
         peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), preempted=preempted,
         final_model=os.path.abspath(layout.final_dir(args.output_dir)) if exported else None,
-        data_parallel_size=run.data_parallel_size, train_rows=len(train_dataset), fill_rate=window.run_fill_rate())
+        data_parallel_size=run.data_parallel_size, fill_rate=window.run_fill_rate(),
+        train_rows=state.samples_seen if isinstance(train_dataset, TrainStream) else len(train_dataset))
     summary.update(task.summary(accelerator, model))
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass.

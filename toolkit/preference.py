@@ -195,6 +195,8 @@ class DPO(CausalLM):
     name = "dpo"
     sequences_per_row = 2  # chosen and rejected: what the chunked loss sizes its chunk count by
     best_metric = ("eval_loss", min)
+    stream_refusal = ("it computes every training pair's reference log-probs before step 1 (TRL's "
+                      "precompute_ref_log_probs)")
 
     def __init__(self):
         self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check

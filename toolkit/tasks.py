@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from toolkit import data
+from toolkit.errors import ConfigError
 from toolkit.loss import count_targets, token_losses
 from toolkit.packing import packed_inputs
 
@@ -56,6 +57,8 @@ class Task(ABC):
     peft_task_type: str  # peft's TaskType name, e.g. "CAUSAL_LM"
     best_metric: tuple[str, Callable]  # e.g. ("perplexity", min)
     sequences_per_row: int = 1  # sequences a dataset row puts in a micro-batch (a preference pair: 2)
+    # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
+    stream_refusal: str | None = "it reads the whole training set before step 1"
 
     def check(self, cfg) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
         """Fields that this task cannot honour, refused before any work."""
@@ -73,6 +76,12 @@ class Task(ABC):
     @abstractmethod
     def tokenize(self, raw, tokenizer, args, block_size: int):
         """The raw splits as rows the collator takes."""
+
+    def stream_rows(self, tokenizer, args, block_size: int) -> tuple[Callable, Callable]:
+        """For ``streaming: true`` (``toolkit.stream``): ``keep(row) -> bool``, run on every source row on every
+        rank (cheap checks; False skips the row before it gets a global index), and ``encode(rows) -> rows``, the
+        rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``)."""
+        raise NotImplementedError
 
     @abstractmethod
     def collator(self, tokenizer):
@@ -103,6 +112,17 @@ class Task(ABC):
         return {}
 
 
+def check_stream_packing(args) -> None:
+    """On a stream, packing is ``bfd`` over each micro-batch (``toolkit.stream``); ``wrapped`` is refused."""
+    if args.packing_strategy == "wrapped":
+        raise ConfigError("packing_strategy", "wrapped packing mixes neighbouring documents into rows, so on a stream "
+                                              "the rows would depend on which documents each rank holds and the order "
+                                              "on the world size; use packing_strategy: bfd (whole documents per row, "
+                                              "the default with streaming) or packing: false")
+    if args.packing:
+        args.packing_strategy = "bfd"
+
+
 class CausalLM(Task):
     """Next-token prediction on plain text, packed into ``block_size`` rows or one document per row."""
 
@@ -110,12 +130,33 @@ class CausalLM(Task):
     auto_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     best_metric = ("perplexity", min)  # the eval metric whose best value the summary reports, and which is best
+    stream_refusal = None
 
     def check(self, cfg) -> None:
         if cfg.data.packing is None:  # unset: this task's default (chat SFT and classification: false)
             cfg.data.packing = True
+        if cfg.data.streaming:  # toolkit.stream: a stream packs whole documents, per micro-batch
+            check_stream_packing(cfg.data)
         if cfg.data.packing and cfg.data.packing_strategy is None:
             cfg.data.packing_strategy = "wrapped"  # run_clm's concatenate-and-cut, the figures in the docs
+
+    def stream_rows(self, tokenizer, args, block_size: int):
+        column, eos = data.text_column(args), tokenizer.eos_token_id
+        encode_texts, _ = data.token_encoder(tokenizer)
+
+        def keep(row) -> bool:
+            text = row.get(column)
+            if not isinstance(text, str):
+                raise ConfigError("text_column_name", f"a row of the stream has {text!r:.80} in column {column!r}, "
+                                                      f"not text (its columns: {sorted(row)}); name the text column "
+                                                      "or remove the row")
+            return bool(text)  # an empty text has no token: skipped, as the map-style path drops it
+
+        def encode(rows):
+            ids = encode_texts([r[column] for r in rows])
+            return [{"input_ids": (x + [eos] if eos is not None else x)[:block_size]} for x in ids]
+
+        return keep, encode
 
     def load_raw(self, args):
         return data.load_raw_datasets(args)

@@ -167,6 +167,15 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "the validation split has no rows after tokenization"),
         ("batch bigger than data", {"per_device_train_batch_size": 40}, [], {}, "per_device_train_batch_size",
          "fewer than one global batch"),
+        ("glob matching nothing", {"train_file": os.path.join(os.path.dirname(files["a_file"]), "part-*.jsonl")}, [],
+         {}, "train_file", "matches no file"),
+        # --- streams (streaming: true)
+        ("stream without max_steps", {"streaming": True, "max_steps": -1}, [], {}, "max_steps",
+         "a stream has no length"),
+        ("stream with wrapped packing", {"streaming": True, "packing": True, "packing_strategy": "wrapped"}, [], {},
+         "packing_strategy", "wrapped packing mixes neighbouring documents"),
+        ("stream with max_train_samples", {"streaming": True, "max_train_samples": 8}, [], {}, "max_train_samples",
+         "bound a stream with max_steps"),
         # --- output_dir
         ("finished run", {"overwrite_output_dir": False}, [], {}, "output_dir", "already holds a finished run"),
         ("output_dir is a file", {"output_dir": files["a_file"]}, [], {}, "output_dir", "is a file"),
@@ -202,6 +211,8 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          [], {}, "train_file", "has no 'rejected' column", "dpo"),
         ("dpo empty completion", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None}, [], {},
          "train_file", "row 3, chosen: the completion is empty", "dpo"),
+        ("dpo on a stream", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None,
+                             "streaming": True}, [], {}, "streaming", "the dpo task cannot train on a stream", "dpo"),
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
         ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
@@ -235,7 +246,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             argv = ["--config", str(config), *extra]
         cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
-    assert len(cases) >= 40
+    assert len(cases) == 90  # README.md and docs/reliability.md give this number
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))

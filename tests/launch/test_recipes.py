@@ -6,6 +6,9 @@
 - recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch) under DDP,
   ZeRO-2, ZeRO-3 and FSDP2, the held-out metrics with TRL's names; the live reference sharded like the policy and
   unchanged, the precomputed reference giving the same run, LoRA DPO adapters equal, a resume bit-identical.
+- recipes/sft.py with streaming: true on chats in 3 files: the same equality step by step, and the stream's step-2
+  checkpoint of the 2-rank run resumed on 1 process ends as the uninterrupted runs do (the order's window and
+  source position carried across world sizes).
 - recipes/classify.py: the same equality for a classifier, and the validation metrics count each row once.
 - LoRA (recipes/gpt2.py, use_peft): the adapters trained under ZeRO-2, ZeRO-3 and FSDP2 equal the DDP ones; the base weights
   come out bit-identical; the merged export's logits equal base + adapter; a LoRA run resumes bit-identically.
@@ -87,6 +90,33 @@ def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     one, two = _two_ranks_equal_one_process(runs, "sft_bfd", _sft_bfd(gpt2_256, chats), gpt2_256, moved=1e-2)
     summary = json.load(open(os.path.join(two, "summary.json")))
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
+
+
+def _sft_stream(model, chat_shards) -> dict:
+    """3 steps of 8 chats from windows of 10 (windows straddle steps and files); a checkpoint every step; the first
+    4 held-out chats (max_eval_samples: the stream's first rows)."""
+    return {**SGD, **chat_shards, "model_name_or_path": model, "streaming": True, "shuffle_buffer_size": 10,
+            "packing": True, "block_size": 256, "save_steps": 1, "max_eval_samples": 4}
+
+
+def test_sft_on_a_stream_of_files_on_two_ranks_equals_one_process_and_resumes_on_one(runs, gpt2_256, chat_shards):
+    """recipes/sft.py --streaming true on 3 files: 2 ranks x 2 x 2 (each rank tokenizing its own chats, packed bfd
+    per micro-batch) end with the weights of 1 process x 8 (SGD, 1e-6), the same loss and tokens at every step; the
+    2-rank run's step-2 checkpoint (mid-window: g = 16 of a window 10..19) resumed on 1 process takes the same rows
+    (the same tokens at step 3) and ends there too."""
+    cfg = _sft_stream(gpt2_256, chat_shards)
+    one, two = _two_ranks_equal_one_process(runs, "sft_stream", cfg, gpt2_256, moved=1e-2)
+    tokens = {run: [(r["step"], r["tokens_seen"]) for r in _rows(run) if "loss" in r] for run in (one, two)}
+    assert tokens[one] == tokens[two] and len(tokens[one]) == 3
+    resumed = runs.get("sft_stream_resumed", "ddp.yaml", 1, 8, 1, {**cfg, "resume_from_checkpoint": "latest"},
+                       prepare=copy_checkpoint(two, 2))
+    state = json.load(open(os.path.join(two, "checkpoints", "step-2", "toolkit_state.json")))
+    assert state["loop"]["stream"]["window"] == 1 and state["order"]["shuffle_buffer_size"] == 10
+    assert [(r["step"], r["tokens_seen"]) for r in _rows(resumed) if "loss" in r] == tokens[one][2:]
+    diff = max_abs_diff(load_weights(os.path.join(resumed, "final")), load_weights(os.path.join(one, "final")))
+    assert diff <= 1e-6, diff
+    assert [r["eval_tokens"] for r in _rows(two) if "eval_loss" in r] == [r["eval_tokens"] for r in _rows(one)
+                                                                          if "eval_loss" in r]
 
 
 def _two_ranks_equal_one_process(runs, name: str, cfg: dict, start: str, moved: float,
@@ -257,7 +287,8 @@ def _lora(tiny_model, padded_data) -> dict:
     return {**ADAMW, **LORA, **padded_data, "model_name_or_path": tiny_model}
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs,
+              chat_shards):
     """The classifier, chat SFT with bfd packing, DPO and LoRA runs below, planned: those of one launch config and world
     size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, recipes/dpo.py, or
     recipes/gpt2.py with or without the probes)."""
@@ -266,6 +297,11 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
+    stream = _sft_stream(gpt2_256, chat_shards)
+    r.plan("sft_stream_one", "ddp.yaml", 1, 8, 1, stream, recipe="sft", probe=False)
+    r.plan("sft_stream_two", "ddp.yaml", 2, 2, 2, stream, recipe="sft", probe=False)
+    r.plan("sft_stream_resumed", "ddp.yaml", 1, 8, 1, {**stream, "resume_from_checkpoint": "latest"},
+           copy_from=("sft_stream_two", 2), recipe="sft", probe=False)  # another world size, no launch of its own
     dpo, dpo_lora = _dpo(gpt2_256, pairs), _dpo_lora(gpt2_256, pairs)
     r.plan("dpo_one", "ddp.yaml", 1, 8, 1, dpo, recipe="dpo", probe=False)
     r.plan("dpo_lora_one", "ddp.yaml", 1, 8, 1, dpo_lora, recipe="dpo", probe=False)

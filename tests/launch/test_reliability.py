@@ -215,22 +215,17 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if '"loss"' in line] == [1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", SIGKILL_CONFIGS)
-def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
-    """SIGKILL to the whole job (launcher and ranks, frozen first so that none runs on) once a few steps are logged and
-    a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
-    loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
-    with exactly the weights of the uninterrupted run."""
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGKILL}
+def _saving(out) -> list[str]:
+    root = os.path.join(out, "checkpoints")
+    return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
 
-    def saving(out) -> list[str]:
-        root = os.path.join(out, "checkpoints")
-        return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
 
+def _kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int) -> tuple[str, int]:
+    """A 2-rank recipes/gpt2.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is under
+    way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
+    checkpoint and ``latest`` stay loadable."""
     # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
-    # attempt starts afresh and kills at the first save seen from step 3 on; one must land inside a save, before the
-    # epoch's end (6 steps), so that the resume crosses the boundary. Bounded: 5 attempts.
+    # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
     for attempt in range(5):
         out = str(tmp_path / f"killed-{attempt}")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
@@ -239,27 +234,79 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, pad
         proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
-        while not (len(_steps_logged(out)) >= 3 and saving(out)) and time.time() < deadline and proc.poll() is None:
+        while not (len(_steps_logged(out)) >= 3 and _saving(out)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.002)
         assert proc.poll() is None, "the run ended before it could be killed"
         kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
         proc.wait(timeout=30)
         killed_at = max(_steps_logged(out))
         assert not os.path.exists(os.path.join(out, "final"))
-        if saving(out) and killed_at < 6:
+        if _saving(out) and killed_at < before_step:
             break
     else:
-        raise AssertionError("no kill out of 5 landed inside a save before step 6")
+        raise AssertionError(f"no kill out of 5 landed inside a save before step {before_step}")
     latest = layout.latest_checkpoint(out)
-    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(saving(out)[0][5:-4])
+    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(_saving(out)[0][5:-4])
+    return out, killed_at
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", SIGKILL_CONFIGS)
+def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
+    """SIGKILL to the whole job (launcher and ranks, frozen first so that none runs on) once a few steps are logged and
+    a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
+    loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
+    with exactly the weights of the uninterrupted run."""
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGKILL}
+    out, killed_at = _kill_inside_a_save(tmp_path, cfg, config, before_step=6)  # the resume crosses the epoch's end
 
     # The relaunch from `latest`, and after it, in the same launch (helpers.launch_runs), the uninterrupted run.
     straight = str(tmp_path / "straight")
     launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
                             "probe": False}, {"argv": args_from({**cfg, "output_dir": straight}), "probe": False}],
                 config=config)
-    assert not saving(out), "the relaunch removes what the killed save left"
+    assert not _saving(out), "the relaunch removes what the killed save left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
     print(f"{config}: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0
     assert _steps_logged(out) == list(range(1, 10))
+
+
+@pytest.fixture(scope="module")
+def text_shards(tmp_path_factory) -> dict:
+    """A causal-LM corpus in 4 jsonl files of 25 paragraphs of CPython's docs each (1 to ~60 words)."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[k] for k in sorted(topics)[20:40]).split()
+    d, pos = tmp_path_factory.mktemp("text-shards"), 0
+    for f in range(4):
+        rows = []
+        for i in range(25):
+            n = 1 + (i * 11 + f * 5) % 60
+            rows.append(json.dumps({"text": " ".join(words[pos:pos + n])}))
+            pos += n
+        (d / f"part-{f}.jsonl").write_text("\n".join(rows) + "\n")
+    return {"train_file": str(d / "part-*.jsonl")}
+
+
+@pytest.mark.slow
+def test_a_stream_sigkilled_mid_run_resumes_on_one_process_in_the_same_order(tmp_path, tiny_model, text_shards):
+    """streaming: true (recipes/gpt2.py, 4 files, windows of 12 rows, bfd packing): 2 ranks x 2 x 2 SIGKILLed inside a
+    save from step 3 on, relaunched on 1 process x 8 from ``latest``: the source restarts at the checkpoint's window
+    and the run takes exactly the rows of the uninterrupted 1-process run (the same tokens at every step) and ends
+    with its weights (SGD: 1e-6; another world size sums in another order, so not bit for bit)."""
+    cfg = {**COMMON, **text_shards, "model_name_or_path": tiny_model, **SIGKILL, "streaming": True,
+           "shuffle_buffer_size": 12, "packing": True}
+    out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=SIGKILL["max_steps"] - 1)
+    one = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
+    straight = str(tmp_path / "straight")
+    launch_runs(tmp_path, [{"argv": args_from({**cfg, **one, "output_dir": out, "resume_from_checkpoint": "latest"}),
+                            "probe": False}, {"argv": args_from({**cfg, **one, "output_dir": straight}), "probe": False}],
+                num_processes=1)
+    assert not _saving(out), "the relaunch removes what the killed save left"
+    tokens = {run: [(r["step"], r["tokens_seen"]) for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+                    if "loss" in r] for run in (out, straight)}
+    assert tokens[out] == tokens[straight] and len(tokens[out]) == SIGKILL["max_steps"]
+    diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
+    print(f"stream: killed after step {killed_at}, resumed on 1 process: max|dw| = {diff:.1e}")
+    assert diff <= 1e-6, diff

@@ -46,6 +46,43 @@ def test_local_formats(tmp_path, fmt):
     assert len(raw["validation"]) == len(ROWS)
 
 
+def test_train_file_takes_a_glob_a_comma_list_or_a_yaml_list(tmp_path, tiny_model):
+    """A corpus in shards: a glob (sorted), comma-separated paths or a YAML list read as one split, streamed or not
+    (the stream reads the same list: toolkit.stream)."""
+    import yaml
+
+    from toolkit.config import parse_args
+
+    for i in range(3):
+        (tmp_path / f"part-{i}.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} {j}"}) for j in range(2)))
+    expected = [f"doc {i} {j}" for i in range(3) for j in range(2)]
+    by_glob = DataArguments(train_file=str(tmp_path / "part-*.jsonl"), validation_split_percentage=0)
+    assert by_glob.data_files() == [str(tmp_path / f"part-{i}.jsonl") for i in range(3)]
+    assert load_raw_datasets(by_glob)["train"]["text"][:] == expected
+    listed = ",".join(str(tmp_path / f"part-{i}.jsonl") for i in (2, 0))
+    assert load_raw_datasets(DataArguments(train_file=listed, validation_split_percentage=0))["train"]["text"][:] == expected[4:] + expected[:2]
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
+                                      "train_file": [str(tmp_path / "part-1.jsonl"), str(tmp_path / "part-2.jsonl")],
+                                      "validation_file": str(tmp_path / "part-0.jsonl")}))
+    cfg = parse_args(["--config", str(config)])
+    assert cfg.data.data_files() == [str(tmp_path / "part-1.jsonl"), str(tmp_path / "part-2.jsonl")]
+
+
+@pytest.mark.parametrize("value, words", [
+    ("{tmp}/nothing-*.jsonl", "the pattern '{tmp}/nothing-*.jsonl' matches no file"),
+    ("{tmp}/a.jsonl,{tmp}/missing.jsonl", "file not found: {tmp}/missing.jsonl"),
+    ("{tmp}/a.jsonl,{tmp}/b.csv", "mixes formats (csv, json)"),
+    (" , ", "names no file"),
+])
+def test_a_file_list_that_names_nothing_readable_is_refused_before_work(tmp_path, value, words):
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.csv").write_text("text\nb\n")
+    with pytest.raises(ConfigError) as err:
+        DataArguments(train_file=value.format(tmp=tmp_path))
+    assert err.value.field_name == "train_file" and words.format(tmp=tmp_path) in str(err.value)
+
+
 def test_local_folder_through_the_hub_code_path(tmp_path):
     """`dataset_name` goes through datasets.load_dataset exactly as a Hub id would; here it is a local folder."""
     folder = tmp_path / "ds"

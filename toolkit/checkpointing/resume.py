@@ -16,6 +16,7 @@ from toolkit import layout
 from toolkit.checkpointing import convert
 from toolkit.distributed import data_parallel_size, strategy_name
 from toolkit.errors import ConfigError
+from toolkit.stream import TrainStream
 
 # order key -> the config field a user changes to change it
 ORDER_FIELDS = {
@@ -26,6 +27,7 @@ ORDER_FIELDS = {
     "block_size": "block_size",
     "train_rows": "train_file",
     "train_data_sha": "train_file",
+    "shuffle_buffer_size": "shuffle_buffer_size",
 }
 
 
@@ -43,7 +45,9 @@ def data_fingerprint(dataset, samples: int = 64) -> str:
 
 def order_record(cfg, train_dataset) -> dict:
     """What the sample order depends on, as stored in a checkpoint (block_size as configured; a resolved default
-    that changed would change the rows, which the data hash sees)."""
+    that changed would change the rows, which the data hash sees). A stream (``toolkit.stream``) has no row count:
+    its files and window size stand for the rows."""
+    stream = isinstance(train_dataset, TrainStream)
     return {
         "seed": cfg.train.seed,
         "shuffle": cfg.train.shuffle,
@@ -51,8 +55,9 @@ def order_record(cfg, train_dataset) -> dict:
         # recorded for bfd only: None for wrapped, as in the checkpoints written before packing_strategy existed
         "packing_strategy": "bfd" if cfg.data.padding_free else None,
         "block_size": cfg.data.block_size,
-        "train_rows": len(train_dataset),
-        "train_data_sha": data_fingerprint(train_dataset),
+        "train_rows": "stream" if stream else len(train_dataset),
+        "train_data_sha": train_dataset.spec.fingerprint() if stream else data_fingerprint(train_dataset),
+        "shuffle_buffer_size": train_dataset.spec.window if stream else None,
     }
 
 

@@ -1,0 +1,232 @@
+"""The global sample order of a stream (``streaming: true``): ``toolkit.order``'s contract for data read as it comes.
+
+A stream has no length and cannot be permuted whole, and ``datasets``' own tools break the contract
+(docs/reliability.md#streams: a shuffle buffer that a checkpoint does not save, ``split_dataset_by_node`` handing
+whole shards to ranks). So, with W = ``shuffle_buffer_size``:
+
+    source:   the files, their order permuted by the seed, read one after the other (a plain stream: its
+              ``state_dict`` resumes exactly); rows a task skips (empty text) are dropped here, on every rank alike
+    window k: source rows [k*W, (k+1)*W), shuffled by a permutation seeded from (seed, k)
+    global index g = k*W + j: the j-th row of window k after its shuffle
+    step s:   global indices [s*B, (s+1)*B), B = data-parallel ranks x micro x accumulation
+    rank r:   the indices g of the step with g % dp == r, in increasing order, ``micro`` per micro-batch
+
+so the global batch of every step is the same set of rows on any data-parallel degree (the loss is normalised over
+the global batch, ``toolkit.loss``: its partition among ranks does not change the update). Every rank reads every
+row of the source (cheap) and tokenizes only its own. A checkpoint records the next g (``LoopState.step`` x B) and
+the source's state at the start of g's window (``position``); a resume on any world size re-reads that window,
+shuffles it again and continues at g. A stream that ends before a step's last index ends the run after the last
+full step (every rank reads the same rows, so every rank stops at the same step, without a collective).
+
+Memory: the windows that hold the current step (W rows + one step), and the step's tokenized rows. Packing with
+``bfd`` places each micro-batch's documents into ``block_size`` rows (best-fit decreasing, each attending only to
+itself, ``toolkit.packing``): a layout of the same documents, so the update is that of the unpacked rows. ``wrapped``
+packing, whose rows mix the tokens of neighbouring documents, would make the rows depend on which documents a rank
+holds, and is refused on a stream (``toolkit.tasks.CausalLM.check``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from toolkit.errors import ConfigError
+from toolkit.packing import SEQ_LENGTHS, best_fit_decreasing
+
+
+def shard_order(files: list[str], seed: int, shuffle: bool) -> list[str]:
+    """The files in the order the stream reads them: permuted by the seed (unless shuffle is off)."""
+    if not shuffle:
+        return list(files)
+    return [files[i] for i in np.random.default_rng([seed, len(files)]).permutation(len(files))]
+
+
+def window_order(window: int, size: int, seed: int, shuffle: bool) -> list[int]:
+    """The order of the ``size`` rows of window ``window``: a permutation seeded from (seed, window index)."""
+    if not shuffle:
+        return list(range(size))
+    return np.random.default_rng([seed, window]).permutation(size).tolist()
+
+
+@dataclass
+class StreamSpec:
+    """What the order of a stream depends on (``order_record`` writes it into checkpoints)."""
+
+    files: list[str]
+    window: int  # W: rows per shuffled window (shuffle_buffer_size)
+    seed: int
+    shuffle: bool
+
+    def fingerprint(self) -> str:
+        """The files (names, sizes) in read order: a changed corpus changes the stream's rows."""
+        h = hashlib.sha256()
+        for path in shard_order(self.files, self.seed, self.shuffle):
+            h.update(f"{os.path.basename(path)}:{os.path.getsize(path)};".encode())
+        return h.hexdigest()[:16]
+
+
+def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None = None):
+    """A plain ``datasets`` stream of the files in shard order, from ``state`` (a ``state_dict``) if given."""
+    from datasets import load_dataset
+
+    from toolkit.data import file_builder
+
+    ordered = shard_order(files, seed, shuffle)
+    builder, kwargs = file_builder({"train": ordered})
+    source = load_dataset(builder, data_files={"train": ordered}, split="train", streaming=True, **kwargs)
+    if state is not None:
+        source.load_state_dict(state)
+    return source
+
+
+class Windows:
+    """The source in shuffled windows of W kept rows, each with the source's state at its start; rows by global
+    index, holding only the windows still needed."""
+
+    def __init__(self, source, spec: StreamSpec, keep: Callable[[dict], bool], first_window: int = 0):
+        self.source, self.spec, self.keep = source, spec, keep
+        self.rows = iter(source)
+        self.next_window = first_window  # the index of the window read next
+        self.start_state = source.state_dict()  # the source's state at the start of the next window
+        self.loaded: dict[int, tuple[dict, list[dict]]] = {}  # window -> (state at its start, rows in shuffled order)
+        self.ended = False
+
+    def read_window(self) -> bool:
+        """Read the next window; False when the source has no row left."""
+        if self.ended:
+            return False
+        state, rows, W = self.start_state, [], self.spec.window
+        for row in self.rows:
+            if self.keep(row):
+                rows.append(row)
+                if len(rows) == W:
+                    break
+        self.start_state = self.source.state_dict()
+        if len(rows) < W:
+            self.ended = True
+        if not rows:
+            return False
+        order = window_order(self.next_window, len(rows), self.spec.seed, self.spec.shuffle)
+        self.loaded[self.next_window] = (state, [rows[i] for i in order])
+        self.next_window += 1
+        return True
+
+    def available(self, end: int) -> bool:
+        """Read windows until global index ``end - 1`` is loaded; False if the stream ends before it."""
+        while self.next_window * self.spec.window < end:
+            if not self.read_window():
+                break
+        last = max(self.loaded, default=-1)
+        return last >= 0 and last * self.spec.window + len(self.loaded[last][1]) >= end
+
+    def row(self, g: int) -> dict:
+        return self.loaded[g // self.spec.window][1][g % self.spec.window]
+
+    def forget_before(self, g: int) -> None:
+        for k in [k for k in self.loaded if (k + 1) * self.spec.window <= g]:
+            del self.loaded[k]
+
+    def position(self, g: int) -> dict:
+        """Where a resume at global index ``g`` restarts the source: its window and the state at that window's
+        start (``g``'s window is loaded, or the next one to read)."""
+        k = g // self.spec.window
+        state = self.loaded[k][0] if k in self.loaded else self.start_state
+        if k not in self.loaded and k != self.next_window:
+            raise RuntimeError(f"global index {g}: window {k} is neither loaded nor the next one ({self.next_window})")
+        return {"window": k, "source": state}
+
+
+def pack_bfd(rows: list[dict], block_size: int) -> list[dict]:
+    """A micro-batch's documents (each at most ``block_size`` tokens) as packed rows (``toolkit.packing``)."""
+    columns = [c for c in ("input_ids", "labels") if c in rows[0]]
+    packed = []
+    for members in best_fit_decreasing([len(r["input_ids"]) for r in rows], block_size):
+        packed.append({**{c: [t for i in members for t in rows[i][c]] for c in columns},
+                       SEQ_LENGTHS: [len(rows[i]["input_ids"]) for i in members]})
+    return packed
+
+
+class TrainStream:
+    """One rank's micro-batches of a stream, step by step (see the module docstring for the order).
+
+    ``keep(row) -> bool`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike);
+    ``encode(rows) -> rows`` tokenizes this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs
+    each micro-batch's documents. ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or
+    its start (default: ``spec``'s files, ``open_source``; bench/streaming.py passes a generator's)."""
+
+    def __init__(self, spec: StreamSpec, *, keep, encode, collate, micro: int, accumulation: int,
+                 data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0,
+                 source: Callable[[dict | None], object] | None = None):
+        self.spec, self.keep, self.encode, self.collate = spec, keep, encode, collate
+        self.source = source or (lambda state: open_source(spec.files, spec.seed, spec.shuffle, state))
+        self.micro, self.accumulation = micro, accumulation
+        self.dp, self.rank, self.bfd_block_size = data_parallel_size, rank, bfd_block_size
+        self.steps_per_epoch = max_steps or 1  # a stream is one pass: its "epoch" is the run's max_steps
+        self.windows: Windows | None = None
+        self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro * self.dp * self.accumulation
+
+    def steps(self, start_step: int = 0, position: dict | None = None):
+        """Yield this rank's micro-batches of every step from ``start_step`` (a list of ``accumulation`` each);
+        ``position``: the checkpoint's ``LoopState.stream`` (None: the stream's start)."""
+        B = self.global_batch_size
+        g0 = start_step * B
+        if position is None and g0:
+            raise ValueError("a stream resumed after step 0 needs its checkpoint's position")
+        first = position["window"] if position else 0
+        if position and first != g0 // self.spec.window:
+            raise ConfigError("shuffle_buffer_size", f"the checkpoint's stream position is window {first}, this run "
+                                                     f"would resume in window {g0 // self.spec.window}: the window "
+                                                     "size changed; resume with the checkpoint's shuffle_buffer_size")
+        self.windows = windows = Windows(self.source(position["source"] if position else None), self.spec, self.keep,
+                                         first_window=first)
+        step = start_step
+        while True:
+            start = step * B
+            if not windows.available(start + B):
+                return
+            mine = self.encode([windows.row(g) for g in range(start + self.rank, start + B, self.dp)])
+            windows.forget_before(start + B)
+            batches = []
+            for i in range(0, len(mine), self.micro):
+                rows = mine[i:i + self.micro]
+                batches.append(self.collate(pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size else rows))
+            step += 1
+            self.steps_done = step
+            yield batches
+
+    def position(self, step: int) -> dict:
+        """The ``LoopState.stream`` record for a resume at ``step`` (after the steps already given)."""
+        return self.windows.position(step * self.global_batch_size)
+
+    def head(self, n: int) -> list[dict]:
+        """The first ``n`` rows of the global order, tokenized (the same on every rank): for the FLOPs estimate and
+        the packing guard."""
+        windows = Windows(self.source(None), self.spec, self.keep)
+        windows.available(min(n, self.spec.window))
+        rows = self.encode([windows.row(g) for g in range(min(n, len(windows.loaded.get(0, (None, []))[1])))])
+        return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size else rows
+
+
+def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None):
+    """The validation set of a streamed run, as a ``Dataset``: the first ``limit`` rows (all without a limit) of the
+    validation files, read as a stream in file order, tokenized (and packed with bfd) like the training rows."""
+    from datasets import Dataset
+
+    rows = []
+    for row in open_source(files, seed=0, shuffle=False):
+        if keep(row):
+            rows.append(row)
+            if limit and len(rows) == limit:
+                break
+    if not rows:
+        raise ConfigError("validation_file", "the validation stream has no row to evaluate on")
+    tokenized = encode(rows)
+    return Dataset.from_list(pack_bfd(tokenized, bfd_block_size) if bfd_block_size else tokenized)
