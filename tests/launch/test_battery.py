@@ -172,6 +172,11 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("unknown tracker", {"report_to": "tensorbord"}, [], {}, "report_to", "Did you mean 'tensorboard'"),
         # --- precision
         ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
+        # --- a cluster scheduler's machines, one process each (issue 29): each would train alone
+        ("Kubernetes pods, no launcher", {}, [], {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, "num_machines",
+         "PET_NNODES=2 says 2 machines"),
+        ("SLURM nodes, no launcher", {}, [], {"SLURM_STEP_NUM_NODES": "2"}, "num_machines",
+         "SLURM_STEP_NUM_NODES=2 says 2 machines"),
         # --- the launch config
         ("skip nonfinite under DeepSpeed", {"skip_nonfinite_steps": True}, [], {"ACCELERATE_USE_DEEPSPEED": "true"},
          "skip_nonfinite_steps", "cannot be honoured under DeepSpeed"),

@@ -3,6 +3,8 @@
 - Two machines: two ``accelerate launch --num_machines 2 --machine_rank 0|1`` processes with one rank each, started
   together (static rendezvous, the shipped configs unchanged: only command-line overrides), under DDP and ZeRO-3;
   each machine sees a world of 2, and the job ends with the weights of the single-machine 2-rank run (SGD, 1e-6).
+- Two Kubernetes pods: scripts/k8s/launch.py (the manifests' container command) in two processes with the
+  variables Kubeflow Trainer sets for each pod; the job ends with the single-machine run's weights.
 - Elastic: ``torchrun --max_restarts 3 --rdzv_backend c10d`` and ``accelerate launch --max_restarts 3`` (torch's
   defaults: the agent's store shared with the ranks); rank 1 is SIGKILLed after step 1, 2 and 3 of the first three
   attempts (tests/scripts/elastic_run.py); each restart resumes from the latest checkpoint on its own
@@ -100,6 +102,34 @@ def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_pa
         assert [p["zero_stage"] for p in probes] == [3, 3]
     diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
     print(f"two machines ({config}): max |dw| vs one machine {diff:.1e}, {took:.0f} s")
+    assert diff <= 1e-6
+
+
+# ------------------------------------------------------------------------------ two Kubernetes pods on loopback
+@pytest.mark.slow
+def test_two_pods_on_loopback_train_like_one_machine(runs, reference, tmp_path):
+    """issue 29, point 2: the container command of scripts/k8s/*.yaml (scripts/k8s/launch.py) in two processes, each
+    with the variables Kubeflow Trainer sets for its pod (1 rank per pod; PET_MASTER_ADDR the loopback): the recipe,
+    unchanged, trains as one 2-rank job; accelerate launch alone would give each pod a world of 1."""
+    out = str(tmp_path / "two-pods")
+    port = str(free_port())
+    procs, logs = [], []
+    started = time.time()
+    for pod in (0, 1):
+        logs.append(str(tmp_path / f"pod{pod}.log"))
+        env = {**subprocess_env(), "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(pod),
+               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "k8s", "launch.py"), "--config_file",
+               os.path.join(CONFIGS, "ddp.yaml"), os.path.join(ROOT, "recipes", "gpt2.py"), *_job_args(runs, out)]
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    outputs = _wait_all(procs, logs, TIMEOUT)
+    took = time.time() - started
+    for pod, output in enumerate(outputs):
+        assert f"--num_machines 2 --machine_rank {pod} --main_process_ip 127.0.0.1" in output, output[-3000:]
+        assert f"world size 2 (MULTI_CPU) | micro batch {MICRO}" in output, f"pod {pod}:\n{output[-3000:]}"
+    diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
+    print(f"two pods (scripts/k8s/launch.py, ddp.yaml): max |dw| vs one machine {diff:.1e}, {took:.0f} s")
     assert diff <= 1e-6
 
 
