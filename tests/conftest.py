@@ -10,7 +10,16 @@ import json
 import os
 
 import pytest
-from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, execute_quickstart, log_launches
+from helpers import (
+    CLUSTER_ACCUM,
+    CLUSTER_JOB,
+    CLUSTER_MICRO,
+    LAUNCH_LOG_ENV,
+    QUICKSTART_LAUNCHES,
+    Runs,
+    execute_quickstart,
+    log_launches,
+)
 
 
 def pytest_configure(config):
@@ -23,6 +32,19 @@ def shared_runs() -> dict:
     """Finished probe runs by everything that decides their output (helpers.Runs), for every module of the session:
     the same run asked for by two modules launches once."""
     return {}
+
+
+@pytest.fixture(scope="session")
+def cluster_runs(tmp_path_factory, tiny_model, padded_data, shared_runs) -> Runs:
+    """Runs of helpers.CLUSTER_JOB, the job of the multi-machine and cluster tests."""
+    return Runs(tmp_path_factory.mktemp("clusters"), tiny_model, padded_data, CLUSTER_JOB, shared=shared_runs)
+
+
+@pytest.fixture(scope="session")
+def one_machine_run(cluster_runs) -> str:
+    """CLUSTER_JOB on one machine, ``accelerate launch --num_processes 2`` under DDP: test_strategies.py's 2-rank DDP
+    SGD run (the same fields: shared, launched once per session), tested equal to ZeRO-3 and one process there."""
+    return cluster_runs.get("one-machine", "ddp.yaml", world=2, micro=CLUSTER_MICRO, accum=CLUSTER_ACCUM, extra={})
 
 
 @pytest.fixture(scope="session")

@@ -201,6 +201,21 @@ def args_from(d: dict) -> list[str]:
     return out
 
 
+# The SGD job of the multi-machine and cluster tests (test_multinode.py, test_ray.py: 2 ranks x micro batch 2 x
+# accumulation 2, 3 steps) whose one-machine run (conftest.py's ``one_machine_run``) they end equal to.
+CLUSTER_JOB = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
+                   per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+                   lr_scheduler_type="constant", weight_decay=0, max_steps=3)
+CLUSTER_MICRO, CLUSTER_ACCUM = 2, 2
+
+
+def cluster_job_args(runs, out: str, **extra) -> list[str]:
+    """The recipe's command line for CLUSTER_JOB (``runs``: conftest.py's ``cluster_runs``) into ``out``."""
+    return args_from({**runs.common, **runs.data, "model_name_or_path": runs.model, "output_dir": out,
+                      "per_device_train_batch_size": CLUSTER_MICRO, "gradient_accumulation_steps": CLUSTER_ACCUM,
+                      **extra})
+
+
 class Runs:
     """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py), keyed by name, so that
     several tests share one launch (each costs ~5-10 s of process start).

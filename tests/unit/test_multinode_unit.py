@@ -285,3 +285,30 @@ def test_the_entrypoint_refuses_what_it_cannot_launch(env, words, capsys):
         _k8s_launch().accelerate_command(["recipes/gpt2.py"], env)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith("config error: ") and words in err, err
+
+
+# ------------------------------------------------------------------------------ Ray: what the workers are given
+def _ray_train():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ray_train", os.path.join(ROOT, "scripts", "ray_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ray_train_gives_its_workers_the_launch_configs_variables_and_the_recipe_its_arguments():
+    """issue 29, point 1: the variables accelerate launch would set for the config (accelerate's own code), without
+    what Ray sets per worker; the recipe's arguments untouched, --config included."""
+    ray_train = _ray_train()
+    args = ray_train.parse(["--num-workers", "2", "--config_file", "zero3.yaml", "recipes/sft.py", "--config", "c.yaml",
+                            "--num-workers", "9"])
+    assert (args.num_workers, args.recipe, args.recipe_args) == (2, "recipes/sft.py", ["--config", "c.yaml",
+                                                                                         "--num-workers", "9"])
+    zero3, fsdp, ddp = (ray_train.launch_env(os.path.join(ROOT, "accelerate_configs", c), 2)
+                        for c in ("zero3.yaml", "fsdp.yaml", "ddp.yaml"))
+    assert (zero3["ACCELERATE_USE_DEEPSPEED"], zero3["ACCELERATE_DEEPSPEED_ZERO_STAGE"]) == ("true", "3")
+    assert (fsdp["ACCELERATE_USE_FSDP"], fsdp["FSDP_VERSION"]) == ("true", "2")
+    assert not any(k.startswith(("ACCELERATE_USE_", "FSDP_")) for k in ddp) and ddp["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert not set(ray_train.RAY_OWNS) & (set(zero3) | set(fsdp) | set(ddp))
+    assert ray_train.launch_env(None, 2) == {}
