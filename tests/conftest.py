@@ -12,7 +12,17 @@ import json
 import os
 
 import pytest
-from helpers import LAUNCH_LOG_ENV, QUICKSTART_LAUNCHES, RunPool, execute_quickstart, log_launches
+from helpers import (
+    CLUSTER_ACCUM,
+    CLUSTER_JOB,
+    CLUSTER_MICRO,
+    LAUNCH_LOG_ENV,
+    QUICKSTART_LAUNCHES,
+    RunPool,
+    Runs,
+    execute_quickstart,
+    log_launches,
+)
 
 
 def pytest_configure(config):
@@ -38,6 +48,19 @@ def run_pool(request) -> RunPool:
         for fixture, runs in module.plan_runs(pool, **{n: request.getfixturevalue(n) for n in names}).items():
             pool.modules[(module.__name__, fixture)] = runs
     return pool
+
+
+@pytest.fixture(scope="session")
+def cluster_runs(tmp_path_factory, tiny_model, padded_data, run_pool) -> Runs:
+    """Runs of helpers.CLUSTER_JOB, the job of the multi-machine and cluster tests."""
+    return Runs(tmp_path_factory.mktemp("clusters"), tiny_model, padded_data, CLUSTER_JOB, pool=run_pool)
+
+
+@pytest.fixture(scope="session")
+def one_machine_run(cluster_runs) -> str:
+    """CLUSTER_JOB on one machine, ``accelerate launch --num_processes 2`` under DDP: test_strategies.py's 2-rank DDP
+    SGD run (the same fields: one run of the session's run_pool), tested equal to ZeRO-3 and one process there."""
+    return cluster_runs.get("one-machine", "ddp.yaml", world=2, micro=CLUSTER_MICRO, accum=CLUSTER_ACCUM, extra={})
 
 
 @pytest.fixture(scope="session")

@@ -205,6 +205,21 @@ def args_from(d: dict) -> list[str]:
     return out
 
 
+# The SGD job of the multi-machine and cluster tests (test_multinode.py, test_ray.py: 2 ranks x micro batch 2 x
+# accumulation 2, 3 steps) whose one-machine run (conftest.py's ``one_machine_run``) they end equal to.
+CLUSTER_JOB = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
+                   per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
+                   lr_scheduler_type="constant", weight_decay=0, max_steps=3)
+CLUSTER_MICRO, CLUSTER_ACCUM = 2, 2
+
+
+def cluster_job_args(runs, out: str, **extra) -> list[str]:
+    """The recipe's command line for CLUSTER_JOB (``runs``: conftest.py's ``cluster_runs``) into ``out``."""
+    return args_from({**runs.common, **runs.data, "model_name_or_path": runs.model, "output_dir": out,
+                      "per_device_train_batch_size": CLUSTER_MICRO, "gradient_accumulation_steps": CLUSTER_ACCUM,
+                      **extra})
+
+
 class RunPool:
     """The planned runs of the whole session (conftest's ``run_pool``), whichever module planned them: the first test
     that asks for a planned run launches, in one launch of tests/scripts/probe_runs.py, every planned run not yet done

@@ -569,6 +569,7 @@ class RunConfig:
             self._check_stream()
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
+        elastic.check_machines()  # a scheduler's N machines, one process group each: refused before any work
         self.elastic_restart = elastic.continue_restart(self)
         self._check_output_dir()
         positions = max_positions(self.model.read_model_config())

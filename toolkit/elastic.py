@@ -10,6 +10,9 @@ dies; the agent tells the workers which attempt they are through the environment
     GROUP_WORLD_SIZE              machines (agents) in the job
     TORCHELASTIC_ERROR_FILE       <the launch's temp dir>/attempt_<n>/<local rank>/error.json, one per rank
 
+What the cluster scheduler says (``check_machines``): ``PET_NNODES`` (Kubeflow's operators) or
+``SLURM_STEP_NUM_NODES`` (srun) above 1 while the process group will span one machine is refused.
+
 The launcher itself: ``record_launcher`` notes this process's parent when it starts (``toolkit.preemption`` stops
 a rank whose launcher is gone). The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
 checks a config; ``toolkit.distributed`` starts the process group of each attempt under a key prefix of its own.
@@ -106,6 +109,51 @@ def shares_agent_store() -> bool:
     """The ranks use the agent's rendezvous store, the same one across attempts (``TORCHELASTIC_USE_AGENT_STORE``:
     always under a static rendezvous, under c10d unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+# What a cluster scheduler says about the machines of this job, in every process it starts (the variable, and what
+# sets it). A process group that spans one of them (python recipe.py in each pod or node, accelerate's one-process
+# launch, a launcher told --nnodes 1) trains alone on all the data and exits 0 (scripts/k8s/README.md).
+SCHEDULER_MACHINES = (
+    ("PET_NNODES", "the Kubeflow training operator (PyTorchJob) or Trainer (TrainJob): pods in the job"),
+    ("SLURM_STEP_NUM_NODES", "srun: nodes in this job step"),
+)
+FIX = {"PET_NNODES": "start each pod with scripts/k8s/launch.py (it passes accelerate launch --num_machines "
+                     "$PET_NNODES --machine_rank $PET_NODE_RANK --main_process_ip $PET_MASTER_ADDR "
+                     "--main_process_port $PET_MASTER_PORT), or torchrun, which reads PET_*",
+       "SLURM_STEP_NUM_NODES": "start one launcher per node with scripts/slurm.sbatch (accelerate launch "
+                               "--num_machines $SLURM_NNODES --machine_rank $SLURM_NODEID ...)"}
+
+
+def scheduler_machines() -> tuple[str, int] | None:
+    """(variable, fewest machines) a cluster scheduler says this job spans, None where none says more than one.
+    PET_NNODES may be an elastic range, ``MIN:MAX`` (PyTorchJob's elasticPolicy): its minimum counts."""
+    for name, _ in SCHEDULER_MACHINES:
+        value = os.environ.get(name, "").split(":")[0]
+        if value.isdigit() and int(value) > 1:
+            return name, int(value)
+    return None
+
+
+def launched_machines() -> int:
+    """Machines the process group will span: the torch elastic agents (``GROUP_WORLD_SIZE``) under torchrun /
+    accelerate launch; without a launcher each process stands for itself (``WORLD_SIZE``, as a PyTorchJob sets it
+    for one process per pod, or 1)."""
+    return machines() if launched_by_torch_elastic() else _int_env("WORLD_SIZE", 1)
+
+
+def check_machines() -> None:
+    """Refuse a job the scheduler spread over N > 1 machines whose process group spans one: every machine would train
+    alone on all the data, and exit 0."""
+    said = scheduler_machines()
+    if said is None or launched_machines() > 1:
+        return
+    name, count = said
+    what = dict(SCHEDULER_MACHINES)[name]
+    launched = (f"this launcher spans 1 (GROUP_WORLD_SIZE={machines()})" if launched_by_torch_elastic()
+                else "this process is alone (no launcher, WORLD_SIZE unset)")
+    raise ConfigError("num_machines", f"{name}={os.environ[name]} says {count} machines ({what}) but {launched}: "
+                                      f"each machine would train alone on all the data; {FIX[name]}")
 
 
 def check_restarts_supported() -> None:

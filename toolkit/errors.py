@@ -15,5 +15,10 @@ class ConfigError(ValueError):
     """A bad configuration, reported as ``config error: <field>: <what to do>``."""
 
     def __init__(self, field_name: str | None, message: str):
-        self.field_name = field_name
+        self.field_name, self.message = field_name, message
         super().__init__(f"{field_name}: {message}" if field_name else message)
+
+    def __reduce__(self):
+        # Pickled with both arguments (an exception pickles its args, here the one joined string): a ConfigError
+        # raised in a Ray Train worker (scripts/ray_train.py) reaches the driver as itself, not as a TypeError.
+        return type(self), (self.field_name, self.message)

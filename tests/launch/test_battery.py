@@ -184,6 +184,11 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("unknown tracker", {"report_to": "tensorbord"}, [], {}, "report_to", "Did you mean 'tensorboard'"),
         # --- precision
         ("fp16 on CPU", {}, [], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision", "fp16 needs a GPU"),
+        # --- a cluster scheduler's machines, one process each (issue 29): each would train alone
+        ("Kubernetes pods, no launcher", {}, [], {"PET_NNODES": "2", "PET_NODE_RANK": "1"}, "num_machines",
+         "PET_NNODES=2 says 2 machines"),
+        ("SLURM nodes, no launcher", {}, [], {"SLURM_STEP_NUM_NODES": "2"}, "num_machines",
+         "SLURM_STEP_NUM_NODES=2 says 2 machines"),
         # --- the launch config
         ("skip nonfinite under DeepSpeed", {"skip_nonfinite_steps": True}, [], {"ACCELERATE_USE_DEEPSPEED": "true"},
          "skip_nonfinite_steps", "cannot be honoured under DeepSpeed"),
@@ -246,7 +251,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             argv = ["--config", str(config), *extra]
         cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
-    assert len(cases) == 90  # README.md and docs/reliability.md give this number
+    assert len(cases) == 92  # README.md and docs/reliability.md give this number
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))

@@ -3,6 +3,8 @@
 - Two machines: two ``accelerate launch --num_machines 2 --machine_rank 0|1`` processes with one rank each, started
   together (static rendezvous, the shipped configs unchanged: only command-line overrides), under DDP and ZeRO-3;
   each machine sees a world of 2, and the job ends with the weights of the single-machine 2-rank run (SGD, 1e-6).
+- Two Kubernetes pods: scripts/k8s/launch.py (the manifests' container command) in two processes with the
+  variables Kubeflow Trainer sets for each pod; the job ends with the single-machine run's weights.
 - Elastic: ``torchrun --max_restarts 3 --rdzv_backend c10d`` and ``accelerate launch --max_restarts 3`` (torch's
   defaults: the agent's store shared with the ranks); rank 1 is SIGKILLed after step 1, 2 and 3 of the first three
   attempts (tests/scripts/elastic_run.py); each restart resumes from the latest checkpoint on its own
@@ -19,30 +21,32 @@ import sys
 import time
 
 import pytest
-from helpers import CONFIGS, ROOT, SCRIPTS, Runs, args_from, free_port, load_weights, max_abs_diff, subprocess_env
+from helpers import (
+    CLUSTER_ACCUM,
+    CLUSTER_MICRO,
+    CONFIGS,
+    ROOT,
+    SCRIPTS,
+    cluster_job_args,
+    free_port,
+    load_weights,
+    max_abs_diff,
+    subprocess_env,
+)
 
-COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
-              per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
-              lr_scheduler_type="constant", weight_decay=0, max_steps=3)
-MICRO, ACCUM = 2, 2
+MICRO, ACCUM = CLUSTER_MICRO, CLUSTER_ACCUM
 TIMEOUT = 420  # seconds for a whole multi-process job (about 20-50 s here, on 2 shared cores)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, padded_data, run_pool):
-    # the single-machine reference is test_strategies.py's 2-rank DDP SGD run: launched once per session
-    return Runs(tmp_path_factory.mktemp("multinode"), tiny_model, padded_data, COMMON, pool=run_pool)
+def runs(cluster_runs):
+    return cluster_runs
 
 
 @pytest.fixture(scope="module")
-def reference(runs) -> str:
-    """The same job on one machine: 2 ranks under DDP (tested equal to ZeRO-3 and one process in test_strategies)."""
-    return runs.get("one-machine", "ddp.yaml", world=2, micro=MICRO, accum=ACCUM, extra={})
-
-
-def _job_args(runs, out: str, **extra) -> list[str]:
-    return args_from({**runs.common, **runs.data, "model_name_or_path": runs.model, "output_dir": out,
-                      "per_device_train_batch_size": MICRO, "gradient_accumulation_steps": ACCUM, **extra})
+def reference(one_machine_run) -> str:
+    """The same job on one machine: 2 ranks under DDP (conftest.py)."""
+    return one_machine_run
 
 
 def _wait_all(procs: list[subprocess.Popen], logs: list[str], timeout: int) -> list[str]:
@@ -81,7 +85,7 @@ def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_pa
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
                "--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--num_processes", "2", os.path.join(SCRIPTS, "probe_run.py"),
-               *_job_args(runs, out)]
+               *cluster_job_args(runs, out)]
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT))
     outputs = _wait_all(procs, logs, TIMEOUT)
@@ -100,6 +104,34 @@ def test_two_machines_on_loopback_train_like_one_machine(runs, reference, tmp_pa
         assert [p["zero_stage"] for p in probes] == [3, 3]
     diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
     print(f"two machines ({config}): max |dw| vs one machine {diff:.1e}, {took:.0f} s")
+    assert diff <= 1e-6
+
+
+# ------------------------------------------------------------------------------ two Kubernetes pods on loopback
+@pytest.mark.slow
+def test_two_pods_on_loopback_train_like_one_machine(runs, reference, tmp_path):
+    """issue 29, point 2: the container command of scripts/k8s/*.yaml (scripts/k8s/launch.py) in two processes, each
+    with the variables Kubeflow Trainer sets for its pod (1 rank per pod; PET_MASTER_ADDR the loopback): the recipe,
+    unchanged, trains as one 2-rank job; accelerate launch alone would give each pod a world of 1."""
+    out = str(tmp_path / "two-pods")
+    port = str(free_port())
+    procs, logs = [], []
+    started = time.time()
+    for pod in (0, 1):
+        logs.append(str(tmp_path / f"pod{pod}.log"))
+        env = {**subprocess_env(), "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(pod),
+               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "k8s", "launch.py"), "--config_file",
+               os.path.join(CONFIGS, "ddp.yaml"), os.path.join(ROOT, "recipes", "gpt2.py"), *cluster_job_args(runs, out)]
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    outputs = _wait_all(procs, logs, TIMEOUT)
+    took = time.time() - started
+    for pod, output in enumerate(outputs):
+        assert f"--num_machines 2 --machine_rank {pod} --main_process_ip 127.0.0.1" in output, output[-3000:]
+        assert f"world size 2 (MULTI_CPU) | micro batch {MICRO}" in output, f"pod {pod}:\n{output[-3000:]}"
+    diff = max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(out, "final")))
+    print(f"two pods (scripts/k8s/launch.py, ddp.yaml): max |dw| vs one machine {diff:.1e}, {took:.0f} s")
     assert diff <= 1e-6
 
 
@@ -136,7 +168,7 @@ def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(
         head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
                 "--num_processes", "2", "--main_process_port", str(port), "--max_restarts", str(RESTARTS),
                 "--monitor_interval", "0.5"]
-    cmd = [*head, os.path.join(SCRIPTS, "elastic_run.py"), *_job_args(runs, out, save_steps=1)]
+    cmd = [*head, os.path.join(SCRIPTS, "elastic_run.py"), *cluster_job_args(runs, out, save_steps=1)]
     log = str(tmp_path / "torchrun.log")
     started = time.time()
     with open(log, "w") as f:

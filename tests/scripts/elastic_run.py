@@ -1,4 +1,5 @@
-"""The real recipe (recipes/gpt2.py) with two test hooks for elastic restarts.
+"""The real recipe (recipes/gpt2.py) with two test hooks for elastic restarts (``main``: the kill alone, for
+scripts/ray_train.py, whose restarts are Ray's).
 
 - Kill: on attempt ``a`` (``TORCHELASTIC_RESTART_COUNT``), rank 1 kills itself with SIGKILL at the end of optimizer
   step ``TOOLKIT_TEST_KILL_AT_STEPS[a]`` (a comma-separated list, one step per attempt, default ``2``: the first
@@ -30,7 +31,16 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-class KillRankAndRecordStore:
+class KillRank:
+    def on_step_end(self, accelerator, state, row):
+        a = attempt()
+        if a < len(KILL_AT_STEPS) and accelerator.process_index == 1 and state.step == KILL_AT_STEPS[a]:
+            print(f"elastic_run: attempt {a}: rank 1 kills itself after step {state.step}", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillRankAndRecordStore(KillRank):
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
 
@@ -48,12 +58,10 @@ class KillRankAndRecordStore:
         with open(os.path.join(self.output_dir, "probe", f"elastic_attempt{a}_rank{rank}.json"), "w") as f:
             json.dump({"attempt": a, "rank": rank, "key_space": found}, f)
 
-    def on_step_end(self, accelerator, state, row):
-        a = attempt()
-        if a < len(KILL_AT_STEPS) and accelerator.process_index == 1 and state.step == KILL_AT_STEPS[a]:
-            print(f"elastic_run: attempt {a}: rank 1 kills itself after step {state.step}", file=sys.stderr,
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+
+def main():
+    """The kill alone (scripts/ray_train.py runs this: Ray's workers restart through Ray, not a torch elastic store)."""
+    return gpt2.main(callbacks=[KillRank()])
 
 
 if __name__ == "__main__":

@@ -118,7 +118,11 @@ def weights_fingerprint(accelerator, model) -> str:
     return h.hexdigest()
 
 
+def main():
+    return gpt2.main(callbacks=[Probe()])
+
+
 if __name__ == "__main__":
     from toolkit.cli import cli
 
-    cli(lambda: gpt2.main(callbacks=[Probe()]))
+    cli(main)
