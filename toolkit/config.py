@@ -491,6 +491,10 @@ class TrainingArguments:
         default="tensorboard", metadata={"help": "The tracker: 'tensorboard', 'wandb', 'mlflow', ... (accelerate's; "
                                                  "it must be installed), 'all' (every installed one) or 'none'."}
     )
+    plot: bool = field(
+        default=True, metadata={"help": "Draw output_dir/loss.png (train and eval loss, learning rate) when the run "
+                                        "ends; `python -m toolkit report` draws it from metrics.jsonl any time."}
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
 

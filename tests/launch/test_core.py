@@ -99,6 +99,7 @@ def test_sgd_equivalence_across_layouts(runs, tiny_model):
     probe = json.load(open(os.path.join(dist, "probe", "comm_rank0.json")))
     assert probe["num_processes"] == 2 and probe["distributed_type"] == "MULTI_CPU"
     assert probe["model_type"] == "DistributedDataParallel"
+    assert not os.path.exists(os.path.join(dist, "loss.png"))  # plot: false (helpers.Runs); the default draws it
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     diff = max_abs_diff(load_weights(str(tmp_path / "one" / "final")), load_weights(str(tmp_path / "two" / "final")))
     assert diff <= 1e-6, diff
     assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
+    assert os.path.isfile(str(tmp_path / "two" / "loss.png"))  # plot: true by default, drawn by rank 0
     evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
     assert evals and all("perplexity" in r for r in evals)
     # What a user reads of a 2-rank DDP run: no DeepSpeed "Setting accelerator to CPU" on each rank, no raw escape
