@@ -166,14 +166,16 @@ def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None
 
 def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None, processes_each: int = 1
             ) -> list[subprocess.CompletedProcess]:
-    """Independent commands, as many at once as the CPUs take (``processes_each``: the busy processes each one starts,
-    e.g. 2 for a 2-rank launch), each as ``run(cmd, check=False, env=...)`` would run it: their start-ups (imports,
-    single-threaded) overlap instead of adding up, where there are cores for them. On 2 cores four 2-rank launches at
-    once took 29 s and 143 CPU s, where one such launch alone takes 6.4 s and 11 CPU s (2026-12-05)."""
+    """Independent commands, each as ``run(cmd, check=False, env=...)`` would run it: one-process commands all at once
+    (their start-ups, imports on one thread each, overlap instead of adding up), launches of ``processes_each`` > 1
+    ranks as many at once as the cores take (ranks waiting in a gloo collective spin: on 2 cores four 2-rank launches
+    at once took 29 s and 143 CPU s, one after another 23.9 s and 41.8 CPU s; three 1-process launches took 8.5 s at
+    once, 10.3 s two at a time; 2026-12-05, AMD EPYC)."""
     from concurrent.futures import ThreadPoolExecutor
 
     envs = envs or [None] * len(cmds)
-    workers = max(1, min(len(cmds), (os.cpu_count() or 1) // processes_each))
+    workers = len(cmds) if processes_each == 1 else (os.cpu_count() or 1) // processes_each
+    workers = max(1, min(len(cmds), workers))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda c: run(c[0], check=False, timeout=timeout, env=c[1]), zip(cmds, envs)))
 

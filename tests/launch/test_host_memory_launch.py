@@ -46,6 +46,7 @@ def _faults(*arms: str) -> list[dict]:
     return results
 
 
+@pytest.mark.slow  # two processes started and measured: 5.4 s, the quick layer's largest after the config launches
 @pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt only")
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     default, kept = _faults("default", "kept")
