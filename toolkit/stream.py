@@ -168,6 +168,7 @@ class TrainStream:
         self.steps_per_epoch = max_steps or 1  # a stream is one pass: its "epoch" is the run's max_steps
         self.windows: Windows | None = None
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
+        self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
 
     @property
     def global_batch_size(self) -> int:
@@ -185,6 +186,7 @@ class TrainStream:
             raise ConfigError("shuffle_buffer_size", f"the checkpoint's stream position is window {first}, this run "
                                                      f"would resume in window {g0 // self.spec.window}: the window "
                                                      "size changed; resume with the checkpoint's shuffle_buffer_size")
+        self.first_window = None  # head()'s rows are no longer needed: training holds its own windows
         self.windows = windows = Windows(self.source(position["source"] if position else None), self.spec, self.keep,
                                          first_window=first)
         step = start_step
@@ -208,11 +210,13 @@ class TrainStream:
 
     def head(self, n: int) -> list[dict]:
         """The first ``n`` rows of the global order, tokenized (the same on every rank): for the FLOPs estimate and
-        the packing guard."""
-        windows = Windows(self.source(None), self.spec, self.keep)
-        windows.available(min(n, self.spec.window))
-        rows = self.encode([windows.row(g) for g in range(min(n, len(windows.loaded.get(0, (None, []))[1])))])
-        return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size else rows
+        the packing guard. The first window is read once (up to shuffle_buffer_size rows) for every such call."""
+        if self.first_window is None:
+            windows = Windows(self.source(None), self.spec, self.keep)
+            windows.available(1)
+            self.first_window = windows.loaded.get(0, (None, []))[1]
+        rows = self.encode(self.first_window[:n])
+        return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size and rows else rows
 
 
 def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None):
