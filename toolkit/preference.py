@@ -61,11 +61,6 @@ def unwrap(model):
     return model
 
 
-def gather_object(accelerator, value) -> list:
-    from accelerate.utils import gather_object as gather
-
-    return gather([value]) if accelerator.num_processes > 1 else [value]
-
 COLUMNS = ("prompt", "chosen", "rejected")
 SIDES = ("chosen", "rejected")
 # A row's keys per side: the chosen sequence under the core's names (what the resume check's data hash and the FLOPs
@@ -308,8 +303,9 @@ class DPO(CausalLM):
         out = {"kind": kind}
         if kind != "precomputed":
             end = fingerprint(self.reference if kind == "live" else unwrap(model))
-            out["ranks"] = gather_object(accelerator, {"start": self.start["sha256"], "end": end["sha256"],
-                                                       "numel": end["numel"]})
+            from accelerate.utils import gather_object  # one record per rank; the list as it is on one process
+
+            out["ranks"] = gather_object([{"start": self.start["sha256"], "end": end["sha256"], "numel": end["numel"]}])
         # TRL's names for its eval metrics: the last evaluation's reward accuracy and margin
         last = {f"eval_{key}": self.last_eval.get(key) for key in ("rewards/accuracies", "rewards/margins")}
         return {"reference": out, **last}
