@@ -30,6 +30,24 @@ def pytest_configure(config):
         log_launches(os.environ[LAUNCH_LOG_ENV])
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """tests/unit/ first (in their order), then tests/launch/: the in-process tests run on one core while the run
+    pool's one-process batches run on the other (``_prefetch``)."""
+    items.sort(key=lambda item: item.path.parent.name != "unit")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefetch(request):
+    """Before the session's first test: the run pool planned and its one-process batches launched in a thread
+    (``RunPool.prefetch``), when a selected test uses the pool; at the end, that thread joined."""
+    if not any("run_pool" in item.fixturenames for item in request.session.items):
+        yield
+        return
+    thread = request.getfixturevalue("run_pool").prefetch()
+    yield
+    thread.join()
+
+
 @pytest.fixture(scope="session")
 def run_pool(request) -> RunPool:
     """Every planned run of the session (helpers.RunPool), planned before the first launch so that the runs of one

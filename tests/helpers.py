@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,8 @@ def log_launches(path: str) -> None:
         def __init__(self, args, *a, **kw):
             self._log_started, self._log_done = time.time(), False
             self._log_cpu = _children_cpu()
-            self._log_test = os.environ.get("PYTEST_CURRENT_TEST", "")
+            prefetched = threading.current_thread().name.startswith("prefetch")  # RunPool.prefetch's thread
+            self._log_test = "(prefetched)" if prefetched else os.environ.get("PYTEST_CURRENT_TEST", "")
             super().__init__(args, *a, **kw)
 
         def _log_end(self) -> None:
@@ -154,14 +156,25 @@ def kill_job(pid: int) -> None:
             pass
 
 
+# Held by whichever thread of the test process starts subprocesses (a test, or RunPool.prefetch's thread): one launch
+# (or run_all's group) at a time, so a test's launch never shares the two cores with a prefetched one; a test that
+# needs no subprocess runs on meanwhile.
+LAUNCHING = threading.RLock()
+
+
 def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``env``: variables set for this command on top of ``subprocess_env()``."""
-    proc = subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    with LAUNCHING:
+        proc = _run(cmd, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None, processes_each: int = 1
@@ -176,8 +189,8 @@ def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None =
     envs = envs or [None] * len(cmds)
     workers = len(cmds) if processes_each == 1 else (os.cpu_count() or 1) // processes_each
     workers = max(1, min(len(cmds), workers))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda c: run(c[0], check=False, timeout=timeout, env=c[1]), zip(cmds, envs)))
+    with LAUNCHING, ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda c: _run(c[0], timeout, c[1]), zip(cmds, envs)))
 
 
 def launch_command(script_args: list[str], num_processes: int = 2, config: str = "ddp.yaml", script: str = RECIPE,
@@ -259,6 +272,38 @@ class RunPool:
     def get(self, out: str, _launching: tuple = ()) -> str:
         """The output_dir of a planned run, launched (with every planned run that can join it) if not done yet."""
         out = self.same.get(out, out)
+        if out not in self.done and out not in self.failed:
+            with LAUNCHING:  # a prefetching thread may be launching it now: it is done (or failed) once that ends
+                return self._get(out, _launching)
+        if out in self.failed:
+            raise AssertionError(f"{out}: its launch failed earlier in this session:\n{self.failed[out]}")
+        return self.done[out]
+
+    def prefetch(self) -> threading.Thread:
+        """Launch, in a thread of this process, the batches of the one-process kinds in the order planned, each
+        without the runs that start from another kind's checkpoint (they wait for a later launch, as in ``get``), and
+        return the thread. conftest starts it before the session's first test and runs tests/unit/ first: a
+        one-process batch runs on one core (one thread), the in-process tests on the other. A test asking for one of
+        their runs waits for its batch; a test starting a subprocess waits for the launch in progress
+        (``LAUNCHING``); a failed batch fails the tests that ask for its runs, as in ``get``."""
+        first = {}
+        for out, spec in self.specs.items():
+            if spec["kind"][1] == 1 and not spec["copy_from"]:
+                first.setdefault(spec["kind"], out)
+
+        def launch_all():
+            for out in first.values():
+                try:
+                    with LAUNCHING:
+                        self._get(out, pull_sources=False)
+                except AssertionError:
+                    pass  # recorded in self.failed: the tests asking for its runs fail with it
+
+        thread = threading.Thread(target=launch_all, name="prefetch one-process runs", daemon=True)
+        thread.start()
+        return thread
+
+    def _get(self, out: str, _launching: tuple = (), pull_sources: bool = True) -> str:
         if out in self.done:
             return self.done[out]
         if out in self.failed:
@@ -269,7 +314,7 @@ class RunPool:
             self.get(spec["copy_from"][0], _launching)  # its source's launch first
         # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
         # (unless that kind waits on this one: then they wait for a later launch).
-        for other, s in list(self.specs.items()):
+        for other, s in list(self.specs.items()) if pull_sources else ():
             source = s["copy_from"] and s["copy_from"][0]
             if other in self.done or s["kind"] != kind or not source or source in self.done or source in self.failed:
                 continue

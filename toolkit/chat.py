@@ -192,8 +192,8 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = raw.map(tokenize, batched=True, with_indices=True, remove_columns=raw["train"].column_names,
-                        desc="render chats, mask prompts", **kwargs)
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (column, block_size), batched=True,
+                                        with_indices=True, desc="render chats, mask prompts", **kwargs)
     # position i predicts label i+1, so a row needs a target after its first token
     kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")

@@ -144,7 +144,8 @@ def tokenize_labelled(raw: DatasetDict, tokenizer, args: DataArguments, block_si
         return {"input_ids": ids, "labels": batch[label]}
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize", **kwargs)
+    return data.map_with_tokenizer(raw, tokenize, tokenizer, (text, label, block_size), batched=True, desc="tokenize",
+                                   **kwargs)
 
 
 class ClassificationCollator:

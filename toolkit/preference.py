@@ -128,8 +128,8 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = raw.map(tokenize, batched=True, with_indices=True, remove_columns=raw["train"].column_names,
-                        desc="tokenize preference pairs", **kwargs)
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (block_size,), batched=True, with_indices=True,
+                                        desc="tokenize preference pairs", **kwargs)
 
     def has_targets(batch):  # position i predicts label i+1: a target after the first token, on both sides
         return [all(any(x != IGNORE_INDEX for x in labels[1:]) for labels in pair)

@@ -32,6 +32,9 @@ from toolkit.cli import cli  # noqa: E402
 def _run_all(runs: list[dict]) -> None:
     destroy = PartialState.destroy_process_group
     PartialState.destroy_process_group = lambda self, group=None: None  # kept for the next run
+    # What the imports made lives as long as the process: out of the collector's sight, the collection between runs
+    # (and the automatic ones during a run) walks only what runs made (0.22 s a collection otherwise, measured).
+    gc.freeze()
     try:
         for i, run in enumerate(runs):
             if i:

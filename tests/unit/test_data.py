@@ -261,3 +261,35 @@ def test_a_tokenizer_that_splits_special_tokens_is_not_served_the_map_cache_of_o
         tok.split_special_tokens = tok.backend_tokenizer.encode_special_tokens = split  # from_pretrained's kwarg
         rows = list(tokenize_and_group(load_raw_datasets(args), tok, args, block_size=64)["train"]["input_ids"])
         assert rows == [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+
+
+def test_a_chat_map_is_cached_under_the_tokenizers_whole_state(tmp_path):
+    """chat, preference and classification maps give datasets their fingerprint (data.map_with_tokenizer) instead of
+    letting it dill-pickle the tokenizer for every split on every rank (0.35 s each with GPT-2's). On file-backed
+    splits, where maps are cached: the same tokenizer loaded again gets the same fingerprint (another rank reads the
+    cache the first one wrote), and another chat template or a moved special token gets its own rows, never the
+    cached ones."""
+    from toolkit.chat import load_raw_chats, set_chat_template, tokenize_chats
+
+    chat = [{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": "A mutable sequence."}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": chat}) + "\n")
+    args = DataArguments(train_file=str(path), validation_file=str(path), packing=False)
+    templates = {
+        "roles": "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}",
+        "plain": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}",
+    }
+
+    def run(template, eos=None):
+        t = gpt2_tokenizer()
+        set_chat_template(t, templates[template])
+        if eos is not None:
+            t.eos_token = eos
+        out = tokenize_chats(load_raw_chats(args), t, args, block_size=64)["train"]
+        return out._fingerprint, out["input_ids"][0], t.apply_chat_template(chat, tokenize=True, return_dict=False)
+
+    first, again = run("roles"), run("roles")
+    assert again[0] == first[0] and again[1] == first[1] == first[2]
+    for other in (run("plain"), run("roles", eos="\n")):
+        assert other[0] != first[0]
+        assert other[1] == other[2] != first[1]
