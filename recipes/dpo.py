@@ -12,19 +12,22 @@ policy (with LoRA: the adapter disabled), or its log-probabilities computed once
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/dpo.py --config recipes/configs/dpo_tiny.yaml
 """
 
-from toolkit.build import build
 from toolkit.cli import cli
 from toolkit.config import parse_args
-from toolkit.distributed import make_accelerator
-from toolkit.loop import train
-from toolkit.preference import DPO
 
 
 def main(callbacks=None):
     cfg = parse_args()  # bad fields (beta <= 0 too) stop here, before any process group, data or weights
+    from toolkit.distributed import make_accelerator  # torch and accelerate load from here on
+    from toolkit.preference import DPO
+
     task = DPO()
     task.check(cfg)  # and a reference the launch cannot give (FSDP1 without precompute_ref_log_probs)
-    accelerator = make_accelerator(cfg.train)
+    accelerator = make_accelerator(cfg.train)  # a launch config at odds with the recipe stops here
+    # the training stack (transformers' models, datasets, peft: 2.3 s a process) loads once nothing refused the run
+    from toolkit.build import build
+    from toolkit.loop import train
+
     parts = build(cfg, accelerator, task=task)  # columns checked before the weights load; pairs tokenized
     task.add_reference(cfg, accelerator, parts)  # precomputed: the starting weights' log-probs, carried in the rows
     return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)

@@ -9,16 +9,19 @@ checkpoints, export) is the library's. The launch config picks the strategy; not
     python recipes/gpt2.py --config recipes/configs/gpt2.yaml --learning_rate 1e-4      # one process; any field overridable
 """
 
-from toolkit.build import build
 from toolkit.cli import cli
 from toolkit.config import parse_args
-from toolkit.distributed import make_accelerator
-from toolkit.loop import train
 
 
 def main(callbacks=None):
     cfg = parse_args()  # bad fields stop here, before any process group, data or weights
-    accelerator = make_accelerator(cfg.train)
+    from toolkit.distributed import make_accelerator  # torch and accelerate load from here on
+
+    accelerator = make_accelerator(cfg.train)  # a launch config at odds with the recipe stops here
+    # the training stack (transformers' models, datasets, peft: 2.3 s a process) loads once nothing refused the run
+    from toolkit.build import build
+    from toolkit.loop import train
+
     # seed; tokenizer; raw data (checks files and the text column); tokenize/pack on rank 0 first; then the weights
     parts = build(cfg, accelerator)
     return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)

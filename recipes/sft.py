@@ -10,18 +10,21 @@ trains LoRA adapters. It prints one answer before and one after fine-tuning.
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/sft.py --config recipes/configs/sft_smollm2.yaml --use_peft true --output_dir outputs/sft-smollm2-lora
 """
 
-from toolkit.build import build
-from toolkit.chat import ChatSFT
 from toolkit.cli import cli
 from toolkit.config import parse_args
-from toolkit.distributed import make_accelerator
-from toolkit.generation import first_prompt, show_answer
-from toolkit.loop import train
 
 
 def main(callbacks=None):
     cfg = parse_args()  # bad fields stop here, before any process group, data or weights
-    accelerator = make_accelerator(cfg.train)
+    from toolkit.distributed import make_accelerator  # torch and accelerate load from here on
+
+    accelerator = make_accelerator(cfg.train)  # a launch config at odds with the recipe stops here
+    # the training stack (transformers' models, datasets, peft: 2.3 s a process) loads once nothing refused the run
+    from toolkit.build import build
+    from toolkit.chat import ChatSFT
+    from toolkit.generation import first_prompt, show_answer
+    from toolkit.loop import train
+
     parts = build(cfg, accelerator, task=ChatSFT())  # template checked, chats tokenized with their masks, weights
     prompt = first_prompt(parts.eval_dataset or parts.train_dataset)
     show_answer(accelerator, cfg, parts.tokenizer, prompt, folder=None, when="before fine-tuning")

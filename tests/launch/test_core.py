@@ -220,6 +220,17 @@ def test_resume_at_an_epochs_last_step(runs):
 
 
 @pytest.mark.slow
+def test_train_leaves_its_process_group_held_when_it_returns(runs):
+    """When ``train`` returns, every rank still holds the gloo group it trained in (``keep_process_groups``): freed
+    with the model instead, its destructor could deadlock (docs/pitfalls.md#gloo-teardown-deadlock; the quickstart's
+    notebook_launcher cell hung in 2 of 5 executions). The notebook test runs its launch cell twice; this shows the
+    cause gone in every run, deterministically (tests/scripts/probe_run.py's ``after_train``)."""
+    out = runs.get("sgd_2x2x2", "2x2x2", SGD)
+    for rank in (0, 1):
+        assert json.load(open(os.path.join(out, "probe", f"kept_rank{rank}.json"))) == {"kept": True}
+
+
+@pytest.mark.slow
 def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
     """Accumulation 4: gradient all-reduces happen on the 4th micro-step only; final/ reloads with the same logits."""
     out = runs.get("comm_2x1x4", (2, 1, 4), COMM)

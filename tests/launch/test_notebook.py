@@ -3,9 +3,10 @@
 The notebook trains in its kernel (1 process) and through ``accelerate.notebook_launcher`` on 2 forked gloo ranks;
 everything it writes goes to a tmp folder (``TOOLKIT_QUICKSTART_DIR``, also the kernel's working dir), never the repo.
 The executed runs are shared with tests/launch/test_report_launch.py (the session fixture ``quickstart`` in conftest.py).
-Its ``notebook_launcher`` cell runs ``QUICKSTART_LAUNCHES`` (6) times in a row, in the same kernel: the cell once hung
-in 2 of 5 executions (docs/pitfalls.md#gloo-teardown-deadlock), which one execution misses 60% of the time and 6
-miss 0.6^6 = 4.7% of the time; the 5 extra launches cost 35 CPU seconds (62 against 27 for the whole execution).
+Its ``notebook_launcher`` cell runs ``QUICKSTART_LAUNCHES`` (2) times in a row, in the same kernel: the cell once hung
+in 2 of 5 executions (docs/pitfalls.md#gloo-teardown-deadlock); 6 launches guarded that until its cause was checked
+deterministically (test_core.py::test_train_leaves_its_process_group_held_when_it_returns); each extra launch cost
+7 CPU seconds.
 """
 
 import os

@@ -4,8 +4,10 @@
 - records the trained model's logits on a fixed input, to compare with what final/ loads back;
 - measures the bytes of weights and optimizer state each rank holds after the last step (for ``toolkit plan``);
 - records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
-  and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree.
-Writes ``probe/comm_rank{R}.json`` and ``probe/logits.pt`` into output_dir.
+  and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree;
+- after ``train`` returned (``after_train``): whether the run's process group is still referenced by
+  ``toolkit.distributed.keep_process_groups`` (docs/pitfalls.md#gloo-teardown-deadlock).
+Writes ``probe/comm_rank{R}.json``, ``probe/kept_rank{R}.json`` and ``probe/logits.pt`` into output_dir.
 """
 
 import hashlib
@@ -29,9 +31,13 @@ class Probe:
         self.per_micro_step = []  # (step, micro_step, all-reduce calls during that backward)
         self.output_dir = None
         self.weight_decays = None
+        self.group = self.probe_dir = None
 
     def on_prepared(self, accelerator, model, optimizer):
+        import torch.distributed as dist
+
         self.optimizer = optimizer
+        self.group = dist.group.WORLD if dist.is_initialized() else None  # the process group this run trains in
         # weight decay per optimizer group, as the strategy's optimizer holds them (ZeRO-3 once lost the split)
         self.weight_decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -48,7 +54,7 @@ class Probe:
         self.calls = 0
 
     def on_end(self, accelerator, model, summary):
-        out = os.path.join(summary["final_model"], "..", "probe")
+        out = self.probe_dir = os.path.join(summary["final_model"], "..", "probe")
         os.makedirs(out, exist_ok=True)
         record = {"per_micro_step": self.per_micro_step, "distributed_type": summary["distributed_type"],
                   "num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
@@ -68,6 +74,16 @@ class Probe:
             logits = model(input_ids=PROBE_IDS.to(accelerator.device)).logits.float().cpu()
         if accelerator.is_main_process:
             torch.save(logits, os.path.join(out, "logits.pt"))
+
+    def after_train(self):
+        """Once ``train`` has returned: whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
+        that its C++ object cannot be destroyed while the process runs Python (the deadlock it prevents hung the
+        quickstart's notebook_launcher cell in 2 of 5 executions; this shows the cause gone, deterministically)."""
+        from toolkit.distributed import _KEPT_GROUPS
+
+        if self.group is not None and self.probe_dir is not None:
+            with open(os.path.join(self.probe_dir, f"kept_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump({"kept": any(g is self.group for g in _KEPT_GROUPS)}, f)
 
 
 def held_bytes(model, optimizer, deepspeed: bool) -> dict:
@@ -119,7 +135,10 @@ def weights_fingerprint(accelerator, model) -> str:
 
 
 def main():
-    return gpt2.main(callbacks=[Probe()])
+    probe = Probe()
+    summary = gpt2.main(callbacks=[probe])
+    probe.after_train()
+    return summary
 
 
 if __name__ == "__main__":

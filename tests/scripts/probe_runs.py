@@ -51,7 +51,10 @@ def _run_all(runs: list[dict]) -> None:
                 dist.barrier()
             sys.argv = [sys.argv[0], *run["argv"]]
             recipe = importlib.import_module(run.get("recipe", "gpt2"))  # recipes/ is on the path (probe_run.py)
-            recipe.main(callbacks=[probe_run.Probe()] if run.get("probe", True) else None)
+            probe = probe_run.Probe() if run.get("probe", True) else None
+            recipe.main(callbacks=[probe] if probe else None)
+            if probe:
+                probe.after_train()
     finally:
         PartialState.destroy_process_group = destroy
 
