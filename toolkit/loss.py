@@ -56,8 +56,16 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return ce.sum(dim=-1), (targets != IGNORE_INDEX).sum(dim=-1)
 
 
+def row_logit_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum over its target positions of the mean logit over the vocabulary (fp32): TRL's
+    ``logits/chosen`` and ``logits/rejected`` are these summed over the completions and divided by their tokens."""
+    with torch.no_grad():
+        mask = shift_labels(labels) != IGNORE_INDEX
+        return (logits.float().mean(dim=-1) * mask).sum(dim=-1)
+
+
 def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                         chunk_size: int, num_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int, num_chunks: int = 0, mean_logits: bool = False) -> tuple[torch.Tensor, ...]:
     """``token_losses`` of ``head(hidden)`` without ever holding the logits of the whole micro-batch.
 
     The (batch x seq) positions are taken ``chunk_size`` at a time: project to the vocabulary, cross-entropy in fp32,
@@ -70,6 +78,8 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     all-gathers the head's weight (and its recompute in the backward pass gathers it again), so every rank must make
     the same number of calls whatever its micro-batch's padded length: the caller passes the count for the longest
     possible micro-batch (rows x block_size).
+
+    ``mean_logits`` (evaluation, under ``no_grad``): also each row's ``row_logit_sums``, from the same chunks' logits.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -82,11 +92,20 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     if chunks > num_chunks > 0:
         raise ValueError(f"a micro-batch of {batch} x {seq} positions needs {chunks} chunks of {chunk_size}, more than "
                          f"the {num_chunks} every rank was told to run")
+    row_logits = torch.zeros_like(row_loss) if mean_logits else None
     for start in range(0, chunks * chunk_size, chunk_size):
         part = slice(start, start + chunk_size)
-        ce = checkpoint(_chunk_cross_entropy, flat_hidden[part], flat_targets[part], head, use_reentrant=False)
+        if mean_logits:  # no recompute to save memory for: the chunk's logits are used twice, then dropped
+            if torch.is_grad_enabled():
+                raise ValueError("mean_logits is for evaluation: call it under torch.no_grad()")
+            logits = head(flat_hidden[part]).float()
+            ce = F.cross_entropy(logits, flat_targets[part], ignore_index=IGNORE_INDEX, reduction="none")
+            row_logits = row_logits.index_add(0, rows[part], logits.mean(dim=-1) * (flat_targets[part] != IGNORE_INDEX))
+        else:
+            ce = checkpoint(_chunk_cross_entropy, flat_hidden[part], flat_targets[part], head, use_reentrant=False)
         row_loss = row_loss.index_add(0, rows[part], ce)
-    return row_loss, (targets != IGNORE_INDEX).sum(dim=-1)
+    counts = (targets != IGNORE_INDEX).sum(dim=-1)
+    return (row_loss, counts, row_logits) if mean_logits else (row_loss, counts)
 
 
 def _chunk_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:

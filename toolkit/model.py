@@ -174,7 +174,8 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     The instance's own ``forward`` is replaced (not a wrapper module): DDP, FSDP and DeepSpeed call it through their
     usual hooks, and the state dict, the tied weights and ``save_pretrained`` stay those of the model. Without
     ``labels`` (generation) the model's forward runs unchanged; evaluation passes labels too (``CausalLM.eval_rows``),
-    so that a run that fits only thanks to the chunked loss also fits its evaluation. ``max_positions`` /
+    so that a run that fits only thanks to the chunked loss also fits its evaluation; with ``mean_logits=True`` (DPO's
+    evaluation) also ``row_logit_sum`` (``toolkit.loss.row_logit_sums``). ``max_positions`` /
     ``max_eval_positions``: the most positions a training / evaluation micro-batch can hold (rows x block_size),
     chosen by the module's train/eval mode; every call then runs the same number of chunks, as ZeRO-3's collective
     gathers of the head need.
@@ -186,16 +187,17 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     check_chunked_loss(model.config)
     original = model.forward
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, mean_logits=False,
+                **kwargs):
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
         hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
         positions = max_positions if self.training else max_eval_positions
-        row_loss, row_targets = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
-                                                     num_chunks=-(-positions // chunk_size))
-        return {"row_loss": row_loss, "row_targets": row_targets}
+        out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
+                                   num_chunks=-(-positions // chunk_size), mean_logits=mean_logits)
+        return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
     model.forward = types.MethodType(forward, model)
 

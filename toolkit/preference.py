@@ -34,7 +34,8 @@ micro-batch), and they travel with the rows (``ref_chosen_logps``, ``ref_rejecte
 
 Metrics (TRL's names) on the held-out pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta x log-ratio),
 ``rewards/accuracies`` (the share of pairs whose chosen reward is higher), ``rewards/margins``, ``logps/chosen``,
-``logps/rejected``, and ``eval_loss`` (the mean pair loss).
+``logps/rejected``, ``logits/chosen`` and ``logits/rejected`` (the mean logit over the vocabulary, averaged over the
+completions' tokens), and ``eval_loss`` (the mean pair loss).
 """
 
 from __future__ import annotations
@@ -255,13 +256,17 @@ class DPO(CausalLM):
                           completion_lengths(batch))
 
     def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
+        """Per pair: the policy's and the reference's (chosen, rejected) log-probabilities, the completions' token
+        counts (what ``ipo`` averages by), and the policy's logit sums and target counts (TRL's ``logits/*``)."""
         ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
-        chosen, rejected = self.sequence_logps(model, batch, chunked)
-        return chosen, rejected, ref_chosen, ref_rejected, *completion_lengths(batch)
+        losses, targets, logit_sums = super().forward_rows(model, batch, chunked, mean_logits=True)
+        chosen, rejected = (-losses).chunk(2)
+        return (chosen, rejected, ref_chosen, ref_rejected, *completion_lengths(batch), *logit_sums.chunk(2),
+                *targets.chunk(2))
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
-        chosen, rejected, ref_chosen, ref_rejected, *lengths = (torch.cat([r[i].double() for r in rows])
-                                                                 for i in range(6))
+        (chosen, rejected, ref_chosen, ref_rejected, *lengths, chosen_logits, rejected_logits, chosen_targets,
+         rejected_targets) = (torch.cat([r[i].double() for r in rows]) for i in range(10))
         reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
         losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
         metrics = {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
@@ -269,6 +274,9 @@ class DPO(CausalLM):
                    "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
                    "rewards/margins": float((reward_chosen - reward_rejected).mean()),
                    "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
+                   # TRL's: the mean logit over the vocabulary, averaged over every completion token (not per pair)
+                   "logits/chosen": float(chosen_logits.sum() / chosen_targets.sum().clamp(min=1)),
+                   "logits/rejected": float(rejected_logits.sum() / rejected_targets.sum().clamp(min=1)),
                    "eval_pairs": len(losses)}
         self.last_eval = metrics
         return metrics

@@ -37,7 +37,7 @@ import torch
 
 from toolkit import data
 from toolkit.errors import ConfigError
-from toolkit.loss import count_targets, token_losses
+from toolkit.loss import count_targets, row_logit_sums, token_losses
 from toolkit.packing import packed_inputs
 
 
@@ -170,26 +170,29 @@ class CausalLM(Task):
     def count_targets(self, batch: dict) -> torch.Tensor:
         return count_targets(batch["labels"])
 
-    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
-        """Per-row summed token cross-entropy: from the logits, or from the model's chunked loss. ``use_cache=False``:
-        a training forward has no use for the key/value cache transformers would otherwise build (Trainer turns it
-        off too); the config, and so generation after export, keeps its own setting."""
+    def forward_rows(self, model, batch: dict, chunked: bool = False,
+                     mean_logits: bool = False) -> tuple[torch.Tensor, ...]:
+        """(row loss sums, row target counts), and with ``mean_logits`` each row's ``loss.row_logit_sums``: from the
+        logits, or from the model's chunked loss (``chunked``). ``use_cache=False``: a training forward has no use for
+        the key/value cache transformers would otherwise build (Trainer turns it off too); the config, and so
+        generation after export, keeps its own setting."""
         if chunked:
             inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
-            return model(**inputs, labels=batch["labels"])["row_loss"]
+            out = model(**inputs, labels=batch["labels"], **({"mean_logits": True} if mean_logits else {}))
+            return tuple(out[k] for k in ("row_loss", "row_targets", "row_logit_sum")[:3 if mean_logits else 2])
         logits = model(**model_inputs(batch)).logits
-        return token_losses(logits, batch["labels"])[0]
+        losses = token_losses(logits, batch["labels"])
+        return (*losses, row_logit_sums(logits, batch["labels"])) if mean_logits else losses
+
+    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
+        """Per-row summed token cross-entropy (``forward_rows``)."""
+        return self.forward_rows(model, batch, chunked)[0]
 
     def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
         """(row loss sums, row target counts). ``chunked``: from the model's chunked loss, as in training: the whole
         batch's logits (eval rows x seq x vocab, often more rows than a training micro-batch) would not fit where
         only the chunked loss made training fit."""
-        if chunked:
-            inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
-            out = model(**inputs, labels=batch["labels"])
-            return out["row_loss"], out["row_targets"]
-        logits = model(**model_inputs(batch)).logits
-        return token_losses(logits, batch["labels"])
+        return self.forward_rows(model, batch, chunked)
 
     def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
         loss_sum = sum(r[0].double().sum() for r in rows)

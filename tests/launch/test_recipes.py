@@ -191,6 +191,8 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], abs=1e-5), key
     for key in ("logps/chosen", "logps/rejected"):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-5), key
+    for key in ("logits/chosen", "logits/rejected"):  # token-weighted over all 7 pairs, whichever rank held them
+        assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-4), key
 
 
 def test_dpo_metrics_reach_the_summary_and_the_report(runs, gpt2_256, pairs):
@@ -201,7 +203,7 @@ def test_dpo_metrics_reach_the_summary_and_the_report(runs, gpt2_256, pairs):
     two = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
     evals = [r for r in _rows(two) if "eval_loss" in r]
     names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-             "logps/rejected")
+             "logps/rejected", "logits/chosen", "logits/rejected")
     assert len(evals) == 2 and all(name in r for r in evals for name in names)
     summary = json.load(open(os.path.join(two, "summary.json")))
     assert summary["eval_rewards/accuracies"] == evals[-1]["rewards/accuracies"]

@@ -105,10 +105,10 @@ def _our_step(task, rows, model, splits, tokenizer):
     return float(result.loss_sum) / result.targets, grads
 
 
-def _trl_step(tiny_model, tokenizer, splits, tmp_path, loss_type: str = "sigmoid"):
+def _trl_step(tiny_model, tokenizer, splits, tmp_path, loss_type: str = "sigmoid", logged: dict | None = None):
     """TRL's DPOTrainer: its own tokenization and collator, ``training_step`` per micro-batch in the pairs' order
     (what its train loop calls); returns (step loss as TRL logs it: the sum of the scaled micro-batch losses,
-    {name: grad})."""
+    {name: grad}); ``logged`` gets the metrics it logged, a list per name (one value a micro-batch)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -126,6 +126,8 @@ def _trl_step(tiny_model, tokenizer, splits, tmp_path, loss_type: str = "sigmoid
         inputs = trainer._prepare_inputs(trainer.data_collator([rows[i] for i in range(at, at + n)]))
         loss += float(trainer.training_step(model, inputs))
         at += n
+    if logged is not None:
+        logged.update(trainer._metrics["train"])
     return loss, {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -221,6 +223,34 @@ def test_unequal_micro_batches_give_the_global_mean_where_trl_does_not(tiny_mode
     gap = _max_diff(trl_grads, global_grads)
     assert abs(trl_loss - global_loss) > 1e-4 and gap > 1e-4, (
         f"TRL's 1+3 step loss {trl_loss:.6f} vs the global mean {global_loss:.6f}; its gradients differ by {gap:.2e}")
+
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+def test_eval_metrics_equal_the_ones_trl_logs(tiny_model, tmp_path, reset_accelerate):
+    """TRL's eight metric names: its values for one micro-batch of the 4 pairs (logged from the forward before the
+    step) against our evaluation of the same pairs at the same weights, from the logits and from the chunked loss
+    (which never holds a whole micro-batch's logits: the logit means are summed chunk by chunk)."""
+    from toolkit.model import enable_chunked_loss
+
+    tokenizer = _tokenizer(tiny_model)
+    logged: dict = {}
+    _trl_step(tiny_model, tokenizer, [4], tmp_path, logged=logged)
+    task, rows = _our_rows(tokenizer, _reference(tiny_model))
+    model = _model(tiny_model).eval()
+    batch = task.collator(tokenizer)([rows[i] for i in range(4)])
+    with torch.no_grad():
+        ours = task.eval_metrics([task.eval_rows(model, batch)])
+        enable_chunked_loss(model, 16, max_eval_positions=batch["input_ids"].numel())
+        chunked = task.eval_metrics([task.eval_rows(model, batch, chunked=True)])
+    # the tiny model's logits are about 1e-5: compared relative to their size, and the two sides are two numbers
+    assert ours["logits/chosen"] != pytest.approx(ours["logits/rejected"], rel=0.1)
+    for name in METRICS:
+        assert len(logged[name]) == 1, (name, logged[name])
+        assert ours[name] == pytest.approx(logged[name][0], abs=1e-12, rel=1e-4), (name, ours[name], logged[name])
+        assert chunked[name] == pytest.approx(ours[name], abs=1e-12, rel=1e-4), (name, chunked[name], ours[name])
 
 
 def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tmp_path):
