@@ -9,6 +9,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   elastic       torch elastic restarts: the launcher's environment, and a restart continuing its run (errors, layout)
   config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout, elastic)
   hub           whether the Hugging Face Hub answers (once per process); offline, Hub names fail at once
+  upstream      import costs of the libraries underneath, avoided: transformers' losses without scipy.optimize
   loss          token-sum loss normalised over the accumulated global batch
   packing       padding-free packing: best-fit-decreasing rows of whole documents, their forward, the guard
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding

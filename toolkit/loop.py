@@ -28,9 +28,10 @@ from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import get_scheduler
 
-from toolkit import layout
+# upstream, for what its import does: transformers' schedulers (imported where used) pull in its modeling code,
+# which then loads without scipy.optimize
+from toolkit import layout, upstream  # noqa: F401
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
 from toolkit.config import RunConfig, TrainingArguments, write_config
@@ -402,6 +403,8 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
     per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
     optimizer = build_optimizer(model, args)
+    from transformers import get_scheduler
+
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
     resume = resume or plan_resume(cfg, accelerator, train_dataset)

@@ -10,7 +10,9 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from toolkit import hub
+# upstream, for what its import does: transformers' modeling code (not loaded by the two lines above) then loads
+# without scipy.optimize
+from toolkit import hub, upstream  # noqa: F401
 from toolkit.config import ModelArguments, max_positions
 from toolkit.errors import ConfigError
 

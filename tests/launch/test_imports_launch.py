@@ -1,5 +1,6 @@
-"""Parsing a config in a fresh interpreter (a subprocess) imports neither torch nor accelerate. The import graph
-itself, read from the source with ``ast``, is checked in tests/unit/test_imports.py."""
+"""Parsing a config in a fresh interpreter (a subprocess) imports neither torch nor accelerate; a run's imports load
+transformers' modeling code without scipy.optimize (toolkit.upstream). The import graph itself, read from the source
+with ``ast``, is checked in tests/unit/test_imports.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import subprocess
 import sys
 
-from helpers import subprocess_env
+import pytest
+from helpers import run_all, subprocess_env
 
 
 def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
@@ -30,3 +32,32 @@ def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
     assert result["model"] == "gpt2"  # the config was really parsed
     assert result["after_import"] == []
     assert result["loaded"] == [], f"parsing a config imported {result['loaded']}"
+
+
+def test_a_runs_imports_leave_scipy_optimize_out_until_a_matcher_is_called():
+    """transformers' modeling code imports its object-detection losses, which import scipy.optimize wherever scipy is
+    installed (0.6-1.2 s a process, measured with ``python -X importtime``): the plain import shows it. After what a
+    rank imports (toolkit.build, toolkit.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
+    matcher still gives scipy's answer, importing scipy's own module when called."""
+    pytest.importorskip("scipy")  # the cost exists only where scipy is installed
+    report = "print(json.dumps({'scipy.optimize': 'scipy.optimize' in sys.modules, 'modeling': %s}))"
+    plain = "import json, sys\nimport transformers.modeling_utils\n" + report % "'transformers.modeling_utils' in sys.modules"
+    ours = (
+        "import json, sys\n"
+        "import toolkit.build, toolkit.loop\n"
+        "from transformers import AutoModelForCausalLM, get_scheduler\n"
+        "import peft, transformers.modeling_utils\n"
+        "loaded = 'scipy.optimize' in sys.modules\n"
+        "from transformers.loss.loss_for_object_detection import linear_sum_assignment\n"
+        "rows, cols = linear_sum_assignment([[4, 1, 3], [2, 0, 5], [3, 2, 2]])\n"
+        "print(json.dumps({'scipy.optimize': loaded, 'modeling': 'transformers.modeling_utils' in sys.modules,\n"
+        "                  'cols': cols.tolist(), 'real_after_call': sys.modules['scipy.optimize'].__file__ is not None}))\n"
+    )
+    procs = run_all([[sys.executable, "-c", plain], [sys.executable, "-c", ours]])
+    results = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert results[0] == {"scipy.optimize": True, "modeling": True}  # the upstream cost, without toolkit
+    assert results[1]["modeling"] and not results[1]["scipy.optimize"]
+    assert results[1]["cols"] == [1, 0, 2] and results[1]["real_after_call"]  # scipy's optimal assignment
