@@ -239,6 +239,23 @@ def stored(tmp_path_factory, tiny_model):
 
 
 @pytest.fixture(scope="session")
+def text_shards(tmp_path_factory) -> dict:
+    """A causal-LM corpus in 4 jsonl files of 25 paragraphs of CPython's docs each (1 to ~60 words): a stream."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[k] for k in sorted(topics)[20:40]).split()
+    d, pos = tmp_path_factory.mktemp("text-shards"), 0
+    for f in range(4):
+        rows = []
+        for i in range(25):
+            n = 1 + (i * 11 + f * 5) % 60
+            rows.append(json.dumps({"text": " ".join(words[pos:pos + n])}))
+            pos += n
+        (d / f"part-{f}.jsonl").write_text("\n".join(rows) + "\n")
+    return {"train_file": str(d / "part-*.jsonl")}
+
+
+@pytest.fixture(scope="session")
 def chat_shards(tmp_path_factory, chats):
     """The 32 training chats as a stream of 3 files (11, 11, 10 chats), the same template and held-out file."""
     d = tmp_path_factory.mktemp("chat-shards")

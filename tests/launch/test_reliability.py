@@ -272,23 +272,6 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, pad
     assert _steps_logged(out) == list(range(1, 10))
 
 
-@pytest.fixture(scope="module")
-def text_shards(tmp_path_factory) -> dict:
-    """A causal-LM corpus in 4 jsonl files of 25 paragraphs of CPython's docs each (1 to ~60 words)."""
-    from pydoc_data.topics import topics
-
-    words = " ".join(topics[k] for k in sorted(topics)[20:40]).split()
-    d, pos = tmp_path_factory.mktemp("text-shards"), 0
-    for f in range(4):
-        rows = []
-        for i in range(25):
-            n = 1 + (i * 11 + f * 5) % 60
-            rows.append(json.dumps({"text": " ".join(words[pos:pos + n])}))
-            pos += n
-        (d / f"part-{f}.jsonl").write_text("\n".join(rows) + "\n")
-    return {"train_file": str(d / "part-*.jsonl")}
-
-
 @pytest.mark.slow
 def test_a_stream_sigkilled_mid_run_resumes_on_one_process_in_the_same_order(tmp_path, tiny_model, text_shards):
     """streaming: true (recipes/gpt2.py, 4 files, windows of 12 rows, bfd packing): 2 ranks x 2 x 2 SIGKILLed inside a

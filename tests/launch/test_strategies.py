@@ -81,13 +81,20 @@ SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"
             ("zero3", "loss_chunk_size")]
 SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
+# streaming: true (toolkit/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
+# micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
+# micro batch, accumulation): a global batch of 8 rows; HSDP's data-parallel degree is 4, TP's 1 (both TP ranks take
+# all 8 rows), on the tiny Llama (a family with a TP plan). Each run joins its layout's batch: no launch of its own.
+STREAM = {**SGD, "streaming": True, "shuffle_buffer_size": 12, "packing": True}
+STREAM_LAYOUTS = {"zero2": ("zero2.yaml", 2, 2, 2), "zero3": ("zero3.yaml", 2, 2, 2), "fsdp": ("fsdp.yaml", 2, 2, 2),
+                  "fsdp1": ("fsdp1.yaml", 2, 2, 2), "hsdp": ("hsdp.yaml", 4, 2, 1), "tp": ("tp.yaml", 2, 8, 1)}
 
 
 def scratch(tiny_model) -> dict:
     return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_shards):
     """Every run below, planned (conftest's run_pool): the runs of one launch config and world size share a launch
     with those of the other modules."""
     r = StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON, pool=pool)
@@ -113,12 +120,23 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
             r.plan(f"sgd_{switch}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, {**SGD, switch: SWITCH_VALUES[switch]})
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
-    return {"runs": r}
+    streams = {}
+    for family, model in (("gpt2", tiny_model), ("llama", tiny_llama)):
+        streams[family] = Runs(tmp_path_factory.mktemp(f"stream-{family}"), model, text_shards, COMMON, pool=pool)
+        streams[family].plan("one", None, 1, 8, 1, STREAM, probe=False)
+    for layout, (config, world, micro, accum) in STREAM_LAYOUTS.items():
+        streams["llama" if layout == "tp" else "gpt2"].plan(layout, config, world, micro, accum, STREAM, probe=False)
+    return {"runs": r, "stream_runs": streams}
 
 
 @pytest.fixture(scope="module")
 def runs(run_pool):
     return run_pool.modules[(__name__, "runs")]
+
+
+@pytest.fixture(scope="module")
+def stream_runs(run_pool):
+    return run_pool.modules[(__name__, "stream_runs")]
 
 
 def final(out):
@@ -275,6 +293,22 @@ def test_resume_on_another_world_size(runs, strategy, writer, reader):
     assert os.path.isdir(converted) == strategy.startswith("zero"), "only ZeRO needs a converted copy, beside it"
     if strategy.startswith("zero"):
         assert os.path.isdir(os.path.join(converted, "pytorch_model", "zero"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", STREAM_LAYOUTS)
+def test_a_stream_under_each_layout_trains_like_one_process(stream_runs, layout):
+    """streaming: true under ZeRO-2, ZeRO-3, FSDP2, FSDP1 (2 ranks x 2 x 2), HSDP (4 ranks x 2) and TP (2 ranks, one
+    data-parallel rank, x 8): the same tokens and losses at every step as 1 process x 8 on the same stream, and its
+    weights (SGD, 1e-6). DDP: tests/launch/test_recipes.py (chat SFT) and test_reliability.py (a SIGKILLed stream)."""
+    config, world, micro, accum = STREAM_LAYOUTS[layout]
+    runs = stream_runs["llama" if layout == "tp" else "gpt2"]
+    one, out = runs.get("one", None, 1, 8, 1, STREAM), runs.get(layout, config, world, micro, accum, STREAM)
+    rows = {run: [r for r in metrics(run) if "loss" in r] for run in (one, out)}
+    assert [(r["step"], r["tokens_seen"]) for r in rows[out]] == [(r["step"], r["tokens_seen"]) for r in rows[one]]
+    assert len(rows[one]) == 3 and max_abs_diff(load_weights(final(one)), load_weights(runs.model)) > 1e-3  # it trains
+    assert [r["loss"] for r in rows[out]] == pytest.approx([r["loss"] for r in rows[one]], rel=1e-5)
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(one))) <= 1e-6
 
 
 def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
