@@ -36,7 +36,7 @@ def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
 
 def test_a_runs_imports_leave_scipy_optimize_out_until_a_matcher_is_called():
     """transformers' modeling code imports its object-detection losses, which import scipy.optimize wherever scipy is
-    installed (0.6-1.2 s a process, measured with ``python -X importtime``): the plain import shows it. After what a
+    installed (0.5 s a process here: docs/pitfalls.md#scipy-import): the plain import shows it. After what a
     rank imports (toolkit.build, toolkit.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
     matcher still gives scipy's answer, importing scipy's own module when called."""
     pytest.importorskip("scipy")  # the cost exists only where scipy is installed
