@@ -151,6 +151,27 @@ def _process_group_per_elastic_attempt() -> None:
                                          world_size=int(os.environ["WORLD_SIZE"]))
 
 
+@contextmanager
+def deepspeed_out_of_sight(accelerator: Accelerator):
+    """Within: accelerate's ``extract_model_from_parallel`` (behind ``unwrap_model``, ``get_state_dict`` and
+    transformers' ``save_pretrained``) does not import DeepSpeed to test the model against its engine class, in a
+    run that cannot hold one (not a DeepSpeed launch, DeepSpeed not imported): the import is a large part of a DDP or
+    FSDP rank's export (docs/pitfalls.md#deepspeed-import)."""
+    import sys
+
+    import accelerate.utils.other as other
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED or "deepspeed" in sys.modules:
+        yield
+        return
+    available = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = available
+
+
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     elastic.record_launcher()  # a notebook_launcher rank's first toolkit call (toolkit.preemption)
@@ -163,9 +184,9 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     if strategy == "deepspeed":
         _quiet_deprecated_collectives()
     if not has_accelerator():
-        # accelerate imports DeepSpeed wherever it is installed (extract_model_from_parallel, at the export), also in
-        # runs that do not use it, and DeepSpeed's accelerator detection then logs "Setting accelerator to CPU ..."
-        # once per rank. Naming the CPU accelerator is what it would pick (docs/pitfalls.md#deepspeed-import).
+        # Wherever DeepSpeed gets imported (a DeepSpeed launch; accelerate's unwrap_model outside our export, which
+        # keeps it out of sight), its accelerator detection logs "Setting accelerator to CPU ..." once per rank.
+        # Naming the CPU accelerator is what it would pick (docs/pitfalls.md#deepspeed-import).
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     extra = {} if has_accelerator() or not cpu_shim_enabled() else _prepare_cpu_state(strategy)
     trackers = [] if args.report_to in ("none", "", None) else args.report_to

@@ -231,6 +231,17 @@ def test_train_leaves_its_process_group_held_when_it_returns(runs):
 
 
 @pytest.mark.slow
+def test_a_ddp_run_never_imports_deepspeed(runs):
+    """A DDP rank trains, checkpoints and exports without importing DeepSpeed (installed here): accelerate's
+    unwrap_model and transformers' save_pretrained would import it at the export only to test the model against its
+    engine class (docs/pitfalls.md#deepspeed-import). Checked in ranks that run the session's whole batch of DDP runs."""
+    out = runs.get("sgd_2x2x2", "2x2x2", SGD)
+    assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
+    for rank in (0, 1):
+        assert json.load(open(os.path.join(out, "probe", f"imports_rank{rank}.json"))) == {"deepspeed": False}
+
+
+@pytest.mark.slow
 def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
     """Accumulation 4: gradient all-reduces happen on the 4th micro-step only; final/ reloads with the same logits."""
     out = runs.get("comm_2x1x4", (2, 1, 4), COMM)

@@ -76,7 +76,7 @@ class Probe:
             torch.save(logits, os.path.join(out, "logits.pt"))
 
     def after_train(self):
-        """Once ``train`` has returned: whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
+        """Once ``train`` has returned: whether DeepSpeed was imported, and whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
         that its C++ object cannot be destroyed while the process runs Python (the deadlock it prevents hung the
         quickstart's notebook_launcher cell in 2 of 5 executions; this shows the cause gone, deterministically)."""
         from toolkit.distributed import _KEPT_GROUPS
@@ -84,6 +84,9 @@ class Probe:
         if self.group is not None and self.probe_dir is not None:
             with open(os.path.join(self.probe_dir, f"kept_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
                 json.dump({"kept": any(g is self.group for g in _KEPT_GROUPS)}, f)
+            # whether this process has imported DeepSpeed by now (training, checkpoints and the export included)
+            with open(os.path.join(self.probe_dir, f"imports_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump({"deepspeed": "deepspeed" in sys.modules}, f)
 
 
 def held_bytes(model, optimizer, deepspeed: bool) -> dict:
@@ -122,8 +125,11 @@ def full_weights(accelerator, model) -> dict:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     # DDP: whole tensors; tensor parallel: DTensor shards, gathered (collective)
-    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for n, p in accelerator.unwrap_model(model).named_parameters()}
+    from toolkit.distributed import deepspeed_out_of_sight
+
+    with deepspeed_out_of_sight(accelerator):  # as the export: a DDP rank's probe imports no DeepSpeed either
+        unwrapped = accelerator.unwrap_model(model)
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in unwrapped.named_parameters()}
 
 
 def weights_fingerprint(accelerator, model) -> str:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from accelerate import Accelerator
 
 from toolkit import layout
-from toolkit.distributed import has_accelerator
+from toolkit.distributed import deepspeed_out_of_sight, has_accelerator
 
 # torch.distributed.checkpoint folders of a tensor-parallel checkpoint, laid out as accelerate's FSDP ones
 # ({"model": ...} and {"optimizer": ...}, FQN-keyed)
@@ -263,9 +263,14 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora
 
     Gathering is collective (ZeRO-3 / FSDP shards), so every rank calls it; only the main process writes.
     """
+    accelerator.wait_for_everyone()
+    with deepspeed_out_of_sight(accelerator):
+        _save_final(accelerator, model, tokenizer, path, merge_lora)
+
+
+def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool) -> None:
     from toolkit import lora
 
-    accelerator.wait_for_everyone()
     state_dict = full_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
