@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -157,8 +158,6 @@ def deepspeed_out_of_sight(accelerator: Accelerator):
     transformers' ``save_pretrained``) does not import DeepSpeed to test the model against its engine class, in a
     run that cannot hold one (not a DeepSpeed launch, DeepSpeed not imported): the import is a large part of a DDP or
     FSDP rank's export (docs/pitfalls.md#deepspeed-import)."""
-    import sys
-
     import accelerate.utils.other as other
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED or "deepspeed" in sys.modules:
