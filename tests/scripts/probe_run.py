@@ -6,8 +6,10 @@
 - records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
   and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree;
 - after ``train`` returned (``after_train``): whether the run's process group is still referenced by
-  ``toolkit.distributed.keep_process_groups`` (docs/pitfalls.md#gloo-teardown-deadlock).
-Writes ``probe/comm_rank{R}.json``, ``probe/kept_rank{R}.json`` and ``probe/logits.pt`` into output_dir.
+  ``toolkit.distributed.keep_process_groups`` (docs/pitfalls.md#gloo-teardown-deadlock), and whether DeepSpeed was
+  imported (docs/pitfalls.md#deepspeed-import).
+Writes ``probe/comm_rank{R}.json``, ``probe/kept_rank{R}.json``, ``probe/imports_rank{R}.json`` and
+``probe/logits.pt`` into output_dir.
 """
 
 import hashlib
@@ -76,17 +78,19 @@ class Probe:
             torch.save(logits, os.path.join(out, "logits.pt"))
 
     def after_train(self):
-        """Once ``train`` has returned: whether DeepSpeed was imported, and whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
+        """Once ``train`` has returned: whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
         that its C++ object cannot be destroyed while the process runs Python (the deadlock it prevents hung the
-        quickstart's notebook_launcher cell in 2 of 5 executions; this shows the cause gone, deterministically)."""
+        quickstart's notebook_launcher cell in 2 of 5 executions; this shows the cause gone, deterministically), and
+        whether this process has imported DeepSpeed by now (training, checkpoints and the export included)."""
         from toolkit.distributed import _KEPT_GROUPS
 
-        if self.group is not None and self.probe_dir is not None:
-            with open(os.path.join(self.probe_dir, f"kept_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-                json.dump({"kept": any(g is self.group for g in _KEPT_GROUPS)}, f)
-            # whether this process has imported DeepSpeed by now (training, checkpoints and the export included)
-            with open(os.path.join(self.probe_dir, f"imports_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-                json.dump({"deepspeed": "deepspeed" in sys.modules}, f)
+        if self.group is None or self.probe_dir is None:
+            return
+        rank = os.environ.get("RANK", "0")
+        for name, record in (("kept", {"kept": any(g is self.group for g in _KEPT_GROUPS)}),
+                             ("imports", {"deepspeed": "deepspeed" in sys.modules})):
+            with open(os.path.join(self.probe_dir, f"{name}_rank{rank}.json"), "w") as f:
+                json.dump(record, f)
 
 
 def held_bytes(model, optimizer, deepspeed: bool) -> dict:
