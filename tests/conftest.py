@@ -1,4 +1,4 @@
-"""Fixtures: a tiny GPT-2 with the real GPT-2 tokenizer saved to disk, a SentencePiece tokenizer trained offline, padded
+"""Fixtures: a tiny GPT-2 with a 2048-token byte-level BPE saved to disk, a SentencePiece tokenizer trained offline, padded
 data, the executed quickstart notebook, the session's pool of planned runs, and the models and data the launched
 recipes train on (session-wide: the pool plans every module's runs from them before the first launch).
 
@@ -7,6 +7,7 @@ Shared helpers (launching, weights, comparisons) are in helpers.py; test modules
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -82,20 +83,30 @@ def one_machine_run(cluster_runs) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer, 32-wide GPT-2 with OpenAI's real BPE, saved and loaded back through from_pretrained."""
-    from toolkit.offline import save_tiny_gpt2
+def bpe_2048():
+    """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.offline.pydoc_bpe_tokenizer): the launched tests'
+    models use it, as a 50257-token head would cost ~10x more per step than everything else in a 32-wide model.
+    tests/unit/test_offline.py tests the real GPT-2 tokenizer; the notebook and the README's run use it."""
+    from toolkit.offline import pydoc_bpe_tokenizer
 
-    return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2"), n_layer=2, n_embd=32, n_head=2,
-                          n_positions=64, seed=0)
+    return pydoc_bpe_tokenizer(2048)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    """A 2-layer, 32-wide Llama (a family with a tensor-parallel plan) with the real GPT-2 BPE."""
+def tiny_model(tmp_path_factory, bpe_2048) -> str:
+    """A 2-layer, 32-wide GPT-2 with a 2048-token byte-level BPE, saved and loaded back through from_pretrained."""
+    from toolkit.offline import save_tiny_gpt2
+
+    return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2"), n_layer=2, n_embd=32, n_head=2,
+                          n_positions=64, seed=0, tokenizer=copy.deepcopy(bpe_2048))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, bpe_2048) -> str:
+    """A 2-layer, 32-wide Llama (a family with a tensor-parallel plan) with the same 2048-token byte-level BPE."""
     from toolkit.offline import save_tiny_llama
 
-    return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"))
+    return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"), tokenizer=copy.deepcopy(bpe_2048))
 
 
 CHAT_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -170,12 +181,12 @@ def chats(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gpt2_256(tmp_path_factory):
+def gpt2_256(tmp_path_factory, bpe_2048):
     """The tiny GPT-2 with 256 positions: rows long enough to hold several chats."""
     from toolkit.offline import save_tiny_gpt2
 
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
-                          n_positions=256, seed=0)
+                          n_positions=256, seed=0, tokenizer=copy.deepcopy(bpe_2048))
 
 
 @pytest.fixture(scope="session")

@@ -129,7 +129,7 @@ def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_buil
 
 def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_data, tmp_path):
     """train() in this process, with the chunked loss: its evaluation calls the head on chunks only (an eval batch of
-    16 rows x up to 64 positions x 50257 would be 206 MB of logits), and its eval loss and tokens are the plain
+    16 rows x up to 64 positions x GPT-2's 50257 would be 206 MB of logits), and its eval loss and tokens are the plain
     run's (learning rate 0: both evaluate the same weights)."""
     from helpers import train_in_process
 

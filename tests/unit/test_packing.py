@@ -44,10 +44,8 @@ def test_bins_fill_and_cover_every_document_once():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from toolkit.offline import gpt2_tokenizer
-
-    return gpt2_tokenizer()
+def tok(bpe_2048):
+    return bpe_2048  # the tiny models' tokenizer (conftest.py)
 
 
 def _texts(n: int) -> list[str]:
