@@ -55,7 +55,7 @@ def _files(tmp_path_factory, padded_data) -> dict:
     write("pairs_empty_chosen.jsonl", "".join(json.dumps({**pair, "chosen": "" if i == 3 else pair["chosen"]}) + "\n"
                                               for i in range(8)))
     write("pairs.jsonl", "".join(json.dumps(pair) + "\n" for _ in range(8)))
-    long = {**pair, "prompt": " ".join(["The sky over the hills"] * 10)}  # 50 tokens: more than block_size 32
+    long = {**pair, "prompt": " ".join(["The sky over the hills"] * 10)}  # 90 tokens (tiny_model's BPE): more than block_size 32
     write("pairs_long_prompt.jsonl", "".join(json.dumps(long if i == 5 else pair) + "\n" for i in range(8)))
     os.makedirs(d / "another_run")  # the metrics of another run that a resume must not write into
     write("another_run/metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
@@ -221,7 +221,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
         ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
-         [], {}, "block_size", "row 5: the prompt is 50 tokens, so block_size 32 leaves its chosen completion no token",
+         [], {}, "block_size", "row 5: the prompt is 90 tokens, so block_size 32 leaves its chosen completion no token",
          "dpo"),
         ("dpo from a config", {"train_file": files["pairs.jsonl"], "validation_file": None,
                                "model_name_or_path": None, "config_name": tiny_model}, [], {}, "model_name_or_path",

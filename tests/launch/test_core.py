@@ -20,7 +20,9 @@ SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
 # turns fp32 rounding noise (another summation order) into a visible change of its step, and 2 ranks vs 1 process
 # differ by 1.2e-4 on one CPU and 1.4e-5 on another. With 1e-6 the comparison holds to 1e-5 on both, and still catches
 # a missing clip and a norm off by sqrt(2) (test_adamw_tolerance_still_catches_clipping_errors).
-ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=2,
+# max_grad_norm 0.5: below the global norms of this data's steps (0.8 to 1.25 for tiny_model), so clipping acts, and
+# a threshold sqrt(2) too high (0.71) clips by other factors.
+ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=2,
              weight_decay=0.01, adam_epsilon=1e-6)
 ADAMW_TOLERANCE = 1e-5
 # The fp32 grad norm of the same gradients summed in another order (2 ranks vs 1 process) differs by ~3e-6 relative
@@ -43,7 +45,8 @@ class CoreRuns(Runs):
 # 48 rows / global batch 8 = 6 steps per epoch: 9 steps cross into epoch 1 (a new permutation), and step 6 is an
 # epoch's last step.
 SGD_ACROSS_EPOCHS = {**SGD, "max_steps": 9, "save_steps": 3}
-BROKEN_CLIPPING = [({"max_grad_norm": 0}, "no clipping"), ({"max_grad_norm": math.sqrt(2)}, "a norm off by sqrt(2)")]
+BROKEN_CLIPPING = [({"max_grad_norm": 0}, "no clipping"),
+                   ({"max_grad_norm": math.sqrt(2) * ADAMW["max_grad_norm"]}, "a norm off by sqrt(2)")]
 OTHER_SPLITS = [("1x8x1", "1x4x2"), ("2x2x2", "1x8x1")]  # (writer, reader) of a resume
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
 COMM = {**ADAMW, "max_steps": 3, "save_steps": 1, "save_total_limit": 2, "packing": True, "block_size": 16,
@@ -143,7 +146,7 @@ def test_adamw_tolerance_still_catches_clipping_errors(runs, broken, why):
     ref = runs.get("adamw_1x8x1", "1x8x1", ADAMW)
     bad = runs.get(f"adamw_2x2x2_{why.replace(' ', '_')}", "2x2x2", {**ADAMW, **broken})
     grad_norms = [r["grad_norm"] for r in map(json.loads, open(os.path.join(ref, "metrics.jsonl"))) if "loss" in r]
-    assert max(grad_norms) > math.sqrt(2), "the gradients must be large enough for clipping to act"
+    assert max(grad_norms) > math.sqrt(2) * ADAMW["max_grad_norm"], "the gradients must be large enough for clipping to act"
     diff = max_abs_diff(load_weights(final(bad)), load_weights(final(ref)))
     print(f"AdamW with {why}: max|dw| = {diff:.2e}")
     assert diff > 10 * ADAMW_TOLERANCE, f"{why} should be caught by the AdamW tolerance, got {diff:.2e}"
