@@ -84,8 +84,8 @@ def one_machine_run(cluster_runs) -> str:
 
 @pytest.fixture(scope="session")
 def bpe_2048():
-    """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.offline.pydoc_bpe_tokenizer): the launched tests'
-    models use it, as a 50257-token head would cost ~10x more per step than everything else in a 32-wide model.
+    """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.offline.pydoc_bpe_tokenizer): the tests' tiny models
+    use it, since with GPT-2's 50257 tokens a 32-wide model's step is nearly all head and loss (docs/testing.md).
     tests/unit/test_offline.py tests the real GPT-2 tokenizer; the notebook and the README's run use it."""
     from toolkit.offline import pydoc_bpe_tokenizer
 

@@ -101,13 +101,14 @@ def pydoc_bpe_tokenizer(vocab_size: int = 2048) -> transformers.GPT2TokenizerFas
     """A byte-level BPE of ``vocab_size`` tokens built the way GPT-2's was (its pre-tokenizer regex, its byte
     alphabet, ``<|endoftext|>`` as bos, eos and unk), trained here on CPython's ``pydoc_data.topics``.
 
-    Why: a tiny model's cost per token is its vocabulary's. At GPT-2's 50257 tokens a 32-wide model spends ~95% of
-    each step in the embedding, the head and the loss over the vocabulary; at 2048 a training step is ~10x cheaper
-    (measured: docs/testing.md), and every byte-level code path (``Ġ`` spaces, merges across words, a prompt whose
-    last token takes the answer's space) is still walked. Training takes ~0.3 s and is deterministic: the same
-    ``vocab_size`` gives the same ``tokenizer.json`` on every call and machine.
+    Why: a tiny model's cost per token is its vocabulary's. With GPT-2's 50257 tokens nearly all of a 32-wide model's
+    step is the embedding, the head and the loss over the vocabulary; a small vocabulary makes the tests' runs several
+    times cheaper (measured in docs/testing.md) while every byte-level code path (``Ġ`` spaces, merges across words,
+    a prompt whose last token takes the answer's space) is still walked. Training is deterministic: the same
+    ``vocab_size`` gives the same ``tokenizer.json`` on every call (the text is the running Python's pydoc topics).
     """
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GPT2TokenizerFast
 
