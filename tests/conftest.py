@@ -7,7 +7,6 @@ Shared helpers (launching, weights, comparisons) are in helpers.py; test modules
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import os
@@ -98,7 +97,7 @@ def tiny_model(tmp_path_factory, bpe_2048) -> str:
     from toolkit.offline import save_tiny_gpt2
 
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2"), n_layer=2, n_embd=32, n_head=2,
-                          n_positions=64, seed=0, tokenizer=copy.deepcopy(bpe_2048))
+                          n_positions=64, seed=0, tokenizer=bpe_2048)
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +105,7 @@ def tiny_llama(tmp_path_factory, bpe_2048) -> str:
     """A 2-layer, 32-wide Llama (a family with a tensor-parallel plan) with the same 2048-token byte-level BPE."""
     from toolkit.offline import save_tiny_llama
 
-    return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"), tokenizer=copy.deepcopy(bpe_2048))
+    return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"), tokenizer=bpe_2048)
 
 
 CHAT_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -186,7 +185,7 @@ def gpt2_256(tmp_path_factory, bpe_2048):
     from toolkit.offline import save_tiny_gpt2
 
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
-                          n_positions=256, seed=0, tokenizer=copy.deepcopy(bpe_2048))
+                          n_positions=256, seed=0, tokenizer=bpe_2048)
 
 
 @pytest.fixture(scope="session")

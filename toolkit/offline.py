@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import importlib.util
 import json
@@ -139,7 +140,8 @@ def save_tiny_gpt2(path, n_layer=2, n_embd=64, n_head=2, n_positions=256, seed=0
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tok = tokenizer if tokenizer is not None else gpt2_tokenizer()
+    # a copy: the caller's tokenizer keeps its own model_max_length
+    tok = copy.deepcopy(tokenizer) if tokenizer is not None else gpt2_tokenizer()
     config = GPT2Config(
         vocab_size=len(tok),
         n_positions=n_positions,

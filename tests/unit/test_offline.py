@@ -72,6 +72,7 @@ def test_pydoc_bpe_is_a_deterministic_byte_level_bpe_that_reloads_as_itself(tiny
     assert tok.decode(tok(text)["input_ids"]) == text  # unseen characters fall back to bytes
     saved = AutoTokenizer.from_pretrained(tiny_model)
     assert saved.model_max_length == 64 and saved(text)["input_ids"] == tok(text)["input_ids"]
+    assert bpe_2048.model_max_length == 1024  # save_tiny_gpt2 set the saved copy's, not the fixture's
     with pytest.raises(ValueError, match=">= 257"):
         offline.pydoc_bpe_tokenizer(100)
 
