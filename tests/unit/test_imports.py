@@ -6,6 +6,7 @@
   the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
   checked before torch, accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
+- no function in ``toolkit/`` is over 80 lines;
 - parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess:
   tests/launch/test_imports_launch.py).
 
@@ -193,3 +194,15 @@ def test_loop_does_not_reach_report():
     assert "toolkit.checkpointing.checkpoint" in paths  # the walk does walk
     via = " -> ".join(paths.get("toolkit.report", []))
     assert "toolkit.report" not in paths, f"toolkit.loop imports toolkit.report via {via}"
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    """Issue 24's bound (train() included): a longer function is split, not grown (decorators and docstring count)."""
+    long = []
+    for path in sorted(Path(SOURCE).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
