@@ -55,7 +55,7 @@ def _files(tmp_path_factory, padded_data) -> dict:
     write("pairs_empty_chosen.jsonl", "".join(json.dumps({**pair, "chosen": "" if i == 3 else pair["chosen"]}) + "\n"
                                               for i in range(8)))
     write("pairs.jsonl", "".join(json.dumps(pair) + "\n" for _ in range(8)))
-    long = {**pair, "prompt": " ".join(["The sky over the hills"] * 10)}  # 90 tokens (tiny_model's BPE): more than block_size 32
+    long = {**pair, "prompt": " ".join(["The sky over the hills"] * 10)}  # 90 tokens: more than block_size 32
     write("pairs_long_prompt.jsonl", "".join(json.dumps(long if i == 5 else pair) + "\n" for i in range(8)))
     os.makedirs(d / "another_run")  # the metrics of another run that a resume must not write into
     write("another_run/metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
@@ -126,6 +126,10 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     """(name, changes to the good base config, extra argv, env, field named, words in the message[, recipe])."""
     ckpt = os.path.join(existing, "checkpoints", "step-1")
     resume = {"resume_from_checkpoint": ckpt}
+    from transformers import AutoTokenizer
+
+    long_prompt = json.loads(open(files["pairs_long_prompt.jsonl"]).read().splitlines()[5])["prompt"]
+    long_tokens = len(AutoTokenizer.from_pretrained(tiny_model)(long_prompt)["input_ids"])  # pydoc BPE: 90 (Python 3.11)
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
@@ -221,7 +225,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
         ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
-         [], {}, "block_size", "row 5: the prompt is 90 tokens, so block_size 32 leaves its chosen completion no token",
+         [], {}, "block_size", f"row 5: the prompt is {long_tokens} tokens, so block_size 32 leaves its chosen completion no token",
          "dpo"),
         ("dpo from a config", {"train_file": files["pairs.jsonl"], "validation_file": None,
                                "model_name_or_path": None, "config_name": tiny_model}, [], {}, "model_name_or_path",
