@@ -1,5 +1,5 @@
-"""Fixtures: a tiny GPT-2 with a 2048-token byte-level BPE saved to disk, a SentencePiece tokenizer trained offline, padded
-data, the executed quickstart notebook, the session's pool of planned runs, and the models and data the launched
+"""Fixtures: a tiny GPT-2 with a 2048-token byte-level BPE saved to disk, a SentencePiece tokenizer trained offline,
+padded data, the executed quickstart notebook, the session's pool of planned runs, and the models and data the launched
 recipes train on (session-wide: the pool plans every module's runs from them before the first launch).
 
 Shared helpers (launching, weights, comparisons) are in helpers.py; test modules import it, never each other.

@@ -115,14 +115,14 @@ def pydoc_bpe_tokenizer(vocab_size: int = 2048) -> transformers.GPT2TokenizerFas
 
     if vocab_size < 257:
         raise ValueError(f"vocab_size {vocab_size}: a byte-level BPE needs the 256 bytes and <|endoftext|> (>= 257)")
+    eos = "<|endoftext|>"
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's regex, as in its files
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator([topics[k] for k in sorted(topics)], trainer=trainer)
-    eos = "<|endoftext|>"
     return GPT2TokenizerFast(tokenizer_object=backend, bos_token=eos, eos_token=eos, unk_token=eos,
                              model_max_length=1024)
 

@@ -3,10 +3,11 @@
 transformers' modeling code imports its loss table (``transformers.loss.loss_utils``), and with it the object-detection
 losses, which import ``scipy.optimize`` wherever scipy happens to be installed (for a Hungarian matcher): a part of
 every process's start-up that loads a model (measured: docs/pitfalls.md#scipy-import), for a function no causal LM,
-chat, classifier or DPO run calls. ``import_transformers_losses`` imports that table with a stand-in for ``scipy.optimize`` whose
-``linear_sum_assignment`` imports scipy's own on its first call, and takes the stand-in out of ``sys.modules`` again,
-so that any later ``import scipy.optimize`` (a detection model's own module, the user's code) gets scipy's module.
-It runs when this module is imported: ``toolkit.model`` and ``toolkit.loop`` import it before transformers.
+chat, classifier or DPO run calls. ``import_transformers_losses`` imports that table with a stand-in for
+``scipy.optimize`` whose ``linear_sum_assignment`` imports scipy's own on its first call, and takes the stand-in out
+of ``sys.modules`` again, so that any later ``import scipy.optimize`` (a detection model's own module, the user's
+code) gets scipy's module. It runs when this module is imported: ``toolkit.model`` and ``toolkit.loop`` import it
+before transformers.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     from transformers import AutoTokenizer
 
     long_prompt = json.loads(open(files["pairs_long_prompt.jsonl"]).read().splitlines()[5])["prompt"]
-    long_tokens = len(AutoTokenizer.from_pretrained(tiny_model)(long_prompt)["input_ids"])  # pydoc BPE: 90 (Python 3.11)
+    # the pydoc BPE is trained on the running Python's text: 90 tokens on Python 3.11
+    long_tokens = len(AutoTokenizer.from_pretrained(tiny_model)(long_prompt)["input_ids"])
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
@@ -225,7 +226,8 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
         ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
-         [], {}, "block_size", f"row 5: the prompt is {long_tokens} tokens, so block_size 32 leaves its chosen completion no token",
+         [], {}, "block_size",
+         f"row 5: the prompt is {long_tokens} tokens, so block_size 32 leaves its chosen completion no token",
          "dpo"),
         ("dpo from a config", {"train_file": files["pairs.jsonl"], "validation_file": None,
                                "model_name_or_path": None, "config_name": tiny_model}, [], {}, "model_name_or_path",

@@ -146,7 +146,8 @@ def test_adamw_tolerance_still_catches_clipping_errors(runs, broken, why):
     ref = runs.get("adamw_1x8x1", "1x8x1", ADAMW)
     bad = runs.get(f"adamw_2x2x2_{why.replace(' ', '_')}", "2x2x2", {**ADAMW, **broken})
     grad_norms = [r["grad_norm"] for r in map(json.loads, open(os.path.join(ref, "metrics.jsonl"))) if "loss" in r]
-    assert max(grad_norms) > math.sqrt(2) * ADAMW["max_grad_norm"], "the gradients must be large enough for clipping to act"
+    clip = ADAMW["max_grad_norm"]
+    assert max(grad_norms) > math.sqrt(2) * clip, "the gradients must be large enough for clipping to act"
     diff = max_abs_diff(load_weights(final(bad)), load_weights(final(ref)))
     print(f"AdamW with {why}: max|dw| = {diff:.2e}")
     assert diff > 10 * ADAMW_TOLERANCE, f"{why} should be caught by the AdamW tolerance, got {diff:.2e}"
@@ -237,7 +238,8 @@ def test_train_leaves_its_process_group_held_when_it_returns(runs):
 def test_a_ddp_run_never_imports_deepspeed(runs):
     """A DDP rank trains, checkpoints and exports without importing DeepSpeed (installed here): accelerate's
     unwrap_model and transformers' save_pretrained would import it at the export only to test the model against its
-    engine class (docs/pitfalls.md#deepspeed-import). Checked in ranks that run the session's whole batch of DDP runs."""
+    engine class (docs/pitfalls.md#deepspeed-import). Checked in ranks that run the session's whole batch of DDP
+    runs."""
     out = runs.get("sgd_2x2x2", "2x2x2", SGD)
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
     for rank in (0, 1):
