@@ -24,6 +24,9 @@ from helpers import (
     log_launches,
 )
 
+# The tiny models' tokenizer (bpe_2048), written by tests/scripts/write_bpe.py
+BPE_2048 = os.path.join(os.path.dirname(__file__), "data", "bpe-2048", "tokenizer.json")
+
 
 def pytest_configure(config):
     if os.environ.get(LAUNCH_LOG_ENV):  # every subprocess's command and wall time, for tests/scripts/launch_log.py
@@ -85,10 +88,11 @@ def one_machine_run(cluster_runs) -> str:
 def bpe_2048():
     """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.offline.pydoc_bpe_tokenizer): the tests' tiny models
     use it, since with GPT-2's 50257 tokens a 32-wide model's step is nearly all head and loss (docs/testing.md).
+    Shipped as a file (BPE_2048), trained once on Python 3.11's pydoc text: every Python gets the same ids.
     tests/unit/test_offline.py tests the real GPT-2 tokenizer; the notebook and the README's run use it."""
-    from toolkit.offline import pydoc_bpe_tokenizer
+    from toolkit.offline import bpe_from_file
 
-    return pydoc_bpe_tokenizer(2048)
+    return bpe_from_file(BPE_2048)
 
 
 @pytest.fixture(scope="session")

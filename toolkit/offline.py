@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # only for annotations; keeps `import toolkit.offline` free of torch/transformers
     import transformers
 
-__all__ = ["gpt2_tokenizer", "pydoc_bpe_tokenizer", "save_tiny_gpt2", "smollm2_gguf_path", "save_smollm2", "main"]
+__all__ = ["gpt2_tokenizer", "pydoc_bpe_tokenizer", "bpe_from_file", "save_tiny_gpt2", "smollm2_gguf_path", "save_smollm2", "main"]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # GPT-2's single special token: it is bos, eos and unk at once.
@@ -98,6 +98,9 @@ def gpt2_tokenizer() -> transformers.GPT2TokenizerFast:
     return tok
 
 
+BPE_EOS = "<|endoftext|>"  # GPT-2's one special token: bos, eos and unk of the BPEs built here
+
+
 def pydoc_bpe_tokenizer(vocab_size: int = 2048) -> transformers.GPT2TokenizerFast:
     """A byte-level BPE of ``vocab_size`` tokens built the way GPT-2's was (its pre-tokenizer regex, its byte
     alphabet, ``<|endoftext|>`` as bos, eos and unk), trained here on CPython's ``pydoc_data.topics``.
@@ -115,16 +118,27 @@ def pydoc_bpe_tokenizer(vocab_size: int = 2048) -> transformers.GPT2TokenizerFas
 
     if vocab_size < 257:
         raise ValueError(f"vocab_size {vocab_size}: a byte-level BPE needs the 256 bytes and <|endoftext|> (>= 257)")
-    eos = "<|endoftext|>"
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's regex, as in its files
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator([topics[k] for k in sorted(topics)], trainer=trainer)
-    return GPT2TokenizerFast(tokenizer_object=backend, bos_token=eos, eos_token=eos, unk_token=eos,
-                             model_max_length=1024)
+    return _gpt2_kind(GPT2TokenizerFast, tokenizer_object=backend)
+
+
+def bpe_from_file(path: str) -> transformers.GPT2TokenizerFast:
+    """A ``tokenizer.json`` written from :func:`pydoc_bpe_tokenizer` (``backend_tokenizer.save``), loaded back as that
+    function returns it. The tests ship theirs as a file: pydoc's text differs between Python versions, so training
+    at run time would give each Python other ids (and other figures in the tests)."""
+    from transformers import GPT2TokenizerFast
+
+    return _gpt2_kind(GPT2TokenizerFast, tokenizer_file=path)
+
+
+def _gpt2_kind(cls, **source):
+    return cls(**source, bos_token=BPE_EOS, eos_token=BPE_EOS, unk_token=BPE_EOS, model_max_length=1024)
 
 
 def save_tiny_gpt2(path, n_layer=2, n_embd=64, n_head=2, n_positions=256, seed=0, tokenizer=None) -> str:

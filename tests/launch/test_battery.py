@@ -129,7 +129,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     from transformers import AutoTokenizer
 
     long_prompt = json.loads(open(files["pairs_long_prompt.jsonl"]).read().splitlines()[5])["prompt"]
-    # the pydoc BPE is trained on the running Python's text: 90 tokens on Python 3.11
+    # the tiny model's tokenizer (the shipped BPE, conftest's bpe_2048): 90 tokens
     long_tokens = len(AutoTokenizer.from_pretrained(tiny_model)(long_prompt)["input_ids"])
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these

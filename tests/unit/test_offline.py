@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import sys
 
 import pytest
 import torch
@@ -60,11 +61,16 @@ def test_tiny_gpt2_round_trip(tmp_path):
 
 def test_pydoc_bpe_is_a_deterministic_byte_level_bpe_that_reloads_as_itself(tiny_model, bpe_2048):
     """The launched tests' tokenizer: GPT-2's kind (byte-level, spaces as 'Ġ', <|endoftext|> one token and bos = eos),
-    the same on every build, lossless on any text, and what tiny_model's folder loads back."""
+    the same on every build, lossless on any text, and what tiny_model's folder loads back. The tests load it from
+    the shipped file (the same ids on every Python); on the Python it was trained on, training reproduces the file."""
     from transformers import AutoTokenizer
 
     tok = offline.pydoc_bpe_tokenizer(2048)
-    assert len(tok) == 2048 and tok.backend_tokenizer.to_str() == bpe_2048.backend_tokenizer.to_str()
+    assert len(tok) == len(bpe_2048) == 2048
+    assert tok.backend_tokenizer.to_str() == offline.pydoc_bpe_tokenizer(2048).backend_tokenizer.to_str()
+    if sys.version_info[:2] == (3, 11):  # pydoc's text is the running Python's: other versions train other merges
+        assert tok.backend_tokenizer.to_str() == bpe_2048.backend_tokenizer.to_str()
+    tok = bpe_2048
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     assert tok("x<|endoftext|>")["input_ids"][-1] == eos == tok.eos_token_id == tok.bos_token_id
     assert any(t.startswith("Ġ") for t in tok.convert_ids_to_tokens(tok(" The object is returned")["input_ids"]))
