@@ -66,7 +66,8 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
     assert os.path.isfile(str(tmp_path / "two" / "loss.png"))  # plot: true by default, drawn by rank 0
     evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
-    assert evals and all("perplexity" in r for r in evals)
+    assert evals and all("perplexity" in r and r["loss_unit"] == "nats/token" for r in evals)
+    assert "| global batch 8 sequences (padded, variable length) |" in two.stdout  # a chat is one sequence
     # What a user reads of a 2-rank DDP run: no DeepSpeed "Setting accelerator to CPU" on each rank, no raw escape
     # sequences (an export bar drawn under the open training bar moved the cursor up).
     console = two.stdout + two.stderr
@@ -354,6 +355,10 @@ def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(run
     # each row once, with its own label: the same predictions score the same (weights within 1e-6)
     assert [(r["accuracy"], r["macro_f1"]) for r in two] == [(r["accuracy"], r["macro_f1"]) for r in one]
     assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-6, abs=0)
+    # a classifier's loss is per example (loss.png's axis), and its summary's best is the accuracy, prefixed once
+    assert {r["loss_unit"] for r in _rows(dirs["two"]) if "loss" in r or "eval_loss" in r} == {"nats/example"}
+    summary = json.load(open(os.path.join(dirs["two"], "summary.json")))
+    assert summary["best_eval_accuracy"] == max(r["accuracy"] for r in two)
     with open(os.path.join(dirs["two"], "final", "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 6
