@@ -304,7 +304,7 @@ def test_a_prompt_that_fills_block_size_is_refused_naming_the_row(tiny_model):
 
 
 def test_a_dpo_run_speaks_of_pairs_and_names_its_metrics_as_trl(gpt2_256, pairs, tmp_path, capsys):
-    """A DPO run (in process, 1 x 2 pairs x accumulation 2): its start-up line counts the global batch in pairs, not
+    """A DPO run (in process, 1 x 2 pairs x accumulation 2, one step): its start-up line counts the global batch in pairs, not
     sequences; its evaluation rows carry TRL's evaluation names (eval_rewards/*, eval_logps/*, eval_logits/*), its
     loss rows DPO's loss unit (per pair, for loss.png's axis); the summary's best eval loss is prefixed once."""
     import json
@@ -317,10 +317,10 @@ def test_a_dpo_run_speaks_of_pairs_and_names_its_metrics_as_trl(gpt2_256, pairs,
 
     out = str(tmp_path / "dpo")
     summary = train_in_process({**pairs, "model_name_or_path": gpt2_256, "packing": False, "block_size": 256,
-                                "optim": "sgd", "learning_rate": 0.1, "max_steps": 2, "logging_steps": 1,
+                                "optim": "sgd", "learning_rate": 0.1, "max_steps": 1, "logging_steps": 1,
                                 "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
                                 "per_device_eval_batch_size": 4, "eval_on_start": True, "report_to": "none",
-                                "save_final_model": False, "output_dir": out}, task=DPO())
+                                "save_final_model": False, "plot": False, "output_dir": out}, task=DPO())
     printed = capsys.readouterr().out
     assert "| global batch 4 pairs (padded, variable length) |" in printed, printed
     rows = read_metrics(out)
