@@ -6,7 +6,8 @@ jsonl/parquet or the Hub), or ``dataset_name: pydoc-preferences`` (questions abo
 and another topic's answer rejected, built offline). The loss is the mean over every pair of the global batch,
 whatever the split over ranks and micro-steps; the reference is a frozen copy of the starting weights sharded like the
 policy (with LoRA: the adapter disabled), or its log-probabilities computed once before training
-(precompute_ref_log_probs: true). Held-out pairs give TRL's metrics (rewards/accuracies, rewards/margins, ...).
+(precompute_ref_log_probs: true). Held-out pairs give TRL's evaluation metrics (eval_rewards/accuracies,
+eval_rewards/margins, ...).
 
     python -m toolkit.offline tiny-gpt2 outputs/models/tiny-gpt2
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 recipes/dpo.py --config recipes/configs/dpo_tiny.yaml

@@ -499,10 +499,11 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def train_in_process(values: dict, callbacks=None) -> dict:
+def train_in_process(values: dict, callbacks=None, task=None) -> dict:
     """A recipe's steps (``build``, then ``train``) as one process inside this one, as a notebook kernel runs them:
     for what only an in-process run shows (what ``train`` leaves behind in its process). accelerate's process-wide
-    state is reset before and after. Returns the run's summary."""
+    state is reset before and after. ``task``: a ``toolkit.tasks.Task`` (a causal LM when None; DPO's reference is
+    added as recipes/dpo.py adds it). Returns the run's summary."""
     from accelerate.state import AcceleratorState, GradientState
 
     from toolkit.build import build
@@ -515,7 +516,10 @@ def train_in_process(values: dict, callbacks=None) -> dict:
     GradientState._reset_state()
     try:
         accelerator = make_accelerator(cfg.train)
-        return train(cfg, accelerator, **build(cfg, accelerator).train_kwargs(), callbacks=callbacks)
+        parts = build(cfg, accelerator, task=task)
+        if hasattr(task, "add_reference"):
+            task.add_reference(cfg, accelerator, parts)
+        return train(cfg, accelerator, **parts.train_kwargs(), callbacks=callbacks)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()

@@ -195,6 +195,8 @@ class SequenceClassification(Task):
     auto_class = "AutoModelForSequenceClassification"
     peft_task_type = "SEQ_CLS"
     best_metric = ("accuracy", max)
+    row_unit = "examples"
+    loss_unit = "nats/example"  # cross-entropy averaged over the examples (class weights, when set, weigh them)
 
     def __init__(self):
         self.labels: list[str] | None = None  # class names, set by load_raw

@@ -52,7 +52,7 @@ from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
 from toolkit.stream import TrainStream
-from toolkit.tasks import CausalLM
+from toolkit.tasks import CausalLM, Task
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
@@ -421,9 +421,9 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
 
 
 def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, resumed_from: str | None,
-                    train_dataset) -> MetricsLogger:
-    """The resolved config, the trackers and metrics.jsonl (a resumed run keeps the rows up to its checkpoint); the
-    run's shape printed once."""
+                    train_dataset, task: Task) -> MetricsLogger:
+    """The resolved config, the trackers and metrics.jsonl (a resumed run keeps the rows up to its checkpoint; its
+    loss rows name the task's ``loss_unit``); the run's shape printed once, in the task's ``row_unit``."""
     args = cfg.train
     if accelerator.is_main_process:
         write_config(cfg, layout.path(args.output_dir, layout.CONFIG))
@@ -437,13 +437,13 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
         f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
-        f"{args.gradient_accumulation_steps} | global batch {global_batch} sequences"
+        f"{args.gradient_accumulation_steps} | global batch {global_batch} {task.row_unit}"
         + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else
            " (whole documents packed per row, padding-free)" if cfg.data.padding_free else " (padded, variable length)")
         + f" | {length} | {run.total_steps} optimizer steps from step {state.step}"
     )
     return MetricsLogger(accelerator, args.output_dir, run.total_steps, start_step=state.step,
-                         resume=resumed_from is not None)
+                         resume=resumed_from is not None, loss_unit=task.loss_unit)
 
 
 def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
@@ -512,7 +512,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
     state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
-    logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset)
+    logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset, task)
     start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
     evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
     if run.eval_dl is not None and args.eval_on_start and state.step == 0:

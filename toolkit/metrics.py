@@ -59,6 +59,12 @@ def write_summary(output_dir: str, summary: dict) -> str:
     return path
 
 
+def best_key(metric: str) -> str:
+    """The summary's key for the best value of the eval metric ``metric``: ``best_eval_perplexity``,
+    ``best_eval_accuracy``; an eval metric already named ``eval_*`` (DPO's ``eval_loss``) is not prefixed twice."""
+    return "best_eval_" + metric.removeprefix("eval_")
+
+
 def format_run_summary(summary: dict) -> str:
     """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
     best = next(((key[len("best_eval_"):], value) for key, value in summary.items() if key.startswith("best_eval_")),
@@ -85,13 +91,16 @@ def format_run_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-# The eval metrics the progress bar prints, of any task (DPO's: TRL's reward accuracy and margin).
-EVAL_SHOWN = ("eval_loss", "perplexity", "accuracy", "macro_f1", "rewards/accuracies", "rewards/margins")
+# The eval metrics the progress bar prints, of any task (DPO's: TRL's reward accuracy and margin, named as TRL names
+# them in evaluation).
+EVAL_SHOWN = ("eval_loss", "perplexity", "accuracy", "macro_f1", "eval_rewards/accuracies", "eval_rewards/margins")
 
 
 class MetricsLogger:
-    def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, resume: bool = False):
+    def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, resume: bool = False,
+                 loss_unit: str | None = None):
         self.accelerator = accelerator
+        self.loss_unit = loss_unit  # the task's (nats/token, nats/example, per pair): in each row with a loss
         self.path = layout.path(output_dir, layout.METRICS)
         self.main = accelerator.is_main_process
         if self.main:
@@ -116,6 +125,9 @@ class MetricsLogger:
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if isinstance(v, float) else v) for k, v in row.items()}
+        if self.loss_unit and ("loss" in row or "eval_loss" in row):
+            # in the file itself, so that its readers (loss.png, toolkit report) label a run's loss without its task
+            row["loss_unit"] = self.loss_unit
         if self.main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -260,7 +272,7 @@ def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: in
         "steps_per_s": steps / seconds if seconds > 0 else 0.0,
         "mfu": mfu(flops_per_token, tokens_per_s, world, peak_flops),
         "peak_memory_gb_per_rank": [round(float(m), 3) for m in peak_memory_per_rank(accelerator)],
-        f"best_eval_{best[0]}": best[1],
+        best_key(best[0]): best[1],
         "final_model": final_model,
         "preempted": preempted,
         "world_size": world,

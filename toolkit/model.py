@@ -122,25 +122,39 @@ def _load(args: ModelArguments, config, auto):
     return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
 
 
+TP_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
+
+
+def tensor_parallel_problem(config, tp_size: int) -> str | None:
+    """Why the model of ``config`` cannot be split over ``tp_size`` ranks by its transformers TP plan, or None.
+
+    The plan splits q/k/v/o by output rows, whole heads per rank: a split head fails deep inside the first forward
+    with a shape error (SmolLM2-135M: 9 heads and 3 KV heads take tp_size 3, not 2). The MLP's widths need not
+    divide: transformers 5's column-wise shards (``ColwiseParallel``) leave the last rank a shorter slice."""
+    if not getattr(config, "base_model_tp_plan", None):
+        return (f"a {config.model_type} model has no tensor-parallel plan in transformers (Llama, Mistral, Qwen and "
+                "most recent decoder models have one)")
+    heads = {name: getattr(config, name, None) for name in TP_HEAD_COUNTS}
+    heads = {name: n for name, n in heads.items() if isinstance(n, int)}
+    if all(n % tp_size == 0 for n in heads.values()):
+        return None
+    counts = ", ".join(f"{name} {n}" for name, n in heads.items())
+    divisors = [t for t in range(1, max(heads.values()) + 1) if all(n % t == 0 for n in heads.values())]
+    return (f"tp_size {tp_size} does not divide this {config.model_type} model's heads ({counts}): each rank holds "
+            f"whole heads, so tp_size must divide each ({', '.join(map(str, divisors))})")
+
+
 def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
     from transformers.distributed import DistributedConfig
 
     if not args.model_name_or_path:
         raise ConfigError("model_name_or_path", "tensor parallelism loads pretrained weights split by the model's TP "
                                                 "plan; save the model first (save_pretrained) and name its folder")
-    if not (getattr(config, "base_model_tp_plan", None)):
-        raise ConfigError("parallelism_config_tp_size", f"a {config.model_type} model has no tensor-parallel plan in "
-                                                        "transformers (Llama, Mistral, Qwen and most recent decoder "
-                                                        "models have one); use tp_size 1 (ddp/fsdp/zero configs)")
-    # The plan splits q/k/v/o by output rows, whole heads per rank: a split head fails deep inside the first forward
-    # with a shape error (SmolLM2-135M: 9 heads and 3 KV heads take tp_size 3, not 2).
-    heads = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
-    uneven = {name: n for name, n in heads.items() if isinstance(n, int) and n % tp_size}
-    if uneven:
-        counts = ", ".join(f"{name} {n}" for name, n in heads.items() if isinstance(n, int))
-        raise ConfigError("parallelism_config_tp_size", f"tp_size {tp_size} does not divide this {config.model_type} "
-                                                        f"model's heads ({counts}): pick a tp_size that divides each "
-                                                        "(with --num_processes equal to it)")
+    problem = tensor_parallel_problem(config, tp_size)
+    if problem:
+        fix = ("use tp_size 1 (ddp/fsdp/zero configs)" if not getattr(config, "base_model_tp_plan", None) else
+               "pick a tp_size that divides each (with --num_processes equal to it)")
+        raise ConfigError("parallelism_config_tp_size", f"{problem}; {fix}")
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
                                 distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs())

@@ -56,6 +56,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from toolkit import hub
 from toolkit.errors import ConfigError
@@ -72,6 +73,8 @@ class ModelCount:
     width: int
     heads: int
     vocab: int
+    # why the model cannot be split over t ranks by its TP plan (toolkit.model.tensor_parallel_problem), or None
+    tp_problem: Callable[[int], str | None] = lambda tp: None
 
 
 def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None) -> ModelCount:
@@ -103,7 +106,10 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     # The logits of the micro batch: a causal LM's are vocab wide, a classifier's num_labels wide.
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
-    return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits)
+    from toolkit.model import tensor_parallel_problem  # what the recipe refuses at load, said before launch
+
+    return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
+                      tp_problem=lambda tp: tensor_parallel_problem(config, tp))
 
 
 def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
@@ -246,12 +252,17 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
     for name in STRATEGIES:
         config = launch_config(name, gpus, nodes, precision)
         states = model_states_per_device(m, name, devices, gpus, precision)
+        why_not = None
+        if name == "TP" and config:
+            why_not = m.tp_problem(gpus)
         if reference:
             states["reference"] = reference_per_device(m, name, devices, gpus, precision)
-            config = config if name != "TP" else None  # a live reference is refused under TP: precompute it
+            if name == "TP" and config and not why_not:  # a live reference is refused under TP
+                why_not = "DPO's live reference is not sharded under TP: add --precompute-ref-log-probs"
+        config = None if why_not else config
         on_device = sum(v for k, v in states.items() if k != "cpu")
         tp = gpus if name == "TP" else 1
-        row = {"strategy": name, "config": config, **states, "model_states": on_device}
+        row = {"strategy": name, "config": config, **states, "model_states": on_device, "why_not": why_not}
         for suffix, ckpt in (("", checkpointing), ("_other", not checkpointing)):
             act = activation_bytes(m, micro, seq, precision, ckpt, tp=tp)
             total = {case: on_device + a for case, a in act.items()}
@@ -285,18 +296,49 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         acts = ["/".join(f"{a[k] / GB:.1f}" for k in ("low", "expected", "high"))
                 for a in (r["activations"], r["activations_other"])]
         cpu = f" (+{r['cpu'] / GB:.1f} GB optimizer state in CPU memory)" if r.get("cpu") else ""
-        launch = (f"accelerate launch {r['config']}{cpu}" if r["config"] else
-                  "DPO's live reference is not sharded under TP: add --precompute-ref-log-probs" if "reference" in r
-                  else "one node only (tensor parallel with data parallelism is refused with these versions)")
+        launch = (f"accelerate launch {r['config']}{cpu}" if r["config"] else r["why_not"] or
+                  "one node only (tensor parallel with data parallelism is refused with these versions)")
         lines.append(f"{r['strategy']:<17} {r['weights'] / GB:>8.2f} {r['gradients'] / GB:>8.2f} "
                      f"{r['optimizer'] / GB:>8.2f} {r.get('reference', 0) / GB:>8.2f} {r['model_states'] / GB:>8.2f} "
                      f"{acts[0]:>17} {acts[1]:>17} "
                      f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5} {r['fits_other']:>12}  {launch}")
-    lines += ["", "then the recipe with the fields planned: <recipe> --config <yours> " + recipe_fields(args)]
+    lines += ["", *recommendation(rows, args)]
     if args.nodes > 1:
         lines.append(f"on each of the {args.nodes} nodes, also: --machine_rank <0..{args.nodes - 1}> "
                      "--main_process_ip <node 0's address> --main_process_port 29500 (docs/multinode.md)")
     return "\n".join(lines)
+
+
+# The layout recommended, first that fits: the least communication first (DDP all-reduces gradients only; each ZeRO
+# stage adds collectives), HSDP before ZeRO-3 across nodes (its all-gathers stay within a node; on one node it is
+# FSDP2), TP before offload, and offload last (optimizer state over the host link every step).
+PREFERENCE = ("DDP", "ZeRO-1", "ZeRO-2", "HSDP", "ZeRO-3", "FSDP2", "TP", "ZeRO-3 + offload")
+# The config each recipe ships with, which the recommended command starts from (its fields, then the plan's).
+RECIPE_CONFIGS = {"gpt2": "gpt2.yaml", "sft": "sft_smollm2.yaml", "classify": "classify_minilm.yaml",
+                  "dpo": "dpo_smollm2.yaml"}
+
+
+def recommended(rows: list[dict], nodes: int) -> dict | None:
+    """The row ``PREFERENCE`` picks among those that fit ("yes", else "maybe"); None when none does."""
+    by_name = {r["strategy"]: r for r in rows if r["config"] and (r["strategy"] != "HSDP" or nodes > 1)}
+    for verdict in ("yes", "maybe"):
+        for name in PREFERENCE:
+            if name in by_name and by_name[name]["fits"] == verdict:
+                return by_name[name]
+    return None
+
+
+def recommendation(rows: list[dict], args) -> list[str]:
+    """The whole command for the recommended layout: the launch options, the recipe, its shipped config and the
+    fields the plan assumed (a line to start from: put your own config after --config)."""
+    row = recommended(rows, args.nodes)
+    if row is None:
+        return ["nothing fits as asked: try --gradient-checkpointing, a smaller --micro-batch or --seq-len, LoRA "
+                "(--lora-r), more devices or devices with more memory"]
+    fits = "fits" if row["fits"] == "yes" else "may fit (the expected activations do, the high ones do not)"
+    return [f"recommended: {row['strategy']} ({fits}; of the layouts that fit, the one with the least communication):",
+            f"  accelerate launch {row['config']} recipes/{args.recipe}.py --config recipes/configs/"
+            f"{RECIPE_CONFIGS[args.recipe]} {recipe_fields(args)}"]
 
 
 def recipe_fields(args) -> str:

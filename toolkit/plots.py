@@ -19,6 +19,13 @@ def _points(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["tokens_seen"], r[key]) for r in rows if r.get(key) is not None and "tokens_seen" in r]
 
 
+def loss_label(runs: dict[str, list[dict]]) -> str:
+    """The loss axis' label: the unit the runs' rows name (``loss_unit``, the task's: nats/token for a language model,
+    nats/example for a classifier, per pair for DPO), or none where they name none or several."""
+    units = {r["loss_unit"] for rows in runs.values() for r in rows if r.get("loss_unit")}
+    return f"loss ({units.pop()})" if len(units) == 1 else "loss"
+
+
 def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) -> str:
     """One figure with every run's curves (one run: train/eval loss + lr; several: loss curves side by side)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -50,7 +57,7 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) 
                 lr_ax.set_ylabel("learning rate")
                 lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax.set_xlabel("tokens seen (all ranks)")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(loss_label(runs))
     ax.set_title(title or ", ".join(runs))
     handles, labels = ax.get_legend_handles_labels()
     if lr_ax is not None:

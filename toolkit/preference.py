@@ -32,9 +32,10 @@ already be partitioned under ZeRO-3): every rank computes the log-probabilities 
 ``per_device_eval_batch_size`` pairs in dataset order (so the values do not depend on the world size or the
 micro-batch), and they travel with the rows (``ref_chosen_logps``, ``ref_rejected_logps``). Both give the same run.
 
-Metrics (TRL's names) on the held-out pairs: ``rewards/chosen`` and ``rewards/rejected`` (beta x log-ratio),
-``rewards/accuracies`` (the share of pairs whose chosen reward is higher), ``rewards/margins``, ``logps/chosen``,
-``logps/rejected``, ``logits/chosen`` and ``logits/rejected`` (the mean logit over the vocabulary, averaged over the
+Metrics on the held-out pairs, named as TRL's evaluation names them: ``eval_rewards/chosen`` and
+``eval_rewards/rejected`` (beta x log-ratio), ``eval_rewards/accuracies`` (the share of pairs whose chosen reward is
+higher), ``eval_rewards/margins``, ``eval_logps/chosen``, ``eval_logps/rejected``, ``eval_logits/chosen`` and
+``eval_logits/rejected`` (the mean logit over the vocabulary, averaged over the
 completions' tokens), and ``eval_loss`` (the mean pair loss).
 """
 
@@ -191,6 +192,8 @@ class DPO(CausalLM):
     name = "dpo"
     sequences_per_row = 2  # chosen and rejected: what the chunked loss sizes its chunk count by
     best_metric = ("eval_loss", min)
+    row_unit = "pairs"
+    loss_unit = "per pair"  # the DPO loss of a pair (sigmoid: nats; ipo: a squared log-ratio gap), not per token
     stream_refusal = ("it computes every training pair's reference log-probs before step 1 (TRL's "
                       "precompute_ref_log_probs)")
 
@@ -269,14 +272,15 @@ class DPO(CausalLM):
          rejected_targets) = (torch.cat([r[i].double() for r in rows]) for i in range(10))
         reward_chosen, reward_rejected = self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)
         losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
-        metrics = {"eval_loss": float(losses.mean()), "rewards/chosen": float(reward_chosen.mean()),
-                   "rewards/rejected": float(reward_rejected.mean()),
-                   "rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
-                   "rewards/margins": float((reward_chosen - reward_rejected).mean()),
-                   "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
+        # TRL's names as its evaluation logs them: eval_ before each (its training rows have them bare)
+        metrics = {"eval_loss": float(losses.mean()), "eval_rewards/chosen": float(reward_chosen.mean()),
+                   "eval_rewards/rejected": float(reward_rejected.mean()),
+                   "eval_rewards/accuracies": float((reward_chosen > reward_rejected).double().mean()),
+                   "eval_rewards/margins": float((reward_chosen - reward_rejected).mean()),
+                   "eval_logps/chosen": float(chosen.mean()), "eval_logps/rejected": float(rejected.mean()),
                    # TRL's: the mean logit over the vocabulary, averaged over every completion token (not per pair)
-                   "logits/chosen": float(chosen_logits.sum() / chosen_targets.sum().clamp(min=1)),
-                   "logits/rejected": float(rejected_logits.sum() / rejected_targets.sum().clamp(min=1)),
+                   "eval_logits/chosen": float(chosen_logits.sum() / chosen_targets.sum().clamp(min=1)),
+                   "eval_logits/rejected": float(rejected_logits.sum() / rejected_targets.sum().clamp(min=1)),
                    "eval_pairs": len(losses)}
         self.last_eval = metrics
         return metrics
@@ -314,8 +318,8 @@ class DPO(CausalLM):
             from accelerate.utils import gather_object  # one record per rank; the list as it is on one process
 
             out["ranks"] = gather_object([{"start": self.start["sha256"], "end": end["sha256"], "numel": end["numel"]}])
-        # TRL's names for its eval metrics: the last evaluation's reward accuracy and margin
-        last = {f"eval_{key}": self.last_eval.get(key) for key in ("rewards/accuracies", "rewards/margins")}
+        # the last evaluation's reward accuracy and margin
+        last = {key: self.last_eval.get(key) for key in ("eval_rewards/accuracies", "eval_rewards/margins")}
         return {"reference": out, **last}
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ compare strategies or layouts (e.g. 2 ranks x 4 against 1 process x 4 x 2 accumu
 sample order, so the curves should lie on top of each other).
 
     python -m toolkit report outputs/tiny-gpt2-pydoc
-    python -m toolkit report outputs/ddp outputs/zero3 --out compare.png --markdown compare.md
+    python -m toolkit report outputs/ddp outputs/zero3 --markdown compare.md    # the plot: outputs/compare.png
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def summarize(run: dict) -> dict:
         "best_eval_step": best["step"] if best else None,
         "best_perplexity": math.exp(min(best["eval_loss"], 50.0)) if best and "perplexity" in best else None,
         "best_accuracy": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
-        **_first_and_last(evals, "rewards/accuracies", "reward_accuracy"),
-        **_first_and_last(evals, "rewards/margins", "reward_margin"),
+        **_first_and_last(evals, "eval_rewards/accuracies", "reward_accuracy"),
+        **_first_and_last(evals, "eval_rewards/margins", "reward_margin"),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / world if world and tokens_per_s else None,
         "steps_per_s": summary.get("steps_per_s"),
@@ -133,7 +133,7 @@ def summarize(run: dict) -> dict:
 
 
 def _first_and_last(evals: list[dict], metric: str, name: str) -> dict:
-    """``first_<name>`` and ``final_<name>``: ``metric`` (e.g. DPO's rewards/accuracies) at the first and the last
+    """``first_<name>`` and ``final_<name>``: ``metric`` (e.g. DPO's eval_rewards/accuracies) at the first and the last
     evaluation that has it; None where none has."""
     values = [r[metric] for r in evals if r.get(metric) is not None]
     return {f"first_{name}": values[0] if values else None, f"final_{name}": values[-1] if values else None}
@@ -222,6 +222,16 @@ def table(summaries: list[dict], markdown: bool = False) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body)
 
 
+COMPARE_PLOT = "compare.png"
+
+
+def compare_plot_path(output_dirs: list[str]) -> str:
+    """Where several runs' plot goes unless ``--out`` says: beside the runs, in the folder that holds them all
+    (``outputs/ddp outputs/zero3`` -> ``outputs/compare.png``), not wherever the command happened to be typed."""
+    parents = [os.path.dirname(os.path.abspath(d)) for d in output_dirs]
+    return os.path.join(os.path.commonpath(parents), COMPARE_PLOT)
+
+
 def report(output_dirs: list[str], out: str | None = None, markdown_path: str | None = None,
            fmt: str = "text") -> tuple[str, str]:
     """Draw the plot and build the table; returns (image path, table text in the requested format)."""
@@ -229,7 +239,7 @@ def report(output_dirs: list[str], out: str | None = None, markdown_path: str | 
     summaries = [summarize(r) for r in runs]
     names = run_names(summaries)
     if out is None:
-        out = layout.path(output_dirs[0], layout.LOSS_PLOT) if len(runs) == 1 else "compare.png"
+        out = layout.path(output_dirs[0], layout.LOSS_PLOT) if len(runs) == 1 else compare_plot_path(output_dirs)
     title = names[0] if len(runs) == 1 else " vs ".join(names)
     plot_runs({n: r["rows"] for n, r in zip(names, runs)}, out, title=title)
     if markdown_path:
@@ -247,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Re-draw the loss plot and print the summary of one run, or compare several side by side.",
     )
     parser.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="output_dir of a run (metrics.jsonl)")
-    parser.add_argument("--out", default=None,
-                        help="image to write (default: OUTPUT_DIR/loss.png for one run, ./compare.png for several)")
+    parser.add_argument("--out", "--output", dest="out", default=None,
+                        help="image to write (default: OUTPUT_DIR/loss.png for one run; for several, compare.png in "
+                             "the folder that holds them all)")
     parser.add_argument("--format", choices=("text", "md", "json"), default="text", help="how to print the summary")
     parser.add_argument("--markdown", default=None, metavar="FILE.md", help="also write the table as markdown here")
     args = parser.parse_args(argv)

@@ -17,8 +17,10 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     summary(accelerator, model)         collective, at the end: entries the task adds to summary.json
 
 and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's),
-``sequences_per_row`` (the model's rows per dataset row: 1, or 2 for a preference pair) and ``best_metric`` (the
-eval metric whose best value the summary reports, and which is best). The tasks live beside their
+``sequences_per_row`` (the model's rows per dataset row: 1, or 2 for a preference pair), ``best_metric`` (the
+eval metric whose best value the summary reports, and which is best), ``row_unit`` (what one dataset row is, in the
+run's printed batch sizes: sequences, examples, pairs) and ``loss_unit`` (what the logged loss is a mean of, on the
+loss plot's axis: nats/token, nats/example, per pair). The tasks live beside their
 data: ``CausalLM`` here, ``ChatSFT`` in ``toolkit.chat``, ``SequenceClassification`` in ``toolkit.classification``;
 a new task is a module with a ``Task`` subclass, and the recipe that passes it to ``build``.
 
@@ -57,6 +59,8 @@ class Task(ABC):
     peft_task_type: str  # peft's TaskType name, e.g. "CAUSAL_LM"
     best_metric: tuple[str, Callable]  # e.g. ("perplexity", min)
     sequences_per_row: int = 1  # sequences a dataset row puts in a micro-batch (a preference pair: 2)
+    row_unit: str = "rows"  # what a dataset row is, plural ("global batch 8 pairs")
+    loss_unit: str = "per target"  # what the logged loss is a mean of (metrics.jsonl's loss_unit, loss.png's axis)
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
 
@@ -130,6 +134,8 @@ class CausalLM(Task):
     auto_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     best_metric = ("perplexity", min)  # the eval metric whose best value the summary reports, and which is best
+    row_unit = "sequences"  # a packed row or one document (chat SFT: one chat, or whole chats packed)
+    loss_unit = "nats/token"  # cross-entropy averaged over the next-token targets
     stream_refusal = None
 
     def check(self, cfg) -> None:

@@ -41,8 +41,9 @@ def test_the_command(request, commands, llama7b):
     assert "accelerate_configs/zero3.yaml" in lines["ZeRO-3"] and "accelerate_configs/fsdp.yaml" in lines["FSDP2"]
     assert "accelerate_configs/zero2.yaml --zero_stage 1" in lines["ZeRO-1"]
     assert "accelerate_configs/hsdp.yaml" in lines["HSDP"] and "accelerate_configs/tp.yaml" in lines["TP"]
-    recipe = next(line for line in proc.stdout.splitlines() if line.startswith("then the recipe"))
-    assert recipe.endswith(f"--model_name_or_path {llama7b} --per_device_train_batch_size 4 --block_size 2048")
+    command = next(line for line in proc.stdout.splitlines() if line.startswith("  accelerate launch "))
+    assert command.endswith(f"recipes/gpt2.py --config recipes/configs/gpt2.yaml --model_name_or_path {llama7b} "
+                            "--per_device_train_batch_size 4 --block_size 2048")
 
 
 def test_a_model_that_is_not_there_is_one_clear_line(request, commands):

@@ -66,7 +66,8 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
     assert "--- before fine-tuning" in one.stdout and "--- after fine-tuning" in two.stdout
     assert os.path.isfile(str(tmp_path / "two" / "loss.png"))  # plot: true by default, drawn by rank 0
     evals = [r for r in _rows(str(tmp_path / "two")) if "eval_loss" in r]
-    assert evals and all("perplexity" in r for r in evals)
+    assert evals and all("perplexity" in r and r["loss_unit"] == "nats/token" for r in evals)
+    assert "| global batch 8 sequences (padded, variable length) |" in two.stdout  # a chat is one sequence
     # What a user reads of a 2-rank DDP run: no DeepSpeed "Setting accelerator to CPU" on each rank, no raw escape
     # sequences (an export bar drawn under the open training bar moved the cursor up).
     console = two.stdout + two.stderr
@@ -183,15 +184,16 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
     one, two = _two_ranks_equal_one_process(runs, "dpo", _dpo(gpt2_256, pairs), gpt2_256, moved=1e-3, loss_rel=5e-6)
     evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (one, two)}
     start, end = evals[two][0], evals[two][-1]
-    assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["rewards/margins"] == 0.0
-    assert [r["eval_pairs"] for r in evals[two]] == [7, 7] and end["rewards/margins"] != 0.0
+    assert start["eval_loss"] == pytest.approx(0.6931472, abs=1e-6) and start["eval_rewards/margins"] == 0.0
+    assert [r["eval_pairs"] for r in evals[two]] == [7, 7] and end["eval_rewards/margins"] != 0.0
     # A reward is beta x (a summed log-prob of about -500, whose fp32 spacing is 3e-5, minus the reference's): the
     # two runs' forwards differ in batch shape, so rewards agree to a few 1e-6, log-probs to 1e-5 relative.
-    for key in ("eval_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
+                "eval_rewards/margins"):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], abs=1e-5), key
-    for key in ("logps/chosen", "logps/rejected"):
+    for key in ("eval_logps/chosen", "eval_logps/rejected"):
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-5), key
-    for key in ("logits/chosen", "logits/rejected"):  # token-weighted over all 7 pairs, whichever rank held them
+    for key in ("eval_logits/chosen", "eval_logits/rejected"):  # token-weighted over all 7 pairs, whichever rank held them
         assert [r[key] for r in evals[two]] == pytest.approx([r[key] for r in evals[one]], rel=1e-4), key
 
 
@@ -204,15 +206,19 @@ def test_dpo_metrics_reach_the_summary_and_the_report(runs, gpt2_256, pairs):
     evals = [r for r in _rows(two) if "eval_loss" in r]
     names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected", "logits/chosen", "logits/rejected")
-    assert len(evals) == 2 and all(name in r for r in evals for name in names)
+    # TRL's evaluation names (eval_ before each), never the bare names of its training rows
+    assert len(evals) == 2 and all(f"eval_{name}" in r and name not in r for r in evals for name in names)
     summary = json.load(open(os.path.join(two, "summary.json")))
-    assert summary["eval_rewards/accuracies"] == evals[-1]["rewards/accuracies"]
-    assert summary["eval_rewards/margins"] == evals[-1]["rewards/margins"] != 0.0
+    assert summary["eval_rewards/accuracies"] == evals[-1]["eval_rewards/accuracies"]
+    assert summary["eval_rewards/margins"] == evals[-1]["eval_rewards/margins"] != 0.0
+    # the best eval loss once prefixed, and the loss rows name DPO's unit (loss.png's axis: per pair, not per token)
+    assert summary["best_eval_loss"] == min(r["eval_loss"] for r in evals) and "best_eval_eval_loss" not in summary
+    assert {r["loss_unit"] for r in _rows(two) if "loss" in r or "eval_loss" in r} == {"per pair"}
     s = summarize(load_run(two))
-    assert (s["first_reward_margin"], s["final_reward_margin"]) == (0.0, evals[-1]["rewards/margins"])
-    assert (s["first_reward_accuracy"], s["final_reward_accuracy"]) == (0.0, evals[-1]["rewards/accuracies"])
+    assert (s["first_reward_margin"], s["final_reward_margin"]) == (0.0, evals[-1]["eval_rewards/margins"])
+    assert (s["first_reward_accuracy"], s["final_reward_accuracy"]) == (0.0, evals[-1]["eval_rewards/accuracies"])
     line = next(" ".join(x.split()) for x in table([s]).splitlines() if x.startswith("eval reward margin"))
-    assert line == f"eval reward margin first -> last (DPO) 0.0000 -> {evals[-1]['rewards/margins']:.4f}", line
+    assert line == f"eval reward margin first -> last (DPO) 0.0000 -> {evals[-1]['eval_rewards/margins']:.4f}", line
 
 
 @pytest.mark.parametrize("strategy", DPO_STRATEGIES)
@@ -242,8 +248,8 @@ def test_dpo_precomputed_reference_equals_the_live_one(runs, gpt2_256, pairs, st
     diff = max_abs_diff(load_weights(os.path.join(live, "final")), load_weights(os.path.join(pre, "final")))
     assert diff <= 1e-6, diff
     evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (live, pre)}
-    assert [r["rewards/margins"] for r in evals[pre]] == pytest.approx([r["rewards/margins"] for r in evals[live]],
-                                                                       abs=1e-5)
+    assert [r["eval_rewards/margins"] for r in evals[pre]] == pytest.approx(
+        [r["eval_rewards/margins"] for r in evals[live]], abs=1e-5)
 
 
 def test_dpo_resumes_bit_identically(runs, gpt2_256, pairs):
@@ -349,6 +355,10 @@ def test_classifier_on_two_ranks_equals_one_process_and_counts_each_row_once(run
     # each row once, with its own label: the same predictions score the same (weights within 1e-6)
     assert [(r["accuracy"], r["macro_f1"]) for r in two] == [(r["accuracy"], r["macro_f1"]) for r in one]
     assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-6, abs=0)
+    # a classifier's loss is per example (loss.png's axis), and its summary's best is the accuracy, prefixed once
+    assert {r["loss_unit"] for r in _rows(dirs["two"]) if "loss" in r or "eval_loss" in r} == {"nats/example"}
+    summary = json.load(open(os.path.join(dirs["two"], "summary.json")))
+    assert summary["best_eval_accuracy"] == max(r["accuracy"] for r in two)
     with open(os.path.join(dirs["two"], "final", "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 6

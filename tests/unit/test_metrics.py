@@ -126,11 +126,21 @@ def test_the_eval_line_shows_dpo_reward_accuracy_and_margin(tmp_path, capsys):
     """The line the progress bar prints at an evaluation: DPO's held-out reward accuracy and margin (TRL's names)
     beside the loss; a language model's line is unchanged."""
     logger = _logger(tmp_path)
-    logger.log({"step": 20, "eval_loss": 0.68257, "rewards/accuracies": 0.4615, "rewards/margins": 0.0351,
-                "rewards/chosen": -0.01, "eval_pairs": 13})
+    logger.log({"step": 20, "eval_loss": 0.68257, "eval_rewards/accuracies": 0.4615, "eval_rewards/margins": 0.0351,
+                "eval_rewards/chosen": -0.01, "eval_pairs": 13})
     logger.log({"step": 30, "eval_loss": 3.0, "perplexity": 20.0855})
     logger.close()
     captured = capsys.readouterr()
     lines = [line for line in (captured.out + captured.err).splitlines() if line.startswith("step ")]
-    assert lines == ["step 20: eval_loss 0.6826 rewards/accuracies 0.4615 rewards/margins 0.0351",
+    assert lines == ["step 20: eval_loss 0.6826 eval_rewards/accuracies 0.4615 eval_rewards/margins 0.0351",
                      "step 30: eval_loss 3.0000 perplexity 20.0855"], lines
+
+
+def test_rows_with_a_loss_name_the_task_unit(tmp_path):
+    """metrics.jsonl's rows with a loss (training or evaluation) carry the task's loss unit, so that loss.png and
+    ``toolkit report`` label a DPO run's loss per pair and a classifier's per example without knowing the task."""
+    logger = _logger(tmp_path, loss_unit="per pair")
+    logger.log({"step": 0, "eval_loss": 0.69})
+    logger.log({"step": 1, "loss": 0.7, "lr": 0.1})
+    logger.close()
+    assert [r["loss_unit"] for r in read_metrics(str(tmp_path))] == ["per pair", "per pair"]

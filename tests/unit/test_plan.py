@@ -151,3 +151,61 @@ def test_dpo_counts_its_live_reference_sharded_like_the_weights(llama7b, capsys)
     ddp = [next(line.split() for line in text.splitlines() if line.startswith("DDP ")) for text in printed]
     assert [row[4] for row in ddp] == [f"{4 * m.params / 1e9:.2f}", "0.00", "0.00"]  # the ref column
     assert "--precompute_ref_log_probs true" in printed[2] and "precompute-ref-log-probs" in printed[0]
+
+
+def _save(config, folder) -> str:
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def test_tp_is_offered_only_where_the_heads_divide(tmp_path):
+    """TP over t devices needs t to divide the attention and the KV heads (each rank holds whole heads: the recipe
+    refuses the rest at load, toolkit.model.tensor_parallel_problem); a model without a TP plan gets none. SmolLM2's
+    shape (9 heads, 3 KV heads) on 8 devices: not offered, saying why and which tp sizes divide; on 3: offered. The
+    MLP width (1536 here) need not divide: transformers' column- and row-wise shards take an uneven split."""
+    from transformers import GPT2Config, LlamaConfig
+
+    smol = count_model(_save(LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                         num_attention_heads=9, num_key_value_heads=3), tmp_path / "smol"))
+    tp8 = {r["strategy"]: r for r in plan(smol, 8, 80e9)}["TP"]
+    assert tp8["config"] is None and tp8["fits"] == tp8["fits_other"] == "n/a"
+    assert tp8["why_not"] == ("tp_size 8 does not divide this llama model's heads (num_attention_heads 9, "
+                              "num_key_value_heads 3): each rank holds whole heads, so tp_size must divide each (1, 3)")
+    tp3 = {r["strategy"]: r for r in plan(smol, 3, 80e9)}["TP"]
+    assert tp3["config"].startswith("--config_file accelerate_configs/tp.yaml --parallelism_config_tp_size 3 ")
+    assert tp3["fits"] == "yes" and tp3["why_not"] is None
+    gpt2 = count_model(_save(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4), tmp_path / "gpt2"))
+    tp = {r["strategy"]: r for r in plan(gpt2, 4, 80e9)}["TP"]
+    assert tp["config"] is None and "a gpt2 model has no tensor-parallel plan" in tp["why_not"]
+
+
+def test_the_plan_ends_with_one_runnable_command(llama7b, monkeypatch, capsys):
+    """The recommended layout (the first that fits, least communication first) as one whole command: accelerate
+    launch's options, the recipe, its shipped config and the planned fields; accelerate's parser and the recipe's
+    own config parser both take it."""
+    import shlex
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from helpers import ROOT
+
+    from toolkit.config import parse_args
+    from toolkit.plan import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--recipe", "sft",
+                 "--gradient-checkpointing"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("recommended: "))
+    rows = {r["strategy"]: r for r in plan(count_model(llama7b), 8, 80e9, checkpointing=True)}
+    assert rows["DDP"]["fits"] == "no" and rows["ZeRO-1"]["fits"] == "yes"  # DDP's 108 GB do not fit, ZeRO-1's do
+    assert lines[at].startswith("recommended: ZeRO-1 (fits;")
+    command = shlex.split(lines[at + 1])
+    assert command[:2] == ["accelerate", "launch"]
+    script = command.index("recipes/sft.py")
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[2:script + 1]))
+    assert (args.num_processes, args.mixed_precision, int(args.zero_stage)) == (8, "bf16", 1)
+    assert args.config_file == "accelerate_configs/zero2.yaml"
+    cfg = parse_args(command[script + 1:])
+    assert cfg.model.model_name_or_path == llama7b and cfg.train.per_device_train_batch_size == 4
+    assert cfg.data.block_size == 2048 and cfg.train.gradient_checkpointing is True
+    assert command[script + 1:script + 3] == ["--config", "recipes/configs/sft_smollm2.yaml"]

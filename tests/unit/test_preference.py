@@ -231,7 +231,8 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 def test_eval_metrics_equal_the_ones_trl_logs(tiny_model, tmp_path, reset_accelerate):
     """TRL's eight metric names: its values for one micro-batch of the 4 pairs (logged from the forward before the
-    step) against our evaluation of the same pairs at the same weights, from the logits and from the chunked loss
+    step, bare as TRL's training rows name them) against our evaluation of the same pairs at the same weights (named
+    as TRL's evaluation names them: eval_ before each), from the logits and from the chunked loss
     (which never holds a whole micro-batch's logits: the logit means are summed chunk by chunk)."""
     from toolkit.model import enable_chunked_loss
 
@@ -246,11 +247,13 @@ def test_eval_metrics_equal_the_ones_trl_logs(tiny_model, tmp_path, reset_accele
         enable_chunked_loss(model, 16, max_eval_positions=batch["input_ids"].numel())
         chunked = task.eval_metrics([task.eval_rows(model, batch, chunked=True)])
     # the tiny model's logits are about 1e-5: compared relative to their size, and the two sides are two numbers
-    assert ours["logits/chosen"] != pytest.approx(ours["logits/rejected"], rel=0.1)
+    assert ours["eval_logits/chosen"] != pytest.approx(ours["eval_logits/rejected"], rel=0.1)
+    assert not set(METRICS) & set(ours), sorted(ours)  # TRL's evaluation rows never carry the bare training names
     for name in METRICS:
         assert len(logged[name]) == 1, (name, logged[name])
-        assert ours[name] == pytest.approx(logged[name][0], abs=1e-12, rel=1e-4), (name, ours[name], logged[name])
-        assert chunked[name] == pytest.approx(ours[name], abs=1e-12, rel=1e-4), (name, chunked[name], ours[name])
+        ours_value, chunked_value = ours[f"eval_{name}"], chunked[f"eval_{name}"]
+        assert ours_value == pytest.approx(logged[name][0], abs=1e-12, rel=1e-4), (name, ours_value, logged[name])
+        assert chunked_value == pytest.approx(ours_value, abs=1e-12, rel=1e-4), (name, chunked_value, ours_value)
 
 
 def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tmp_path):
@@ -298,3 +301,33 @@ def test_a_prompt_that_fills_block_size_is_refused_naming_the_row(tiny_model):
         tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x"), block_size=prompt)
     rows = tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x", overwrite_cache=True), block_size=prompt + 1)
     assert len(rows["train"]) == 2
+
+
+def test_a_dpo_run_speaks_of_pairs_and_names_its_metrics_as_trl(gpt2_256, pairs, tmp_path, capsys):
+    """A DPO run (in process, 1 x 2 pairs x accumulation 2, one step): its start-up line counts the global batch in pairs, not
+    sequences; its evaluation rows carry TRL's evaluation names (eval_rewards/*, eval_logps/*, eval_logits/*), its
+    loss rows DPO's loss unit (per pair, for loss.png's axis); the summary's best eval loss is prefixed once."""
+    import json
+    import os
+
+    from helpers import train_in_process
+
+    from toolkit.metrics import read_metrics
+    from toolkit.preference import DPO
+
+    out = str(tmp_path / "dpo")
+    summary = train_in_process({**pairs, "model_name_or_path": gpt2_256, "packing": False, "block_size": 256,
+                                "optim": "sgd", "learning_rate": 0.1, "max_steps": 1, "logging_steps": 1,
+                                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                "per_device_eval_batch_size": 4, "eval_on_start": True, "report_to": "none",
+                                "save_final_model": False, "plot": False, "output_dir": out}, task=DPO())
+    printed = capsys.readouterr().out
+    assert "| global batch 4 pairs (padded, variable length) |" in printed, printed
+    rows = read_metrics(out)
+    evals = [r for r in rows if "eval_loss" in r]
+    assert len(evals) == 2 and all("eval_rewards/accuracies" in r and "eval_logps/chosen" in r
+                                   and "eval_logits/rejected" in r and "rewards/accuracies" not in r for r in evals)
+    assert {r["loss_unit"] for r in rows if "loss" in r or "eval_loss" in r} == {"per pair"}
+    assert summary["best_eval_loss"] == min(r["eval_loss"] for r in evals) and "best_eval_eval_loss" not in summary
+    assert f"best eval loss: {summary['best_eval_loss']:.4f}" in printed
+    assert json.load(open(os.path.join(out, "summary.json")))["eval_rewards/margins"] == evals[-1]["eval_rewards/margins"]

@@ -87,6 +87,34 @@ def test_compare_table_text_and_markdown(tmp_path, capsys):
     assert all(line.count("|") == 4 for line in lines[:len(table([summarize(load_run(a))]).splitlines())] if line)
 
 
+def test_the_compare_plot_goes_beside_the_runs_or_where_asked(tmp_path, monkeypatch, capsys):
+    """Several runs' plot lands in the folder that holds them (not the shell's current folder), or at --output."""
+    a = write_run(tmp_path / "outputs" / "ddp", synthetic_rows(), CONFIG)
+    b = write_run(tmp_path / "outputs" / "zero3", synthetic_rows(), CONFIG)
+    elsewhere = tmp_path / "shell"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([a, b]) == 0
+    assert os.path.isfile(tmp_path / "outputs" / "compare.png") and os.listdir(elsewhere) == []
+    assert f"plot: {tmp_path / 'outputs' / 'compare.png'}" in capsys.readouterr().out
+    assert main([a, b, "--output", str(tmp_path / "cmp.png")]) == 0
+    assert os.path.isfile(tmp_path / "cmp.png")
+
+
+def test_the_loss_axis_names_the_task_unit(tmp_path):
+    """loss.png's axis: the unit the rows name (the task's loss_unit), never nats/token for a DPO or classifier run;
+    plain "loss" where the runs name none or disagree."""
+    from toolkit.plots import loss_label
+
+    def rows(unit):
+        return [{"step": 1, "tokens_seen": 8, "loss": 0.7, "loss_unit": unit}] if unit else [{"step": 1, "loss": 1.0}]
+
+    assert loss_label({"dpo": rows("per pair")}) == "loss (per pair)"
+    assert loss_label({"a": rows("nats/example"), "b": rows("nats/example")}) == "loss (nats/example)"
+    assert loss_label({"lm": rows("nats/token"), "dpo": rows("per pair")}) == "loss"
+    assert loss_label({"old": rows(None)}) == "loss"
+
+
 def test_one_run_redraws_in_place_without_touching_pyplot(tmp_path):
     import matplotlib
 
@@ -125,9 +153,11 @@ def test_format_run_summary():
 def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
     """A DPO run's held-out reward accuracy and margin (TRL's names in metrics.jsonl) from its first to its last
     evaluation, in the summary and the table; the end-of-run lines print the last evaluation's (summary.json)."""
-    rows = [{"step": 0, "eval_loss": 0.6931, "rewards/accuracies": 0.0, "rewards/margins": 0.0},
-            {"step": 20, "loss": 0.69, "eval_loss": 0.6826, "rewards/accuracies": 0.4615, "rewards/margins": 0.0351},
-            {"step": 40, "loss": 0.68, "eval_loss": 0.6745, "rewards/accuracies": 0.5385, "rewards/margins": 0.0582}]
+    rows = [{"step": 0, "eval_loss": 0.6931, "eval_rewards/accuracies": 0.0, "eval_rewards/margins": 0.0},
+            {"step": 20, "loss": 0.69, "eval_loss": 0.6826, "eval_rewards/accuracies": 0.4615,
+             "eval_rewards/margins": 0.0351},
+            {"step": 40, "loss": 0.68, "eval_loss": 0.6745, "eval_rewards/accuracies": 0.5385,
+             "eval_rewards/margins": 0.0582}]
     dpo = summarize(load_run(write_run(tmp_path / "dpo", rows)))
     assert (dpo["first_reward_accuracy"], dpo["final_reward_accuracy"]) == (0.0, 0.5385)
     assert (dpo["first_reward_margin"], dpo["final_reward_margin"]) == (0.0, 0.0582)
@@ -137,6 +167,7 @@ def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
     assert "eval reward accuracy first -> last (DPO) 0.0000 -> 0.5385 ? -> ?" in lines, lines
     assert "eval reward margin first -> last (DPO) 0.0000 -> 0.0582 ? -> ?" in lines, lines
     printed = format_run_summary({"steps": 40, "tokens_seen": 100, "seconds": 1.0, "tokens_per_s": 100.0,
-                                  "best_eval_eval_loss": 0.6745, "eval_rewards/accuracies": 0.5385,
+                                  "best_eval_loss": 0.6745, "eval_rewards/accuracies": 0.5385,
                                   "eval_rewards/margins": 0.0582})
     assert "last eval: rewards/accuracies 0.5385, rewards/margins 0.0582" in printed
+    assert "best eval loss: 0.6745" in printed
