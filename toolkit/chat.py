@@ -2,7 +2,9 @@
 what the assistant says.
 
 A row is ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (the conversational format of
-TRL and the Hub's chat datasets). The loss is on the assistant's turns only: every prompt token (system, user, the
+TRL and the Hub's chat datasets); ShareGPT, Alpaca and prompt-completion rows are converted to it first
+(``toolkit.formats``: a prompt-completion row keeps its completion as the only target, a standard one is plain text
+labelled by the completion's characters, ``tokenize_completion``). The loss is on the assistant's turns only: every prompt token (system, user, the
 template's markers) is labelled -100; each assistant turn *and its end-of-turn token* are targets, so the model learns
 to stop. In a multi-turn chat every assistant turn is a target.
 
@@ -34,18 +36,14 @@ from datasets import DatasetDict
 from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
+from toolkit.formats import CHAT_COLUMNS, convert_row
 from toolkit.loss import IGNORE_INDEX
 from toolkit.mixture import load_task_splits
 from toolkit.packing import pack_documents
 from toolkit.tasks import CausalLM
 
-MESSAGES = "messages"
 ROLES = ("system", "user", "assistant")
 PYDOC_CHATS = "pydoc-chats"  # the built-in offline set (toolkit.builtin_data.pydoc_chats)
-
-
-def messages_column(args: DataArguments) -> str:
-    return args.text_column_name or MESSAGES
 
 
 def set_chat_template(tokenizer, chat_template: str | None) -> None:
@@ -211,7 +209,7 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
 
     def tokenize(batch, indices):
         out = {"input_ids": [], "labels": []}
-        for row in zip(batch["messages"], batch["prompt_turns"], batch["prompt"], batch["completion"], indices):
+        for row in zip(*(batch[k] for k in CHAT_COLUMNS), indices):
             ids, labels = tokenize_row(tokenizer, *row[:4], f"row {row[4]}")
             out["input_ids"].append(ids[:block_size])
             out["labels"].append(labels[:block_size])
@@ -255,16 +253,23 @@ class ChatSFT(CausalLM):
         return load_raw_chats(args, self.data_record)
 
     def stream_rows(self, tokenizer, args, block_size: int):
-        column = messages_column(args)
+        """Each row of the stream converted from its format (detected from its columns, ``toolkit.formats``), then
+        tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
+
+        def chat_row(row) -> dict:
+            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
 
         def keep(row) -> bool:
-            check_messages(row.get(column), f"a row of the stream (columns {sorted(row)})")
+            converted = chat_row(row)
+            if converted["prompt"] is None and not converted["prompt_turns"]:
+                check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
             return True  # a chat with no assistant token within block_size stays: a row without targets
 
         def encode(rows):
             out = []
             for row in rows:
-                ids, labels = tokenize_chat(tokenizer, row[column])
+                converted = chat_row(row)
+                ids, labels = tokenize_row(tokenizer, *(converted[k] for k in CHAT_COLUMNS), "a row of the stream")
                 out.append({"input_ids": ids[:block_size], "labels": labels[:block_size]})
             return out
 

@@ -48,6 +48,7 @@ FEATURES = {
     "preference": {False: Features({c: Value("string") for c in ("prompt", "chosen", "rejected")}),
                    True: Features({c: List(MESSAGE) for c in ("prompt", "chosen", "rejected")})},
 }
+CHAT_COLUMNS = ("messages", "prompt_turns", "prompt", "completion")  # the chat schema's, in FEATURES' order
 # each task's formats, in the order detection tries them
 TASK_FORMATS = {"text": ("text",), "chat": ("messages", "sharegpt", "prompt_completion", "alpaca"),
                 "preference": ("preference", "implicit_preference")}
@@ -125,6 +126,12 @@ def convert(split: Dataset, fmt: str, schema: str, args: DataArguments, where: s
     return split.map(rows, batched=True, with_indices=True, remove_columns=split.column_names, features=features,
                      new_fingerprint=Hasher.hash((split._fingerprint, settings)), desc=f"{fmt} -> {schema} rows",
                      load_from_cache_file=not args.overwrite_cache)
+
+
+def convert_row(row: dict, schema: str, args: DataArguments, where: str) -> dict:
+    """One row (of a stream) in ``schema``, its format detected from its own columns."""
+    fmt = detect(sorted(row), schema, args, where)
+    return CONVERTERS[fmt](row, args, {**SHAREGPT_ROLES, **(args.sharegpt_roles or {})}, where)
 
 
 def _preference_kind(split: Dataset, fmt: str, where: str) -> bool:

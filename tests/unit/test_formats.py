@@ -257,3 +257,28 @@ def test_a_mixture_of_text_sets_trains_the_causal_lm(tmp_path):
     raw = task.load_raw(DataArguments(dataset_mixture={"datasets": [{"id": a}, {"id": b, "weight": 0.5}]}))
     assert raw["train"].column_names == ["text"] and len(raw["train"]) == 6
     assert task.summary(None, None)["dataset_mixture"]["datasets"][1]["rows"] == 2
+
+
+def test_a_stream_converts_each_row_as_a_loaded_set_does(tmp_path, tok):
+    from toolkit.chat import ChatSFT
+
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"prompt": "The sky is", "completion": " blue"},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}]
+    keep, encode = ChatSFT().stream_rows(tok, DataArguments(train_file=_write(tmp_path / "s.jsonl", rows[:1])), 256)
+    loaded = [_tokenized(tmp_path, tok, [row])[0] for row in rows]
+    assert all(keep(row) for row in rows) and encode(rows) == loaded
+    with pytest.raises(ConfigError, match=r"^dataset_format: a row of the stream \(columns \['answer'\]\) has the "
+                                          r"columns \['answer'\], which fit none"):
+        keep({"answer": "x"})
+
+
+def test_the_converted_splits_keep_a_fingerprint_so_the_tokenize_cache_is_hit(tmp_path, tok):
+    from toolkit.chat import load_raw_chats
+
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}]
+    args = DataArguments(train_file=_write(tmp_path / "a.jsonl", rows), validation_split_percentage=0)
+    first, again = load_raw_chats(args)["train"], load_raw_chats(args)["train"]
+    assert first._fingerprint == again._fingerprint and again.cache_files == first.cache_files
+    roles = DataArguments(train_file=args.train_file, validation_split_percentage=0, sharegpt_roles="{bot: user}")
+    assert load_raw_chats(roles)["train"]._fingerprint != first._fingerprint  # a setting of the conversion changed
