@@ -32,11 +32,11 @@ from toolkit.errors import ConfigError
 from toolkit.formats import announce, convert, convert_splits, detect
 
 
-def load_task_splits(args: DataArguments, schema: str, builtin: dict, holdout=None) -> tuple[DatasetDict, dict | None]:
+def load_task_splits(args: DataArguments, schema: str, builtin: dict) -> tuple[DatasetDict, dict | None]:
     """The task's raw splits in ``schema`` and, for a mixture, the rows taken from each set (summary.json's
     ``dataset_mixture``; None for one dataset)."""
     if args.dataset_mixture is None:
-        raw = data.load_splits(args, builtin, holdout=holdout)
+        raw = data.load_splits(args, builtin)
         if schema == "text":  # the causal LM's text is trained on as loaded
             detect(raw["train"].column_names, schema, args, "the train split")
             return raw, None
