@@ -270,6 +270,23 @@ def text_shards(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def chat_mixture(tmp_path_factory, chats) -> dict:
+    """A dataset_mixture of two formats: 24 one-turn pydoc chats written as an Alpaca file (weight 0.75) and the
+    32-chat ``messages`` file (weight 0.5), a tenth held out; the chats' template."""
+    from toolkit.builtin_data import pydoc_chats
+
+    d = tmp_path_factory.mktemp("chat-mixture")
+    one_turn = [m for m in pydoc_chats()["train"]["messages"][32:] if len(m) == 2][:24]
+    with open(d / "alpaca.jsonl", "w") as f:
+        for user, assistant in one_turn:
+            f.write(json.dumps({"instruction": user["content"], "input": "", "output": assistant["content"]}) + "\n")
+    mixture = {"datasets": [{"id": str(d / "alpaca.jsonl"), "weight": 0.75},
+                            {"id": chats["train_file"], "columns": ["messages"], "weight": 0.5}],
+               "seed": 3, "test_split_size": 0.1}
+    return {"dataset_mixture": json.dumps(mixture), "chat_template": chats["chat_template"]}
+
+
+@pytest.fixture(scope="session")
 def chat_shards(tmp_path_factory, chats):
     """The 32 training chats as a stream of 3 files (11, 11, 10 chats), the same template and held-out file."""
     d = tmp_path_factory.mktemp("chat-shards")

@@ -13,6 +13,8 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   loss          token-sum loss normalised over the accumulated global batch
   packing       padding-free packing: best-fit-decreasing rows of whole documents, their forward, the guard
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
+  formats       dataset formats (TRL's, Alpaca, ShareGPT) detected from the columns, converted to a task's schema
+  mixture       a task's raw splits: one dataset, or several mixed (dataset_mixture, alignment-handbook's shape)
   order         the global sample order (independent of world size and accumulation)
   stream        the same order for a stream (streaming: true): shuffled windows, g % dp per rank, exact resume
   distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees

@@ -2,7 +2,9 @@
 what the assistant says.
 
 A row is ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (the conversational format of
-TRL and the Hub's chat datasets). The loss is on the assistant's turns only: every prompt token (system, user, the
+TRL and the Hub's chat datasets); ShareGPT, Alpaca and prompt-completion rows are converted to it first
+(``toolkit.formats``: a prompt-completion row keeps its completion as the only target, a standard one is plain text
+labelled by the completion's characters, ``tokenize_completion``). The loss is on the assistant's turns only: every prompt token (system, user, the
 template's markers) is labelled -100; each assistant turn *and its end-of-turn token* are targets, so the model learns
 to stop. In a multi-turn chat every assistant turn is a target.
 
@@ -34,17 +36,14 @@ from datasets import DatasetDict
 from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
+from toolkit.formats import CHAT_COLUMNS, convert_row
 from toolkit.loss import IGNORE_INDEX
+from toolkit.mixture import load_task_splits
 from toolkit.packing import pack_documents
 from toolkit.tasks import CausalLM
 
-MESSAGES = "messages"
 ROLES = ("system", "user", "assistant")
 PYDOC_CHATS = "pydoc-chats"  # the built-in offline set (toolkit.builtin_data.pydoc_chats)
-
-
-def messages_column(args: DataArguments) -> str:
-    return args.text_column_name or MESSAGES
 
 
 def set_chat_template(tokenizer, chat_template: str | None) -> None:
@@ -63,19 +62,14 @@ def set_chat_template(tokenizer, chat_template: str | None) -> None:
                                            "ChatML template of an instruct model of the same family")
 
 
-def load_raw_chats(args: DataArguments) -> DatasetDict:
-    """The splits, with the messages column checked: present, a list of {role, content}."""
+def load_raw_chats(args: DataArguments, record: dict | None = None) -> DatasetDict:
+    """The splits in the chat schema (``toolkit.formats``: messages, sharegpt, prompt_completion or alpaca rows
+    converted), one dataset or a mixture; a mixture's rows per set go into ``record["dataset_mixture"]``."""
     from toolkit.builtin_data import pydoc_chats
 
-    raw = data.load_splits(args, {PYDOC_CHATS: pydoc_chats})
-    column = messages_column(args)
-    for name, split in raw.items():
-        if column not in split.column_names:
-            raise ConfigError("text_column_name", f"column {column!r} (the chats) not in the {name} split; it has "
-                                                  f"{split.column_names}")
-        if len(split) and not _looks_like_messages(split[0][column]):
-            raise ConfigError("text_column_name", f"column {column!r} of the {name} split holds "
-                                                  f"{split.features[column]}, not chats (a list of {{role, content}})")
+    raw, mixture = load_task_splits(args, "chat", {PYDOC_CHATS: pydoc_chats})
+    if record is not None and mixture is not None:
+        record["dataset_mixture"] = mixture
     return raw
 
 
@@ -178,21 +172,51 @@ def _tokenize_in_pieces(tokenizer, full: str, spans) -> tuple[list[int], list[in
     return ids, labels
 
 
+def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``labels`` of prompt + completion, tokenized as one text; the completion's tokens are the
+    targets: conversational (lists of messages), its assistant turns with their end-of-turn tokens, as a chat's are
+    labelled; standard (strings), prompt + completion + EOS as plain text (no chat template; EOS appended unless the
+    completion ends with it, as TRL does), the completion and its EOS labelled by their characters."""
+    if isinstance(prompt, list):
+        if not any(m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in completion):
+            raise ConfigError("train_file", f"{where}: the completion has no assistant text; remove the row")
+        messages = prompt + completion
+        check_messages(messages, where)
+        full, spans = assistant_spans(tokenizer, messages)
+        start = len(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+        return tokenize_spans(tokenizer, full, [s for s in spans if s[0] >= start])
+    if not isinstance(completion, str) or not completion.strip():
+        raise ConfigError("train_file", f"{where}: the completion is empty; remove the row")
+    eos = tokenizer.eos_token or ""
+    full = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS to text completions
+    return tokenize_spans(tokenizer, full, [(len(prompt), len(full))])
+
+
+def tokenize_row(tokenizer, messages, prompt_turns: int, prompt, completion, where: str):
+    """One row of the chat schema (``toolkit.formats``): a chat (every assistant turn a target), a conversational
+    prompt-completion (the turns after the first ``prompt_turns``) or a standard one (``prompt``/``completion``)."""
+    if prompt is not None:
+        return tokenize_completion(tokenizer, prompt, completion, where)
+    if prompt_turns:
+        return tokenize_completion(tokenizer, messages[:prompt_turns], messages[prompt_turns:], where)
+    check_messages(messages, where)
+    return tokenize_chat(tokenizer, messages)
+
+
 def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every chat tokenized with its label mask, truncated to ``block_size``; chats left without a target dropped."""
-    column = messages_column(args)
+    """Every row of the chat schema tokenized with its label mask, truncated to ``block_size``; rows left without a
+    target dropped."""
 
     def tokenize(batch, indices):
         out = {"input_ids": [], "labels": []}
-        for messages, index in zip(batch[column], indices):
-            check_messages(messages, f"row {index}")
-            ids, labels = tokenize_chat(tokenizer, messages)
+        for row in zip(*(batch[k] for k in CHAT_COLUMNS), indices):
+            ids, labels = tokenize_row(tokenizer, *row[:4], f"row {row[4]}")
             out["input_ids"].append(ids[:block_size])
             out["labels"].append(labels[:block_size])
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (column, block_size), batched=True,
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, ("chat", block_size), batched=True,
                                         with_indices=True, desc="render chats, mask prompts", **kwargs)
     # position i predicts label i+1, so a row needs a target after its first token
     kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:]) for labels in b["labels"]],
@@ -226,19 +250,26 @@ class ChatSFT(CausalLM):
             cfg.data.packing_strategy = "bfd"
 
     def load_raw(self, args):
-        return load_raw_chats(args)
+        return load_raw_chats(args, self.data_record)
 
     def stream_rows(self, tokenizer, args, block_size: int):
-        column = messages_column(args)
+        """Each row of the stream converted from its format (detected from its columns, ``toolkit.formats``), then
+        tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
+
+        def chat_row(row) -> dict:
+            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
 
         def keep(row) -> bool:
-            check_messages(row.get(column), f"a row of the stream (columns {sorted(row)})")
+            converted = chat_row(row)
+            if converted["prompt"] is None and not converted["prompt_turns"]:
+                check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
             return True  # a chat with no assistant token within block_size stays: a row without targets
 
         def encode(rows):
             out = []
             for row in rows:
-                ids, labels = tokenize_chat(tokenizer, row[column])
+                converted = chat_row(row)
+                ids, labels = tokenize_row(tokenizer, *(converted[k] for k in CHAT_COLUMNS), "a row of the stream")
                 out.append({"input_ids": ids[:block_size], "labels": labels[:block_size]})
             return out
 

@@ -209,6 +209,9 @@ class SequenceClassification(Task):
                                          "and packing_strategy do not apply: set packing: false and unset "
                                          "packing_strategy")
         cfg.data.packing = False  # unset (None): this task's default
+        if cfg.data.dataset_mixture is not None:
+            raise ConfigError("dataset_mixture", "the classifier trains on one labelled dataset (its classes and "
+                                                 "split are drawn from it); set dataset_name or train_file")
         if cfg.train.loss_chunk_size:
             raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "
                                                  "loss_chunk_size: 0")

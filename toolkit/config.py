@@ -50,6 +50,10 @@ TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd")
+# the dataset formats (TRL's, toolkit.formats converts them), and the fields that take a YAML mapping
+DATASET_FORMATS = ("text", "messages", "prompt_completion", "alpaca", "sharegpt", "preference", "implicit_preference")
+MAPPING_FIELDS = ("sharegpt_roles", "dataset_mixture")
+ROLE_NAMES = ("system", "user", "assistant")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
             "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
@@ -308,6 +312,22 @@ class DataArguments:
                                           "on every rank); a larger window mixes the corpus more."}
     )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
+    dataset_format: Optional[str] = field(
+        default=None, metadata={"help": f"The data's format, one of {', '.join(DATASET_FORMATS)}; unset: detected "
+                                        "from the columns (docs/recipes.md#dataset-formats)."}
+    )
+    sharegpt_roles: Optional[str] = field(
+        default=None, metadata={"help": "ShareGPT data: a mapping of its 'from' names to roles (system, user, "
+                                        "assistant), beside the defaults human: user, gpt: assistant, e.g. {bot: "
+                                        "assistant}; a YAML mapping (on the command line, its YAML/JSON text)."}
+    )
+    dataset_mixture: Optional[str] = field(
+        default=None, metadata={"help": "Several datasets, mixed (alignment-handbook's shape): {datasets: [{id, "
+                                         "config, split, columns, weight}], seed, test_split_size}; each set is "
+                                         "converted to the recipe's format, a weight fraction of its rows drawn with "
+                                         "the seed; a YAML mapping (on the command line, its YAML/JSON text). "
+                                         "Instead of dataset_name/train_file."}
+    )
     # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
     sample_seed = 42
     overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
@@ -353,6 +373,28 @@ class DataArguments:
             raise ConfigError("max_train_samples", "draws rows from the whole training set, which a stream does "
                                                    "not have; bound a stream with max_steps")
 
+    def _check_formats(self) -> None:
+        """dataset_format is a known name, sharegpt_roles maps names to roles, dataset_mixture has the handbook's
+        shape (files that exist, weights in (0, 1]) and no other data field beside it. The mappings are parsed here
+        from their text (what the command line and YAML give) to dicts."""
+        if self.dataset_format is not None and self.dataset_format not in DATASET_FORMATS:
+            raise ConfigError("dataset_format", f"{self.dataset_format!r} is not one of {', '.join(DATASET_FORMATS)}")
+        self.sharegpt_roles = _mapping("sharegpt_roles", self.sharegpt_roles)
+        for name, role in (self.sharegpt_roles or {}).items():
+            if role not in ROLE_NAMES:
+                raise ConfigError("sharegpt_roles", f"{name!r} maps to {role!r}; map each name to one of "
+                                                    f"{', '.join(ROLE_NAMES)}")
+        self.dataset_mixture = _mapping("dataset_mixture", self.dataset_mixture)
+        if self.dataset_mixture is not None:
+            self.dataset_mixture = _check_mixture(self.dataset_mixture)
+            given = [n for n in ("dataset_name", "train_file", "validation_file") if getattr(self, n) is not None]
+            if given:
+                raise ConfigError("dataset_mixture", f"replaces dataset_name, train_file and validation_file; unset "
+                                                     f"{', '.join(given)}")
+            if self.streaming:
+                raise ConfigError("dataset_mixture", "a mixture is drawn from whole sets, which a stream does not "
+                                                     "have; set streaming: false")
+
     @property
     def padding_free(self) -> bool:
         """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
@@ -379,6 +421,7 @@ class DataArguments:
             if self.packing is False:
                 raise ConfigError("packing_strategy", "applies only with packing: true; unset packing_strategy or "
                                                       "set packing: true")
+        self._check_formats()
         if self.class_weights and self.class_weights != ["balanced"]:
             try:
                 weights = [float(w) for w in self.class_weights]
@@ -387,6 +430,77 @@ class DataArguments:
                                                    f"{self.class_weights}") from None
             if any(not w > 0 for w in weights):
                 raise ConfigError("class_weights", f"every weight must be > 0, got {self.class_weights}")
+
+
+def _mapping(name: str, value):
+    """A mapping field's value as a dict: YAML gives one, the command line its YAML (or JSON) text."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(name, f"is not a YAML mapping: {str(e).splitlines()[0]}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(name, f"expected a mapping, e.g. {{key: value}}, got {value!r:.200}")
+    return parsed
+
+
+MIXTURE_KEYS = ("datasets", "seed", "test_split_size")
+MIXTURE_SET_KEYS = ("id", "config", "split", "columns", "weight")
+
+
+def _check_mixture(mixture: dict) -> dict:
+    """alignment-handbook's ``dataset_mixture``, checked, with its defaults filled in (seed 0, split train, weight
+    1, all columns, no test split); local ids (a path or a glob) must name files."""
+    _known_keys(mixture, MIXTURE_KEYS, "")
+    sets = mixture.get("datasets")
+    if not isinstance(sets, list) or not sets:
+        raise ConfigError("dataset_mixture", "needs datasets: a list of {id, split, columns, weight}")
+    out = []
+    for i, entry in enumerate(sets):
+        where = f"datasets[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
+            raise ConfigError("dataset_mixture", f"{where} needs an id (a file, a glob or a Hub dataset name)")
+        _known_keys(entry, MIXTURE_SET_KEYS, f"{where} ")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1:
+            raise ConfigError("dataset_mixture", f"{where} ({entry['id']}): weight is the fraction of the set's rows "
+                                                 f"to take, in (0, 1]; got {weight!r}")
+        columns = entry.get("columns")
+        if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
+            raise ConfigError("dataset_mixture", f"{where} ({entry['id']}): columns must be a list of column names")
+        mixture_files(entry["id"], where)
+        out.append({"id": entry["id"], "config": entry.get("config"), "split": str(entry.get("split") or "train"),
+                    "columns": columns, "weight": float(weight)})
+    seed, test = mixture.get("seed", 0), mixture.get("test_split_size")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError("dataset_mixture", f"seed must be an integer, got {seed!r}")
+    if test is not None and (isinstance(test, bool) or not isinstance(test, (int, float)) or not 0 <= test < 1):
+        raise ConfigError("dataset_mixture", f"test_split_size is the fraction held out, in [0, 1); got {test!r}")
+    return {"datasets": out, "seed": seed, "test_split_size": test}
+
+
+def _known_keys(mapping: dict, known: tuple, where: str) -> None:
+    unknown = [k for k in mapping if k not in known]
+    if unknown:
+        raise ConfigError("dataset_mixture", f"{where}has unknown key(s) {unknown}; known: {', '.join(known)}")
+
+
+def mixture_files(dataset_id: str, where: str = "dataset_mixture") -> list[str] | None:
+    """The local files a mixture id names (a path or a glob, as train_file's), or None for a Hub (or built-in) name:
+    an id with a data file's extension, a path separator or a glob pattern is local."""
+    local = glob.has_magic(dataset_id) or os.path.splitext(dataset_id)[1].lower() in DATA_EXTENSIONS or \
+        os.path.exists(dataset_id)
+    if not local:
+        return None
+    files = sorted(p for p in glob.glob(dataset_id, recursive=True) if os.path.isfile(p))
+    if not files:
+        raise ConfigError("dataset_mixture", f"{where}: no file matches {dataset_id!r}")
+    for path in files:
+        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
+            raise ConfigError("dataset_mixture", f"{where}: unsupported extension ({path}); use one of "
+                                                 f"{', '.join(DATA_EXTENSIONS)}")
+    return files
 
 
 @dataclass
@@ -566,7 +680,7 @@ class RunConfig:
     def __post_init__(self):
         if self.model.model_name_or_path is None and self.model.config_name is None:
             raise ConfigError("model_name_or_path", "set model_name_or_path (pretrained) or config_name (from scratch)")
-        if self.data.dataset_name is None and self.data.train_file is None:
+        if self.data.dataset_name is None and self.data.train_file is None and self.data.dataset_mixture is None:
             raise ConfigError("dataset_name", "set dataset_name (Hub or 'pydoc') or train_file (a local file)")
         self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
         if self.data.streaming:
@@ -694,6 +808,8 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
             argv += [f"--{key}", ",".join(str(v) for v in value)]
         elif isinstance(value, (list, tuple)):
             argv += [f"--{key}", *[str(v) for v in value]]
+        elif isinstance(value, dict) and key in MAPPING_FIELDS:  # its YAML text, parsed back by the field's check
+            argv += [f"--{key}", yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip()]
         elif isinstance(value, dict):
             raise ConfigError(key, f"expected a single value in {source}, got a mapping")
         else:

@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from datasets import DatasetDict
 
 from toolkit import data
-from toolkit.chat import assistant_spans, check_messages, set_chat_template, tokenize_spans
+from toolkit.chat import set_chat_template, tokenize_completion  # noqa: F401 (tokenize_completion: its old home)
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
+from toolkit.mixture import load_task_splits
 from toolkit.reference import check_reference, fingerprint, load_live, load_whole, reference_kind, reshard
 from toolkit.tasks import CausalLM
 
@@ -76,39 +77,15 @@ def _conversational(value) -> bool:
     return isinstance(value, list)
 
 
-def load_raw_pairs(args: DataArguments) -> DatasetDict:
-    """The splits, with the three columns checked: present, and all text or all conversational."""
+def load_raw_pairs(args: DataArguments, record: dict | None = None) -> DatasetDict:
+    """The splits as prompt/chosen/rejected pairs (``toolkit.formats``: explicit or implicit prompt, all text or all
+    conversational), one dataset or a mixture (its rows per set go into ``record["dataset_mixture"]``)."""
     from toolkit.builtin_data import pydoc_preferences
 
-    raw = data.load_splits(args, {PYDOC_PREFERENCES: pydoc_preferences})
-    for name, split in raw.items():
-        missing = [c for c in COLUMNS if c not in split.column_names]
-        if missing:
-            raise ConfigError("train_file", f"the {name} split has no {', '.join(map(repr, missing))} column "
-                                            f"(preference data needs prompt, chosen and rejected); it has "
-                                            f"{split.column_names}")
-        if len(split) and len({_conversational(split[0][c]) for c in COLUMNS}) != 1:
-            raise ConfigError("train_file", f"the {name} split mixes text and conversational columns; give prompt, "
-                                            "chosen and rejected all as text or all as lists of messages")
+    raw, mixture = load_task_splits(args, "preference", {PYDOC_PREFERENCES: pydoc_preferences})
+    if record is not None and mixture is not None:
+        record["dataset_mixture"] = mixture
     return raw
-
-
-def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list[int], list[int]]:
-    """``input_ids`` and ``labels`` of prompt + completion, tokenized as one text; the completion's tokens are the
-    targets (conversational: its assistant turns with their end-of-turn tokens, as chat SFT labels them)."""
-    if _conversational(prompt):
-        if not any(m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in completion):
-            raise ConfigError("train_file", f"{where}: the completion has no assistant text; remove the pair")
-        messages = prompt + completion
-        check_messages(messages, where)
-        full, spans = assistant_spans(tokenizer, messages)
-        start = len(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
-        return tokenize_spans(tokenizer, full, [s for s in spans if s[0] >= start])
-    if not isinstance(completion, str) or not completion.strip():
-        raise ConfigError("train_file", f"{where}: the completion is empty; remove the pair")
-    eos = tokenizer.eos_token or ""
-    full = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS to text completions
-    return tokenize_spans(tokenizer, full, [(len(prompt), len(full))])
 
 
 def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
@@ -211,7 +188,7 @@ class DPO(CausalLM):
         self.beta, self.loss_type, self.cfg = cfg.train.beta, cfg.train.loss_type, cfg
 
     def load_raw(self, args):
-        raw = load_raw_pairs(args)
+        raw = load_raw_pairs(args, self.data_record)
         self.conversational = len(raw["train"]) > 0 and _conversational(raw["train"][0]["prompt"])
         return raw
 
@@ -320,7 +297,7 @@ class DPO(CausalLM):
             out["ranks"] = gather_object([{"start": self.start["sha256"], "end": end["sha256"], "numel": end["numel"]}])
         # the last evaluation's reward accuracy and margin
         last = {key: self.last_eval.get(key) for key in ("eval_rewards/accuracies", "eval_rewards/margins")}
-        return {"reference": out, **last}
+        return {"reference": out, **last, **self.data_record}
 
     @torch.no_grad()
     def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:

@@ -40,6 +40,7 @@ import torch
 from toolkit import data
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets, row_logit_sums, token_losses
+from toolkit.mixture import load_task_splits
 from toolkit.packing import packed_inputs
 
 
@@ -112,8 +113,16 @@ class Task(ABC):
         """Called on every rank once the strategy has prepared ``model``, before any step."""
 
     def summary(self, accelerator, model) -> dict:
-        """Collective (every rank calls it, before the process group ends): entries for the run's summary."""
-        return {}
+        """Collective (every rank calls it, before the process group ends): entries for the run's summary (by
+        default ``data_record``'s)."""
+        return dict(self.data_record)
+
+    @property
+    def data_record(self) -> dict:
+        """What ``load_raw`` found worth recording in summary.json (a mixture's rows per set), filled by it."""
+        if "_data_record" not in vars(self):
+            self._data_record = {}
+        return self._data_record
 
 
 def check_stream_packing(args) -> None:
@@ -165,7 +174,11 @@ class CausalLM(Task):
         return keep, encode
 
     def load_raw(self, args):
-        return data.load_raw_datasets(args)
+        raw, mixture = load_task_splits(args, "text", {data.PYDOC: data.pydoc_dataset})
+        data.check_text_column(raw, data.text_column(args))
+        if mixture is not None:
+            self.data_record["dataset_mixture"] = mixture
+        return raw
 
     def tokenize(self, raw, tokenizer, args, block_size: int):
         return data.tokenize_and_group(raw, tokenizer, args, block_size)

@@ -15,6 +15,8 @@ import pytest
 import yaml
 from helpers import RECIPE, SCRIPTS, args_from, launch, run, tree_hash
 
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+
 BASE = dict(packing=False, block_size=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
             save_steps=1, logging_steps=1, seed=7, report_to="none", optim="sgd", learning_rate=0.1)
 
@@ -57,6 +59,12 @@ def _files(tmp_path_factory, padded_data) -> dict:
     write("pairs.jsonl", "".join(json.dumps(pair) + "\n" for _ in range(8)))
     long = {**pair, "prompt": " ".join(["The sky over the hills"] * 10)}  # 90 tokens: more than block_size 32
     write("pairs_long_prompt.jsonl", "".join(json.dumps(long if i == 5 else pair) + "\n" for i in range(8)))
+    # other formats (recipes/sft.py): an Alpaca row without its output, a ShareGPT speaker with no role
+    write("alpaca_null_output.jsonl", "".join(json.dumps({"instruction": "Say hi.", "output": None if i == 2 else "Hi"})
+                                              + "\n" for i in range(8)))
+    write("sharegpt_bot.jsonl", "".join(json.dumps({"conversations": [{"from": "human", "value": "Hi"},
+                                                                       {"from": "bot", "value": "Hello"}]}) + "\n"
+                                        for _ in range(8)))
     os.makedirs(d / "another_run")  # the metrics of another run that a resume must not write into
     write("another_run/metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
     return paths
@@ -131,6 +139,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
     long_prompt = json.loads(open(files["pairs_long_prompt.jsonl"]).read().splitlines()[5])["prompt"]
     # the tiny model's tokenizer (the shipped BPE, conftest's bpe_2048): 90 tokens
     long_tokens = len(AutoTokenizer.from_pretrained(tiny_model)(long_prompt)["input_ids"])
+    train, no_files = padded_data["train_file"], {"train_file": None, "validation_file": None}
     return _field_cases() + [
         # --- YAML nulls: an unset value is not a value for these
         ("null seed", {"seed": None}, [], {}, "seed", "is empty (null)"),
@@ -218,7 +227,8 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "the training data changed"),
         # --- DPO (recipes/dpo.py: the last element names the recipe)
         ("dpo without a rejected column", {"train_file": files["pairs_no_rejected.jsonl"], "validation_file": None},
-         [], {}, "train_file", "has no 'rejected' column", "dpo"),
+         [], {}, "dataset_format", "has the columns ['prompt', 'chosen'], which fit none of the formats this recipe "
+         "takes: preference (prompt, chosen, rejected); implicit_preference (chosen, rejected)", "dpo"),
         ("dpo empty completion", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None}, [], {},
          "train_file", "row 3, chosen: the completion is empty", "dpo"),
         ("dpo on a stream", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None,
@@ -235,6 +245,26 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("dpo live reference under FSDP1", {"train_file": files["pairs.jsonl"], "validation_file": None},
          [], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "precompute_ref_log_probs",
          "a live reference copy is not sharded under FSDP1 here; set precompute_ref_log_probs: true", "dpo"),
+        # --- dataset formats and mixtures (recipes/sft.py where the format is a chat one)
+        ("unknown dataset format", {"dataset_format": "chatml"}, [], {}, "dataset_format", "'chatml' is not one of"),
+        ("text columns for chat SFT", {"chat_template": CHAT_TEMPLATE}, [], {}, "dataset_format",
+         "has the columns ['text'], which fit none of the formats this recipe takes: messages (messages)", "sft"),
+        ("alpaca row without output", {"train_file": files["alpaca_null_output.jsonl"], "validation_file": None,
+                                       "chat_template": CHAT_TEMPLATE}, [], {}, "dataset_format",
+         "the train split, row 2: column 'output' holds NoneType", "sft"),
+        ("sharegpt speaker without a role", {"train_file": files["sharegpt_bot.jsonl"], "validation_file": None,
+                                             "chat_template": CHAT_TEMPLATE}, [], {}, "sharegpt_roles",
+         "row 0: the speaker 'bot' has no role; map it", "sft"),
+        ("mixture weight above 1", {**no_files, "dataset_mixture": {"datasets": [{"id": train, "weight": 1.5}]}}, [],
+         {}, "dataset_mixture", "weight is the fraction of the set's rows to take, in (0, 1]; got 1.5"),
+        ("mixture file missing", {**no_files, "dataset_mixture": {"datasets": [{"id": "/nonexistent/m.jsonl"}]}}, [],
+         {}, "dataset_mixture", "datasets[0]: no file matches '/nonexistent/m.jsonl'"),
+        ("mixture beside train_file", {"dataset_mixture": {"datasets": [{"id": train}]}}, [], {}, "dataset_mixture",
+         "replaces dataset_name, train_file and validation_file; unset train_file, validation_file"),
+        ("mixture column missing", {**no_files, "dataset_mixture": {"datasets": [{"id": train, "columns": ["body"]}]}},
+         [], {}, "dataset_mixture", "no column(s) ['body']; it has ['text']"),
+        ("mixture for a classifier", {**no_files, "dataset_mixture": {"datasets": [{"id": train}]}}, [], {},
+         "dataset_mixture", "the classifier trains on one labelled dataset", "classify"),
         ("resume with another global batch", {**resume, "per_device_train_batch_size": 4}, [], {},
          "per_device_train_batch_size", "global batch of 4 rows, this run has 8"),
     ]
@@ -257,7 +287,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             argv = ["--config", str(config), *extra]
         cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
-    assert len(cases) == 92  # README.md and docs/reliability.md give this number
+    assert len(cases) == 101  # README.md and docs/reliability.md give this number
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))

@@ -94,6 +94,25 @@ def test_sft_bfd_packing_on_two_ranks_equals_one_process(runs, gpt2_256, chats):
     assert summary["train_rows"] < 32 / 2 and summary["fill_rate"] > 0.8, summary  # 32 chats, several per row
 
 
+def _sft_mixture(model, chat_mixture) -> dict:
+    return {**SGD, **chat_mixture, "model_name_or_path": model, "packing": False, "block_size": 128}
+
+
+def test_sft_on_a_mixture_of_an_alpaca_and_a_messages_file_on_two_ranks_equals_one_process(runs, gpt2_256,
+                                                                                            chat_mixture):
+    """recipes/sft.py with dataset_mixture (conftest's chat_mixture: 18 of 24 Alpaca rows, 16 of 32 chats, a tenth
+    held out): 2 ranks x 2 x 2 end with the weights of 1 process x 8 (SGD, 1e-6), and summary.json records the rows
+    each set gave."""
+    one, two = _two_ranks_equal_one_process(runs, "sft_mixture", _sft_mixture(gpt2_256, chat_mixture), gpt2_256,
+                                            moved=1e-2)
+    for run in (one, two):
+        mixture = json.load(open(os.path.join(run, "summary.json")))["dataset_mixture"]
+        assert [(d["format"], d["rows"], d["of"]) for d in mixture["datasets"]] == [("alpaca", 18, 24),
+                                                                                    ("messages", 16, 32)]
+        assert (mixture["train_rows"], mixture["validation_rows"]) == (30, 4)
+    assert any("eval_loss" in r for r in _rows(two))
+
+
 def _sft_stream(model, chat_shards) -> dict:
     """3 steps of 8 chats from windows of 10 (windows straddle steps and files); a checkpoint every step; the first
     4 held-out chats (max_eval_samples: the stream's first rows)."""
@@ -297,7 +316,7 @@ def _lora(tiny_model, padded_data) -> dict:
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classify_files, gpt2_256, chats, pairs,
-              chat_shards):
+              chat_shards, chat_mixture):
     """The classifier, chat SFT with bfd packing, DPO and LoRA runs below, planned: those of one launch config and world
     size share a launch (helpers.Runs.plan; each run its own recipe: recipes/classify.py, recipes/sft.py, recipes/dpo.py, or
     recipes/gpt2.py with or without the probes)."""
@@ -306,6 +325,8 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     r.plan("classify_one", "ddp.yaml", 1, 8, 1, cfg, recipe="classify", probe=False)
     r.plan("sft_bfd_one", "ddp.yaml", 1, 8, 1, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
     r.plan("sft_bfd_two", "ddp.yaml", 2, 2, 2, _sft_bfd(gpt2_256, chats), recipe="sft", probe=False)
+    r.plan("sft_mixture_one", "ddp.yaml", 1, 8, 1, _sft_mixture(gpt2_256, chat_mixture), recipe="sft", probe=False)
+    r.plan("sft_mixture_two", "ddp.yaml", 2, 2, 2, _sft_mixture(gpt2_256, chat_mixture), recipe="sft", probe=False)
     stream = _sft_stream(gpt2_256, chat_shards)
     r.plan("sft_stream_one", "ddp.yaml", 1, 8, 1, stream, recipe="sft", probe=False)
     r.plan("sft_stream_two", "ddp.yaml", 2, 2, 2, stream, recipe="sft", probe=False)
