@@ -42,6 +42,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   cli           a recipe's main as a process: a ConfigError is one line and exit 2; no teardown on launched ranks
   verify        ``python -m toolkit verify``: a launch config against one process
   plan          ``python -m toolkit plan``: which strategy fits, per device
+  talk          ``python -m toolkit chat DIR``: talk to an exported model through its chat template
   offline       real GPT-2 tokenizer and SmolLM2 weights without the Hub
 Imports stay lazy here so ``python -m toolkit.<module>`` and the notebook start fast.
 """

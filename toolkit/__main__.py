@@ -3,6 +3,7 @@
   verify   run a short job under a launch config and under one process; compare weights and losses
   report   redraw plots and the summary of one or more runs from their metrics.jsonl
   plan     per-device memory of each strategy for a model and a cluster, and which ones fit
+  chat     talk to a model a run exported (its final/), through its chat template
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"verify": "toolkit.verify", "report": "toolkit.report", "plan": "toolkit.plan"}
+COMMANDS = {"verify": "toolkit.verify", "report": "toolkit.report", "plan": "toolkit.plan", "chat": "toolkit.talk"}
 
 
 def main(argv: list[str] | None = None) -> int:
