@@ -47,6 +47,7 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd")
@@ -168,6 +169,13 @@ class ModelArguments:
                           "dtype the checkpoint was stored in: bf16 for most Hub models), bfloat16 or float16 (pure "
                           "low-precision training, on purpose). Mixed precision is accelerate's --mixed_precision."},
     )
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "The attention kernel (transformers' and TRL's name): sdpa, eager, "
+                                        "flash_attention_2 (on GPUs: pip install flash-attn; bf16 or fp16 weights or "
+                                        "autocast), flash_attention_3, flex_attention, or a Hub kernel "
+                                        "('kernels-community/...'). Default: transformers' choice (sdpa where the "
+                                        "model has it)."}
+    )
     # LoRA, with TRL's field names (ModelConfig): the same fields in every recipe.
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -193,6 +201,7 @@ class ModelArguments:
 
     def __post_init__(self):
         _one_of(self, "torch_dtype", TORCH_DTYPES)
+        self._check_attn_implementation()
         _positive(self, "lora_r", "lora_alpha")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
@@ -210,10 +219,27 @@ class ModelArguments:
             if "=" not in item:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
 
+    def _check_attn_implementation(self) -> None:
+        """A name transformers knows, and flash-attn installed for flash_attention_2: found here, not after the
+        process group is up and the weights have loaded (transformers' own check runs at load)."""
+        value = self.attn_implementation
+        if value is None or "/" in value:  # a Hub kernel repository: transformers resolves it
+            return
+        _one_of(self, "attn_implementation", ATTN_IMPLEMENTATIONS)
+        if value == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("attn_implementation", "flash_attention_2 needs the flash-attn package (pip install "
+                                                     "flash-attn, on a CUDA machine); or use sdpa (the default where "
+                                                     "the model has it)")
+
     @property
     def config_source(self) -> str | None:
         """Where the model's config comes from: config_name (from scratch) or the pretrained model."""
         return self.config_name or self.model_name_or_path
+
+    def model_kwargs(self) -> dict:
+        """The keyword arguments of building the model itself (``from_pretrained`` of the weights, ``from_config``),
+        beyond ``pretrained_kwargs``: the attention kernel, when one is asked for."""
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
 
     def pretrained_kwargs(self) -> dict:
         """The keyword arguments of every ``from_pretrained`` of the model's own files (config, weights)."""

@@ -314,3 +314,21 @@ def test_parallel_sizes_that_do_not_fill_the_launched_world_are_refused_before_t
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
     distributed._check_parallel_sizes()  # a product of 1: accelerate's data parallel over every rank
+
+
+def test_attn_implementation_picks_the_models_attention_kernel_and_is_checked_before_work(base, tmp_path):
+    """GPUs want flash attention: the field reaches the model (transformers' attn_implementation); a name
+    transformers does not know, or flash_attention_2 without flash-attn installed, is one line at parse time."""
+    import importlib.util
+
+    from toolkit.model import load_model
+
+    path = _yaml(tmp_path, **base)
+    chosen = {impl: load_model(parse_args(["--config", path, *flag]).model).config._attn_implementation
+              for impl, flag in [("default", []), ("eager", ["--attn_implementation", "eager"])]}
+    assert chosen == {"default": "sdpa", "eager": "eager"}
+    with pytest.raises(ConfigError, match="attn_implementation: unknown value 'flash'; choose one of eager, sdpa"):
+        parse_args(["--config", path, "--attn_implementation", "flash"])
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ConfigError, match="attn_implementation: flash_attention_2 needs the flash-attn package"):
+            parse_args(["--config", path, "--attn_implementation", "flash_attention_2"])
