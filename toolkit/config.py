@@ -10,9 +10,10 @@ dataclass checks its own fields in ``__post_init__`` (so a value is checked wher
 needs two groups or the file system (is there a model and data, does ``output_dir`` hold a finished run, does
 ``block_size`` fit the model) is ``RunConfig``'s.
 
-This module imports no toolkit module but ``errors``, ``layout`` and ``elastic`` (standard library and yaml only),
-and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a config is
-``toolkit.elastic``'s; the process exit of a recipe is ``toolkit.cli``'s.
+This module imports no toolkit module but ``errors``, ``layout``, ``elastic`` and ``config_help`` (standard library
+and yaml only), and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a
+config is ``toolkit.elastic``'s; a recipe's ``--help`` and which recipe takes a field are ``toolkit.config_help``'s;
+the process exit of a recipe is ``toolkit.cli``'s.
 """
 
 from __future__ import annotations
