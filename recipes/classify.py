@@ -14,7 +14,8 @@ from toolkit.config import parse_args
 
 
 def main(callbacks=None):
-    cfg = parse_args()  # bad fields stop here, before any process group, data or weights
+    # bad fields stop here, before any process group, data or weights
+    cfg = parse_args(task="sequence-classification", description=__doc__)
     from toolkit.distributed import make_accelerator  # torch and accelerate load from here on
 
     accelerator = make_accelerator(cfg.train)  # a launch config at odds with the recipe stops here

@@ -18,7 +18,8 @@ from toolkit.config import parse_args
 
 
 def main(callbacks=None):
-    cfg = parse_args()  # bad fields (beta <= 0 too) stop here, before any process group, data or weights
+    # bad fields (beta <= 0 too) stop here, before any process group, data or weights
+    cfg = parse_args(task="dpo", description=__doc__)
     from toolkit.distributed import make_accelerator  # torch and accelerate load from here on
     from toolkit.preference import DPO
 

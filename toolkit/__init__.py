@@ -7,7 +7,8 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   layout        the names of a run folder's files, cheap reads of it (standard library only)
   state         LoopState (the loop's position, saved in every checkpoint) and StepResult (no imports)
   elastic       torch elastic restarts: the launcher's environment, and a restart continuing its run (errors, layout)
-  config        dataclasses, YAML + CLI parsing, each check beside its field (imports only errors, layout, elastic)
+  config_help   a recipe's --help (its fields grouped) and which recipe takes a field (standard library only)
+  config        dataclasses, YAML + CLI parsing, each check beside its field (errors, layout, elastic, config_help)
   hub           whether the Hugging Face Hub answers (once per process); offline, Hub names fail at once
   upstream      import costs of the libraries underneath, avoided: transformers' losses without scipy.optimize
   loss          token-sum loss normalised over the accumulated global batch

@@ -10,9 +10,10 @@ dataclass checks its own fields in ``__post_init__`` (so a value is checked wher
 needs two groups or the file system (is there a model and data, does ``output_dir`` hold a finished run, does
 ``block_size`` fit the model) is ``RunConfig``'s.
 
-This module imports no toolkit module but ``errors``, ``layout`` and ``elastic`` (standard library and yaml only),
-and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a config is
-``toolkit.elastic``'s; the process exit of a recipe is ``toolkit.cli``'s.
+This module imports no toolkit module but ``errors``, ``layout``, ``elastic`` and ``config_help`` (standard library
+and yaml only), and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a
+config is ``toolkit.elastic``'s; a recipe's ``--help`` and which recipe takes a field are ``toolkit.config_help``'s;
+the process exit of a recipe is ``toolkit.cli``'s.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Optional
 
 import yaml
 
-from toolkit import elastic, layout
+from toolkit import config_help, elastic, layout
 from toolkit.errors import ConfigError
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
@@ -47,6 +48,7 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd")
@@ -58,6 +60,12 @@ ROLE_NAMES = ("system", "user", "assistant")
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
             "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
             "dvclive": ("dvclive",), "swanlab": ("swanlab",)}
+# The tasks (Task.name) of a field that only some recipes use (metadata "tasks"; toolkit.config_help): --help lists
+# it for those recipes only, and the others refuse it.
+DPO_ONLY = ("dpo",)
+CLASSIFICATION_ONLY = ("sequence-classification",)
+CHAT_TASKS = ("chat-sft", "dpo")  # chat_template: chats, also as DPO's prompt/chosen/rejected messages
+TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
@@ -166,6 +174,13 @@ class ModelArguments:
                           "dtype the checkpoint was stored in: bf16 for most Hub models), bfloat16 or float16 (pure "
                           "low-precision training, on purpose). Mixed precision is accelerate's --mixed_precision."},
     )
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "The attention kernel (transformers' and TRL's name): sdpa, eager, "
+                                        "flash_attention_2 (on GPUs: pip install flash-attn; bf16 or fp16 weights or "
+                                        "autocast), flash_attention_3, flex_attention, or a Hub kernel "
+                                        "('kernels-community/...'). Default: transformers' choice (sdpa where the "
+                                        "model has it)."}
+    )
     # LoRA, with TRL's field names (ModelConfig): the same fields in every recipe.
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -186,11 +201,12 @@ class ModelArguments:
     ref_model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "DPO: the reference model (Hub id or local folder, the policy's tokenizer); "
                                         "default: the policy's starting weights (with use_peft: the base, adapter "
-                                        "disabled)."}
+                                        "disabled).", "tasks": DPO_ONLY}
     )
 
     def __post_init__(self):
         _one_of(self, "torch_dtype", TORCH_DTYPES)
+        self._check_attn_implementation()
         _positive(self, "lora_r", "lora_alpha")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
@@ -208,10 +224,27 @@ class ModelArguments:
             if "=" not in item:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
 
+    def _check_attn_implementation(self) -> None:
+        """A name transformers knows, and flash-attn installed for flash_attention_2: found here, not after the
+        process group is up and the weights have loaded (transformers' own check runs at load)."""
+        value = self.attn_implementation
+        if value is None or "/" in value:  # a Hub kernel repository: transformers resolves it
+            return
+        _one_of(self, "attn_implementation", ATTN_IMPLEMENTATIONS)
+        if value == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("attn_implementation", "flash_attention_2 needs the flash-attn package (pip install "
+                                                     "flash-attn, on a CUDA machine); or use sdpa (the default where "
+                                                     "the model has it)")
+
     @property
     def config_source(self) -> str | None:
         """Where the model's config comes from: config_name (from scratch) or the pretrained model."""
         return self.config_name or self.model_name_or_path
+
+    def model_kwargs(self) -> dict:
+        """The keyword arguments of building the model itself (``from_pretrained`` of the weights, ``from_config``),
+        beyond ``pretrained_kwargs``: the attention kernel, when one is asked for."""
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
 
     def pretrained_kwargs(self) -> dict:
         """The keyword arguments of every ``from_pretrained`` of the model's own files (config, weights)."""
@@ -261,19 +294,20 @@ class DataArguments:
     )
     text_column_name: Optional[str] = field(
         default=None, metadata={"help": "Text column (default: 'text'; chat SFT: 'messages', a list of {role, "
-                                        "content})."}
+                                        "content}).", "tasks": TEXT_TASKS}
     )
     label_column_name: Optional[str] = field(
-        default=None, metadata={"help": "Classification: the label column, class names or ids (default: 'label')."}
+        default=None, metadata={"help": "Classification: the label column, class names or ids (default: 'label').",
+                                "tasks": CLASSIFICATION_ONLY}
     )
     class_weights: Optional[list[str]] = field(
         default=None, metadata={"help": "Classification: one loss weight per class (in the order of the class "
                                         "names), or 'balanced' (n_rows / (n_classes x class rows), from train).",
-                                "nargs": "+"}
+                                "nargs": "+", "tasks": CLASSIFICATION_ONLY}
     )
     chat_template: Optional[str] = field(
         default=None, metadata={"help": "Chat SFT: a Jinja chat template, or a file holding one; overrides the "
-                                        "tokenizer's."}
+                                        "tokenizer's.", "tasks": CHAT_TASKS}
     )
     block_size: Optional[int] = field(
         default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
@@ -575,17 +609,18 @@ class TrainingArguments:
     )
     beta: float = field(
         default=0.1, metadata={"help": "DPO (TRL's name): how far the policy may move from the reference; the loss is "
-                                       "-logsigmoid(beta x the difference of the chosen and rejected log-ratios)."}
+                                       "-logsigmoid(beta x the difference of the chosen and rejected log-ratios).",
+                               "tasks": DPO_ONLY}
     )
     loss_type: str = field(
         default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper, or 'ipo' (TRL's "
                                              "IPO: the squared distance of the token-averaged log-ratio difference "
-                                             "from 1/(2 beta))."}
+                                             "from 1/(2 beta)).", "tasks": DPO_ONLY}
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "
                                          "training (a whole copy, then freed) instead of a live frozen copy sharded "
-                                         "like the policy."}
+                                         "like the policy.", "tasks": DPO_ONLY}
     )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})
@@ -773,6 +808,11 @@ def _parser():
         def error(self, message):
             raise ConfigError(None, message)
 
+        # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config_help), not
+        # argparse's.
+        def add_argument(self, *names, tasks=None, **kwargs):
+            return super().add_argument(*names, **kwargs)
+
     return _Parser(ARGUMENT_CLASSES, allow_abbrev=False)
 
 
@@ -862,9 +902,14 @@ def _read_yaml(path: str) -> dict:
     return values
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
+def parse_args(argv: list[str] | None = None, task: str | None = None,
+               description: str | None = None) -> RunConfig:
     """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2.
-    ``--field null`` on the command line unsets an optional field that the YAML file sets."""
+    ``--field null`` on the command line unsets an optional field that the YAML file sets.
+
+    A recipe passes its ``task`` (``Task.name``) and its docstring: ``--help`` then shows that description and the
+    task's fields only, and a field of another task set to other than its default is refused, naming the recipe
+    that takes it (``toolkit.config_help``). Without a task (scripts) every field is taken."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
@@ -877,10 +922,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         yaml_argv, nulls, unknown = _yaml_to_argv(values, ns.config, field_names())
 
     if "-h" in rest or "--help" in rest:
-        _parser().print_help()
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "recipe"
+        sys.stdout.write(config_help.help_text(ARGUMENT_CLASSES, task, description, prog))
         sys.exit(0)
 
-    return _parse(yaml_argv + rest, {**nulls, **dict.fromkeys(unset)}, unknown, ns.config)
+    return _parse(yaml_argv + rest, {**nulls, **dict.fromkeys(unset)}, unknown, ns.config, task)
 
 
 def config_from_dict(values: dict) -> RunConfig:
@@ -906,7 +952,8 @@ def _unknown_error(yaml_unknown: list[str], source: str | None, cli_unknown: lis
     return ConfigError(", ".join(names), f"{len(names)} unknown fields: {'; '.join(described)}")
 
 
-def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: str | None = None) -> RunConfig:
+def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: str | None = None,
+           task: str | None = None) -> RunConfig:
     """argv tokens (YAML values first, command line after: the last value wins) -> checked RunConfig."""
     known = field_names()
     parser = _parser()
@@ -920,9 +967,20 @@ def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: s
             raise _unknown_error(list(yaml_unknown), source, cli_unknown, known)
         # Each dataclass checks its fields as it is built, RunConfig checks the whole.
         groups = parser.parse_args_into_dataclasses(args=argv)
+        _check_task_fields(groups, task)
         return RunConfig(*groups)
     except ConfigError as e:
         raise _name_field(e) from None
+
+
+def _check_task_fields(groups, task: str | None) -> None:
+    """A field of another recipe's task set to other than its default: refused, naming the recipe that takes it (the
+    recipe would ignore it). A default value passes, so that a run's own config.yaml (every field) parses again."""
+    for group in groups:
+        for f in dataclasses.fields(group):
+            if f.init and not config_help.takes(f, task) and getattr(group, f.name) != f.default:
+                raise ConfigError(f.name, f"is a field of {config_help.recipes_of(f)}; "
+                                          f"recipes/{config_help.TASK_RECIPES[task]} does not use it: delete it")
 
 
 def _name_field(err: ConfigError) -> ConfigError:

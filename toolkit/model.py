@@ -115,11 +115,12 @@ def _load(args: ModelArguments, config, auto):
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype, **args.pretrained_kwargs())
+        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype, **args.pretrained_kwargs(),
+                                    **args.model_kwargs())
     # From a config there is no stored dtype: "auto" means the config's own (float32 unless it says otherwise).
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
-    return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code, **args.model_kwargs())
 
 
 TP_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
@@ -157,7 +158,8 @@ def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
         raise ConfigError("parallelism_config_tp_size", f"{problem}; {fix}")
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
-                                distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs())
+                                distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs(),
+                                **args.model_kwargs())
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -41,6 +41,7 @@ import time
 
 from toolkit import layout
 from toolkit.config import ConfigError, field_names, parse_args
+from toolkit.config_help import recipe_task
 
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
@@ -154,7 +155,8 @@ def _plan(args, recipe_args: list[str]) -> dict:
     if world < 2:
         raise ConfigError("num_processes", f"is {world}; verify compares a multi-process launch with one process: "
                                            "pass --num_processes 2 or more")
-    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", os.devnull + "-unused"])
+    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", os.devnull + "-unused"],
+                     task=recipe_task(args.recipe))  # the recipe's own fields, as the recipe will parse them
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
     # match is micro x accumulation x the data-parallel degree, not x the process count.

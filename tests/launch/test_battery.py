@@ -233,6 +233,12 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "train_file", "row 3, chosen: the completion is empty", "dpo"),
         ("dpo on a stream", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None,
                              "streaming": True}, [], {}, "streaming", "the dpo task cannot train on a stream", "dpo"),
+        # a field of another recipe's task: gpt2.py refuses DPO's beta, dpo.py a classifier's label column
+        ("another recipe's field", {"beta": 0.2}, [], {}, "beta",
+         "is a field of recipes/dpo.py; recipes/gpt2.py does not use it"),
+        ("another recipe's field in dpo", {"train_file": files["pairs.jsonl"], "validation_file": None,
+                                           "label_column_name": "topic"}, [], {}, "label_column_name",
+         "is a field of recipes/classify.py; recipes/dpo.py does not use it", "dpo"),
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
         ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
@@ -287,7 +293,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             argv = ["--config", str(config), *extra]
         cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
-    assert len(cases) == 101  # README.md and docs/reliability.md give this number
+    assert len(cases) == 103  # README.md and docs/reliability.md give this number
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))

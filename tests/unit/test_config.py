@@ -1,13 +1,17 @@
 """Test 6 (bad config): each error names the field, exits non-zero, and comes before any model is loaded."""
 
+import importlib
 import math
 import os
+import re
+import sys
 
 import pytest
 import yaml
 from helpers import RECIPE
 
-from toolkit.config import ConfigError, parse_args
+from toolkit.config import ConfigError, parse_args, write_config
+from toolkit.config_help import TASK_RECIPES
 
 
 def _yaml(tmp_path, **values):
@@ -96,8 +100,64 @@ def test_shipped_recipe_configs_parse_and_say_how_to_launch(name, tmp_path):
     path = os.path.join(os.path.dirname(RECIPE), "configs", name)
     header = open(path).read().split("\n\n")[0]
     assert header.startswith("#") and "accelerate launch --config_file accelerate_configs/" in header
-    cfg = parse_args(["--config", path, "--output_dir", str(tmp_path / "out")])
+    recipe = re.search(r"recipes/(\w+\.py)", header).group(1)  # parsed as its recipe parses it: its task's fields
+    task = {script: task for task, script in TASK_RECIPES.items()}[recipe]
+    cfg = parse_args(["--config", path, "--output_dir", str(tmp_path / "out")], task=task)
     assert cfg.train.output_dir == str(tmp_path / "out")
+
+
+RECIPE_HELP = {  # recipe: (fields its help lists, fields of other recipes it does not)
+    "gpt2": (["text_column_name", "packing_strategy"], ["beta", "label_column_name", "class_weights", "chat_template"]),
+    "sft": (["chat_template", "text_column_name"], ["beta", "loss_type", "label_column_name"]),
+    "dpo": (["beta", "loss_type", "precompute_ref_log_probs", "ref_model_name_or_path", "chat_template"],
+            ["text_column_name", "label_column_name", "class_weights"]),
+    "classify": (["label_column_name", "class_weights"], ["beta", "chat_template", "ref_model_name_or_path"]),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_HELP))
+def test_a_recipes_help_says_what_it_does_lists_config_first_and_only_its_own_fields(recipe, monkeypatch, capsys):
+    """``python recipes/X.py --help``: the recipe's description, --config first, its fields grouped model / data /
+    training, no field of another recipe, each field once (no --no_plot beside --plot)."""
+    module = importlib.import_module(f"recipes.{recipe}")
+    monkeypatch.setattr(sys, "argv", [f"recipes/{recipe}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert " ".join(text.split()).startswith(f"usage: {recipe}.py [--config FILE.yaml]")
+    assert " ".join(module.__doc__.split("\n\n")[0].split()) in " ".join(text.split())  # first paragraph
+    assert text.index("--config FILE.yaml ") < text.index("\nmodel:\n") < text.index("\ndata:\n") < text.index(
+        "\ntraining:\n")
+    assert text.index("\nmodel:\n") < text.index("--model_name_or_path") < text.index("\ndata:\n")
+    listed = set(re.findall(r"^\s+--(\w+)", text, re.MULTILINE))
+    own, others = RECIPE_HELP[recipe]
+    assert set(own) <= listed and not set(others) & listed, (own, others, listed)
+    assert "no_plot" not in listed and "plot" in listed and "learning_rate" in listed
+
+
+@pytest.mark.parametrize("task, field, value, recipe", [
+    ("causal-lm", "beta", "0.2", "recipes/dpo.py"),
+    ("chat-sft", "label_column_name", "topic", "recipes/classify.py"),
+    ("sequence-classification", "chat_template", "{{ messages }}", "recipes/sft.py, recipes/dpo.py"),
+    ("dpo", "text_column_name", "body", "recipes/gpt2.py, recipes/sft.py, recipes/classify.py"),
+])
+def test_a_field_of_another_recipe_is_refused_naming_the_recipe_that_takes_it(base, tmp_path, task, field, value,
+                                                                              recipe):
+    path = _yaml(tmp_path, **base)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path, f"--{field}", value], task=task)
+    assert err.value.field_name == field and f"is a field of {recipe}" in str(err.value)
+    assert parse_args(["--config", path, f"--{field}", value]).as_dict()[field]  # no task (a script): taken
+
+
+def test_a_runs_own_config_yaml_parses_again_under_its_recipe(base, tmp_path):
+    """config.yaml holds every field, the other recipes' at their defaults: those are not refused."""
+    written = tmp_path / "config.yaml"
+    write_config(parse_args(["--config", _yaml(tmp_path, **base)], task="causal-lm"), str(written))
+    assert "beta" in yaml.safe_load(written.read_text())
+    cfg = parse_args(["--config", str(written)], task="causal-lm")
+    assert cfg.train.beta == 0.1 and cfg.data.label_column_name is None
 
 
 def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(monkeypatch, tmp_path):
@@ -254,3 +314,21 @@ def test_parallel_sizes_that_do_not_fill_the_launched_world_are_refused_before_t
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
     distributed._check_parallel_sizes()  # a product of 1: accelerate's data parallel over every rank
+
+
+def test_attn_implementation_picks_the_models_attention_kernel_and_is_checked_before_work(base, tmp_path):
+    """GPUs want flash attention: the field reaches the model (transformers' attn_implementation); a name
+    transformers does not know, or flash_attention_2 without flash-attn installed, is one line at parse time."""
+    import importlib.util
+
+    from toolkit.model import load_model
+
+    path = _yaml(tmp_path, **base)
+    chosen = {impl: load_model(parse_args(["--config", path, *flag]).model).config._attn_implementation
+              for impl, flag in [("default", []), ("eager", ["--attn_implementation", "eager"])]}
+    assert chosen == {"default": "sdpa", "eager": "eager"}
+    with pytest.raises(ConfigError, match="attn_implementation: unknown value 'flash'; choose one of eager, sdpa"):
+        parse_args(["--config", path, "--attn_implementation", "flash"])
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ConfigError, match="attn_implementation: flash_attention_2 needs the flash-attn package"):
+            parse_args(["--config", path, "--attn_implementation", "flash_attention_2"])

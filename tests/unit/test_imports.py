@@ -2,8 +2,8 @@
 
 - the graph of imports between toolkit modules has no cycle, and every import points up the list of modules in
   ``toolkit/__init__.py``'s docstring;
-- ``toolkit.config`` depends only on the dependency-free ``toolkit.errors`` and ``toolkit.layout``, and those two use
-  the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
+- ``toolkit.config`` depends only on the dependency-free ``toolkit.errors``, ``toolkit.layout`` and
+  ``toolkit.config_help`` (its --help), and those three use the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
   checked before torch, accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
 - no function in ``toolkit/`` is over 80 lines;
@@ -176,8 +176,8 @@ def test_no_import_cycle():
 
 def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
     graph, trees = _graph(), _modules()
-    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout", "toolkit.elastic"}
-    for name in ("toolkit.errors", "toolkit.layout"):
+    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout", "toolkit.elastic", "toolkit.config_help"}
+    for name in ("toolkit.errors", "toolkit.layout", "toolkit.config_help"):
         assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
         assert not outside, f"{name} imports non-stdlib {sorted(outside)}"

@@ -45,3 +45,19 @@ def test_a_failed_runs_cause_is_the_ranks_own_line_not_the_launchers(tmp_path):
     silent.write_text("".join(f"line {i}\n" for i in range(100)))
     assert failure_cause(str(silent), lines=3).splitlines() == ["line 97", "line 98", "line 99",
                                                                 f"(the run's whole output: {silent})"]
+
+
+def test_a_field_of_another_recipe_stops_verify_before_any_launch(tiny_model, padded_data, tmp_path, capsys):
+    """verify parses the recipe's arguments as that recipe will (its task's fields): DPO's beta given to gpt2.py
+    is the recipe's own refusal, in a second, not a failed launch."""
+    from helpers import ROOT
+
+    from toolkit.verify import main
+
+    code = main(["--config_file", f"{ROOT}/accelerate_configs/ddp.yaml", "--num_processes", "2",
+                 "--recipe", f"{ROOT}/recipes/gpt2.py", "--model_name_or_path", tiny_model,
+                 "--train_file", padded_data["train_file"], "--block_size", "32", "--beta", "0.2",
+                 "--work_dir", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err == "config error: beta: is a field of recipes/dpo.py; recipes/gpt2.py does not " \
+                                      "use it: delete it\n"

@@ -1,0 +1,89 @@
+"""A recipe's ``--help``, and which recipe takes a field: what a task's metadata on a config field means.
+
+A field that only some tasks use says so in its metadata, ``metadata={"tasks": ("dpo",), ...}`` (the names are the
+tasks' ``Task.name``); a field without it is every recipe's. ``toolkit.config`` keeps every field in one place and
+asks this module two things: the help text of one recipe (its description, ``--config``, then its own fields grouped
+model / data / training), and whether a field given to a recipe belongs to another one.
+
+Standard library only (argparse formats the text): nothing here touches a field's value, and ``--help`` loads
+neither transformers nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+
+# Task.name -> the recipe that trains it (recipes/<name>.py)
+TASK_RECIPES = {"causal-lm": "gpt2.py", "chat-sft": "sft.py", "dpo": "dpo.py", "sequence-classification": "classify.py"}
+GROUP_TITLES = {"ModelArguments": "model", "DataArguments": "data", "TrainingArguments": "training"}
+METAVARS = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}
+
+
+def field_tasks(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The tasks a field belongs to, or None: every task's."""
+    return f.metadata.get("tasks")
+
+
+def takes(f: dataclasses.Field, task: str | None) -> bool:
+    """Whether a recipe of ``task`` uses the field (no task: a notebook, a script: every field)."""
+    tasks = field_tasks(f)
+    return task is None or tasks is None or task in tasks
+
+
+def recipes_of(f: dataclasses.Field) -> str:
+    """The recipes that take a field, for a message: 'recipes/dpo.py' or 'recipes/sft.py, recipes/dpo.py'."""
+    return ", ".join(f"recipes/{TASK_RECIPES[t]}" for t in field_tasks(f) or TASK_RECIPES)
+
+
+def recipe_task(path: str) -> str | None:
+    """The task of a recipe script by its file name (recipes/dpo.py -> 'dpo'); None for a script of one's own."""
+    return {script: task for task, script in TASK_RECIPES.items()}.get(os.path.basename(path))
+
+
+def first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (argparse wraps it)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def _metavar(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return f"{METAVARS.get(args[0], 'VALUE')} [...]"
+    if args:  # Optional[X]
+        return _metavar(args[0])
+    return METAVARS.get(hint, "VALUE")
+
+
+def _default(f: dataclasses.Field) -> str:
+    value = f.default if f.default is not dataclasses.MISSING else None
+    if value is None:
+        return "unset"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def help_text(classes, task: str | None, description: str | None, prog: str) -> str:
+    """The help of a recipe of ``task``: its description, ``--config`` first, then the fields it takes, one group per
+    dataclass. A field of other tasks is left out (``field_tasks``); each field once (no ``--no_X`` twin)."""
+    epilog = ("A field set in the YAML file and on the command line takes the command line's value; '--FIELD null' "
+              "unsets an optional field. Every field, with examples: docs/configuration.md.")
+    if task is not None:
+        epilog += f" Fields of the other recipes are not listed (this is recipes/{TASK_RECIPES[task]})."
+    parser = argparse.ArgumentParser(prog=prog, description=first_paragraph(description), epilog=epilog,
+                                     usage=f"{prog} [--config FILE.yaml] [--FIELD VALUE ...]", add_help=False)
+    config = parser.add_argument_group("config")
+    config.add_argument("--config", metavar="FILE.yaml", help="A YAML file of field: value (recipes/configs/ holds "
+                                                              "one per recipe); any field below overrides it.")
+    config.add_argument("-h", "--help", action="store_true", help="Show this help and exit.")
+    for cls in classes:
+        group = parser.add_argument_group(GROUP_TITLES.get(cls.__name__, cls.__name__))
+        hints = typing.get_type_hints(cls)  # not f.type: HfArgumentParser rewrites it in place
+        for f in dataclasses.fields(cls):
+            if f.init and takes(f, task):
+                text = f.metadata.get("help", "")
+                if "default" not in text.lower():  # a help that explains its default keeps its own words
+                    text += f" (default: {_default(f)})"
+                group.add_argument(f"--{f.name}", metavar=_metavar(hints[f.name]), help=text.replace("%", "%%"))
+    return parser.format_help()
