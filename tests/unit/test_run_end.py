@@ -10,7 +10,7 @@ import signal
 import pytest
 from safetensors.torch import load_file
 
-from toolkit.errors import TrainingStopped
+from toolkit.errors import ConfigError, TrainingStopped
 
 pytestmark = pytest.mark.slow  # in-process runs: ~2-3 s each alone, more beside other work
 
@@ -57,8 +57,6 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
 
 def test_a_stream_without_one_global_batch_is_refused_before_a_step(tiny_model, tmp_path):
     from helpers import train_in_process
-
-    from toolkit.config import ConfigError
 
     path = tmp_path / "tiny.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(5)) + "\n")
@@ -112,7 +110,8 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     """One output_dir through every other ending. Map-style data with max_steps past its epochs (6 steps an
     epoch); a rerun from step 3 that is preempted (a final/ of the first run is there: the summary must not name
     it); its relaunch, which finishes; and a relaunch of the finished run after its final/ was lost (killed during
-    the export): before the fix its summary named a final/ that did not exist."""
+    the export): before the fix its summary named a final/ that did not exist; a relaunch whose max_steps is below its
+    checkpoint's step is refused (before the fix it ended at once and called the checkpoint's weights its result)."""
     from helpers import train_in_process
 
     out = tmp_path / "out"
@@ -140,3 +139,6 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     assert again["ended"] == "max_steps" and again["steps"] == 9 and again["final_model"] == str(out / "final")
     assert all((reference[k] == w).all() for k, w in _weights(out / "final").items())
     assert _on_disk(out)[0]["final_model"] == str(out / "final")
+    with pytest.raises(ConfigError, match="step-9 is at step 9, past this run's 6 steps; raise max_steps") as err:
+        train_in_process({**values, "max_steps": 6, "resume_from_checkpoint": "latest"})
+    assert err.value.field_name == "max_steps"
