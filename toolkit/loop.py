@@ -10,7 +10,9 @@ One optimizer step (``train_step``), on each of the W data-parallel ranks:
     4. on the last micro-step: clip the global grad norm, optimizer step, scheduler step, zero grads.
 
 The outer loop (``train``) does, between steps, a flat sequence: fetch the step's micro-batches from the epoch's
-order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps``.
+order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps`` (or when a
+stream runs out, or on SIGTERM, or when a step stops the run: however it ends, the summary says how,
+docs/reliability.md#how-a-run-ends).
 
 Everything needed to continue exactly lives in ``LoopState`` (``toolkit.state``; written as JSON into every
 checkpoint, with what the sample order depends on) and the optimizer/scheduler/RNG states that ``save_state`` writes;

@@ -41,7 +41,8 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
     path.write_text("\n".join(json.dumps({"text": f"row {i} of a short stream"}) for i in range(19)) + "\n")
     out = tmp_path / "out"
     data = {"train_file": str(path), "validation_file": padded_data["validation_file"]}
-    summary = train_in_process(_values(tiny_model, data, out, streaming=True, max_steps=50, eval_steps=100))
+    values = _values(tiny_model, data, out, streaming=True, max_steps=50, eval_steps=100, save_steps=2)
+    summary = train_in_process(values)
     printed = capsys.readouterr().out
     assert "the stream ended after step 2 of max_steps 50 (16 rows trained on): the run ends here" in printed
     on_disk, rows = _on_disk(out)
@@ -53,6 +54,13 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
     assert rows[-1]["step"] == 2 and "loss" in rows[-1] and "eval_loss" in rows[-1]
     assert summary["best_eval_perplexity"] == pytest.approx(rows[-1]["perplexity"])
     assert os.path.isfile(out / "loss.png")
+
+    # relaunched after its final/ was lost: the stream ends where the checkpoint (its last step) resumes it
+    shutil.rmtree(out / "final")
+    again = train_in_process({**values, "resume_from_checkpoint": "latest"})
+    assert "the stream ended after step 2 of max_steps 50" in capsys.readouterr().out
+    assert again["ended"] == "data_ran_out" and again["final_model"] == str(out / "final")
+    assert os.path.isfile(out / "final" / "model.safetensors") and _on_disk(out)[1] == rows
 
 
 def test_a_stream_without_one_global_batch_is_refused_before_a_step(tiny_model, tmp_path):
