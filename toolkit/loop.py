@@ -530,6 +530,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
     state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
+    first = _first_stream_step(accelerator, run, state)
     logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset)
     start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
     evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
@@ -540,7 +541,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     preemption, stop = Preemption(), None
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
-        ended = _run_steps(cfg, accelerator, run, state, task, logger, evaluation, window, preemption, callbacks)
+        ended = _run_steps(cfg, accelerator, run, state, task, logger, evaluation, window, preemption, callbacks,
+                           first)
     except TrainingStopped as e:  # on every rank at the same step (the norm and the overflow streak are global)
         ended, stop = ENDED_STOPPED, e
     finally:
@@ -574,25 +576,26 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
 
 
 def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, logger: MetricsLogger,
-               evaluation: Evaluation, window: LogWindow, preemption: Preemption, callbacks) -> str:
+               evaluation: Evaluation, window: LogWindow, preemption: Preemption, callbacks,
+               first: tuple = (None, None)) -> str:
     """The optimizer steps from the loop's position to the end of the run; returns how they ended (summary.json's
     ``ended``: ENDED_MAX_STEPS, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped).
 
     Whatever ends the run, its last step is the last step of a run: logged, evaluated, the bar closed, then saved
     and exported. A stream's next step is read before this step is logged, so that a stream that ends makes this
-    step the last one (not a break before a step that never comes)."""
+    step the last one (not a break before a step that never comes). ``first``: a stream's steps and its first
+    step, already read (``_first_stream_step``)."""
     args, model = cfg.train, run.model
 
     def after_backward(micro_step: int) -> None:
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
-    batches, ahead, overflows, streaming = None, None, 0, run.train_dl is None
+    (batches, ahead), overflows, streaming = first, 0, run.train_dl is None
     while state.step < run.total_steps:
         if batches is None:  # an epoch starts, or resumes part-way
             batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, args.gradient_accumulation_steps)
         micro_batches, ahead = ahead or next_micro_batches(batches, run, accelerator), None
         if micro_batches is None:  # every rank reads the same stream: all see its end at this step
-            _nothing_to_train(state, run)
             _data_ran_out(accelerator, run, state)  # a resume at the stream's end: its checkpoint's step was the last
             return ENDED_DATA_RAN_OUT
         result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
@@ -629,13 +632,19 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
     return ENDED_MAX_STEPS
 
 
-def _nothing_to_train(state: LoopState, run: Run) -> None:
-    """A fresh run whose stream ends before its first global batch: refused, rather than exporting the model as
-    loaded and calling it trained."""
-    if state.step == 0:
+def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
+    """A stream's steps from the loop's position and the first of them, read before the run writes a file: a fresh
+    run whose stream ends before its first global batch is refused there (rather than exporting the model as loaded
+    and calling it trained), and a relaunch into the same output_dir starts clean. (None, None) for map-style data."""
+    if run.train_dl is not None:
+        return None, None
+    batches = epoch_batches(accelerator, None, run.sampler, state, run.sampler.accumulation)
+    micro_batches = next_micro_batches(batches, run, accelerator)
+    if micro_batches is None and state.step == 0:
         raise ConfigError("train_file", f"the stream ends before its first global batch ({run.sampler.global_batch_size}"
                                         " rows with text): nothing to train on; add rows, or lower "
                                         "per_device_train_batch_size or gradient_accumulation_steps")
+    return batches, micro_batches
 
 
 def _export_if_not_yet(accelerator, run: Run, state: LoopState, start_step: int) -> None:

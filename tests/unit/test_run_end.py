@@ -71,7 +71,7 @@ def test_a_stream_without_one_global_batch_is_refused_before_a_step(tiny_model, 
     with pytest.raises(ConfigError, match="stream ends before its first global batch .8 rows") as err:
         train_in_process(_values(tiny_model, {"train_file": str(path)}, tmp_path / "out", streaming=True,
                                  max_steps=5))
-    assert err.value.field_name == "train_file" and not os.path.exists(tmp_path / "out" / "final")
+    assert err.value.field_name == "train_file" and not os.path.exists(tmp_path / "out" / "metrics.jsonl")
 
 
 class _NanAt:
