@@ -48,8 +48,8 @@ from toolkit.errors import ConfigError, TrainingStopped
 from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import (
+    ENDED_COMPLETED,
     ENDED_DATA_RAN_OUT,
-    ENDED_MAX_STEPS,
     ENDED_PREEMPTED,
     ENDED_STOPPED,
     LogWindow,
@@ -548,7 +548,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     finally:
         preemption.restore()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
-    if ended in (ENDED_MAX_STEPS, ENDED_DATA_RAN_OUT):
+    if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step)
     if args.plot and accelerator.is_main_process:
         plot_run(args.output_dir)
@@ -579,7 +579,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
                evaluation: Evaluation, window: LogWindow, preemption: Preemption, callbacks,
                first: tuple = (None, None)) -> str:
     """The optimizer steps from the loop's position to the end of the run; returns how they ended (summary.json's
-    ``ended``: ENDED_MAX_STEPS, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped).
+    ``ended``: ENDED_COMPLETED, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped).
 
     Whatever ends the run, its last step is the last step of a run: logged, evaluated, the bar closed, then saved
     and exported. A stream's next step is read before this step is logged, so that a stream that ends makes this
@@ -629,7 +629,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             return ENDED_PREEMPTED
         if ran_out:
             return ENDED_DATA_RAN_OUT
-    return ENDED_MAX_STEPS
+    return ENDED_COMPLETED
 
 
 def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:

@@ -125,7 +125,7 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     out = tmp_path / "out"
     values = _values(tiny_model, padded_data, out, max_steps=9, save_steps=3)
     whole = train_in_process(values)
-    assert whole["ended"] == "max_steps" and (whole["steps"], whole["total_steps"]) == (9, 9)
+    assert whole["ended"] == "completed" and (whole["steps"], whole["total_steps"]) == (9, 9)
     assert whole["epochs"] == pytest.approx(1.5) and whole["final_model"] == str(out / "final")
     _, rows = _on_disk(out)
     assert [r["epoch"] for r in rows if r["step"] in (6, 9)] == [1.0, 1.5] and rows[-1]["step"] == 9
@@ -138,13 +138,13 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     assert "SIGTERM: saved checkpoint step-5" in capsys.readouterr().out
 
     finished = train_in_process({**values, "resume_from_checkpoint": "latest"})
-    assert finished["ended"] == "max_steps" and finished["final_model"] == str(out / "final")
+    assert finished["ended"] == "completed" and finished["final_model"] == str(out / "final")
     assert all((reference[k] == w).all() for k, w in _weights(out / "final").items())
 
     shutil.rmtree(out / "final")
     again = train_in_process({**values, "resume_from_checkpoint": "latest"})
     assert "the checkpoint is at step 9 of 9: nothing left to train" in capsys.readouterr().out
-    assert again["ended"] == "max_steps" and again["steps"] == 9 and again["final_model"] == str(out / "final")
+    assert again["ended"] == "completed" and again["steps"] == 9 and again["final_model"] == str(out / "final")
     assert all((reference[k] == w).all() for k, w in _weights(out / "final").items())
     assert _on_disk(out)[0]["final_model"] == str(out / "final")
     with pytest.raises(ConfigError, match="step-9 is at step 9, past this run's 6 steps; raise max_steps") as err:
