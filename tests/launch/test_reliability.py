@@ -123,6 +123,8 @@ def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(runs, tmp_pa
     assert f"SIGTERM: saved checkpoint step-{stopped}" in output
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
     assert not os.path.exists(os.path.join(out, "final")), "a preempted run is not finished"
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["ended"], summary["steps"], summary["final_model"]) == ("preempted", stopped, None)
 
     # The launcher SIGKILLed alone (no signal reaches the ranks: torch elastic gives each a session of its own). The
     # orphaned ranks see their parent change, finish the step, save and exit, instead of training on into output_dir.
