@@ -595,8 +595,9 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
         if batches is None:  # an epoch starts, or resumes part-way
             batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, args.gradient_accumulation_steps)
         micro_batches, ahead = ahead or next_micro_batches(batches, run, accelerator), None
-        if micro_batches is None:  # every rank reads the same stream: all see its end at this step
-            _data_ran_out(accelerator, run, state)  # a resume at the stream's end: its checkpoint's step was the last
+        if micro_batches is None:  # a resume at the stream's end (every rank reads it: all see its end here)
+            logger.close()
+            _data_ran_out(accelerator, run, state)
             return ENDED_DATA_RAN_OUT
         result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
                             data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
