@@ -547,6 +547,9 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
+        # a stream's steps (and any read-ahead of them) end with the run, however it ends
+        if hasattr(first[0], "close"):
+            first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step)
@@ -642,9 +645,9 @@ def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
     batches = epoch_batches(accelerator, None, run.sampler, state, run.sampler.accumulation)
     micro_batches = next_micro_batches(batches, run, accelerator)
     if micro_batches is None and state.step == 0:
-        raise ConfigError("train_file", f"the stream ends before its first global batch ({run.sampler.global_batch_size}"
-                                        " rows with text): nothing to train on; add rows, or lower "
-                                        "per_device_train_batch_size or gradient_accumulation_steps")
+        raise ConfigError("train_file", f"the stream ends before its first global batch "
+                                        f"({run.sampler.global_batch_size} rows with text): nothing to train on; add "
+                                        "rows, or lower per_device_train_batch_size or gradient_accumulation_steps")
     return batches, micro_batches
 
 

@@ -22,7 +22,8 @@ from toolkit import layout
 # How a run ended (summary.json's "ended"): it trained total_steps; its stream ran out before them (it still ends
 # with its final evaluation and export); SIGTERM or a lost launcher (a checkpoint, no export: relaunch to continue);
 # TrainingStopped, e.g. a non-finite gradient (no export; the latest checkpoint is the last good step).
-ENDED_COMPLETED, ENDED_DATA_RAN_OUT, ENDED_PREEMPTED, ENDED_STOPPED = "completed", "data_ran_out", "preempted", "stopped"
+ENDED_COMPLETED, ENDED_DATA_RAN_OUT = "completed", "data_ran_out"
+ENDED_PREEMPTED, ENDED_STOPPED = "preempted", "stopped"
 
 
 def read_metrics(output_dir_or_file: str) -> list[dict]:
