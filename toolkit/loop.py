@@ -10,7 +10,9 @@ One optimizer step (``train_step``), on each of the W data-parallel ranks:
     4. on the last micro-step: clip the global grad norm, optimizer step, scheduler step, zero grads.
 
 The outer loop (``train``) does, between steps, a flat sequence: fetch the step's micro-batches from the epoch's
-order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps``.
+order, ``train_step``, advance the position, log, evaluate, checkpoint; and stops after ``total_steps`` (or when a
+stream runs out, or on SIGTERM, or when a step stops the run: however it ends, the summary says how,
+docs/reliability.md#how-a-run-ends).
 
 Everything needed to continue exactly lives in ``LoopState`` (``toolkit.state``; written as JSON into every
 checkpoint, with what the sample order depends on) and the optimizer/scheduler/RNG states that ``save_state`` writes;
@@ -42,10 +44,21 @@ from toolkit.distributed import (
     keep_embeddings_out_of_fsdp_units,
     keep_process_groups,
 )
-from toolkit.errors import TrainingStopped
+from toolkit.errors import ConfigError, TrainingStopped
 from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.loss import micro_step_loss
-from toolkit.metrics import LogWindow, MetricsLogger, format_run_summary, parallel_degrees, run_summary, write_summary
+from toolkit.metrics import (
+    ENDED_COMPLETED,
+    ENDED_DATA_RAN_OUT,
+    ENDED_PREEMPTED,
+    ENDED_STOPPED,
+    LogWindow,
+    MetricsLogger,
+    format_run_summary,
+    parallel_degrees,
+    run_summary,
+    write_summary,
+)
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
 from toolkit.plots import plot_run
@@ -277,17 +290,22 @@ def epoch_batches(accelerator, train_dl, sampler: GlobalBatchSampler, state: Loo
     return iter(accelerator.skip_first_batches(train_dl, skip) if skip else train_dl)
 
 
-def next_micro_batches(batches, run, accelerator, state: LoopState) -> list[dict] | None:
-    """This rank's micro-batches of the next step; None, said once, when a stream has ended (a map-style epoch never
-    runs out here: the loop starts the next one)."""
+def next_micro_batches(batches, run, accelerator) -> list[dict] | None:
+    """This rank's micro-batches of the next step; None when a stream has ended (a map-style epoch never runs out
+    here: the loop starts the next one)."""
     if run.train_dl is not None:
         return [next(batches) for _ in range(run.sampler.gradient_accumulation_steps)]
     step = next(batches, None)
     if step is None:
-        accelerator.print(f"the stream ended after step {state.step} of max_steps {run.total_steps} "
-                          f"({state.samples_seen} rows trained on): the run ends here")
         return None
     return [{k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in step]
+
+
+def _data_ran_out(accelerator, run, state: LoopState) -> None:
+    """The one line that says why the run ends before ``max_steps`` (also ``ended`` in summary.json)."""
+    accelerator.print(f"the stream ended after step {state.step} of max_steps {run.total_steps} "
+                      f"({state.samples_seen} rows trained on): the run ends here, with its final evaluation and "
+                      "export", flush=True)
 
 
 def _finish_step(state: LoopState, result: StepResult, run) -> bool:
@@ -505,13 +523,14 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
            resume: ResumePlan | None) -> dict:
     task, args, started = task or CausalLM(), cfg.train, time.time()
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
-    model, accumulation = run.model, args.gradient_accumulation_steps
+    model = run.model
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:
         _check_packing(accelerator, model, tokenizer, train_dataset)
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
     state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start
+    first = _first_stream_step(accelerator, run, state)
     logger = _open_run_files(cfg, accelerator, run, state, resumed_from, train_dataset, task)
     start_step, start_tokens = state.step, state.tokens_seen  # a resumed run's rates count this attempt only
     evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
@@ -519,63 +538,123 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
     window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,
                        replicas=accelerator.num_processes // run.data_parallel_size)
-
-    def after_backward(micro_step: int) -> None:
-        _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
-
-    preemption, preempted, batches, overflows = Preemption(), False, None, 0
+    preemption, stop = Preemption(), None
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
-        while state.step < run.total_steps:
-            if batches is None:  # an epoch starts, or resumes part-way
-                batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, accumulation)
-            micro_batches = next_micro_batches(batches, run, accelerator, state)
-            if micro_batches is None:  # every rank reads the same stream: all stop at this step
-                break
-            result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
-                                data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
-                                loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
-                                stop_flag=preemption.requested(), overflows=overflows,
-                                max_consecutive_overflows=args.max_consecutive_overflows)
-            overflows = result.overflows
-            if _finish_step(state, result, run):
-                batches = None  # the epoch's last step: the next one starts the next epoch
-            window.add(result)
-            logger.advance()
-            last = state.step == run.total_steps
-            row = _log_step(args, state, result, last, run, window, evaluation, logger)
-            _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
-            # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
-            # after the next one (the flag is sent with the counts, before the step's first backward).
-            preempted = not last and result.stop_requested
-            if last:  # the bar ends with training: the export's own bars are not drawn under an open one
-                logger.close()
-            run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
-            if preempted:
-                accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
-                                  "resume_from_checkpoint: latest to continue", flush=True)
-                break
+        ended = _run_steps(cfg, accelerator, run, state, task, logger, evaluation, window, preemption, callbacks,
+                           first)
+    except TrainingStopped as e:  # on every rank at the same step (the norm and the overflow streak are global)
+        ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
+        # a stream's steps (and any read-ahead of them) end with the run, however it ends
+        if hasattr(first[0], "close"):
+            first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
+    if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
+        _export_if_not_yet(accelerator, run, state, start_step)
     if args.plot and accelerator.is_main_process:
         plot_run(args.output_dir)
-    exported = args.save_final_model and not preempted  # a preempted run is not finished: no export
+    exported = run.checkpointer.exported
     summary = run_summary(
         accelerator, state, epochs=state.epochs_done(run.steps_per_epoch), seconds=time.time() - started,
         tokens=state.tokens_seen - start_tokens, steps=state.step - start_step, flops_per_token=run.flops_per_token,
-        peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), preempted=preempted,
-        final_model=os.path.abspath(layout.final_dir(args.output_dir)) if exported else None,
+        peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), ended=ended, total_steps=run.total_steps,
+        stop_reason=str(stop) if stop else None, final_model=os.path.abspath(exported) if exported else None,
         data_parallel_size=run.data_parallel_size, fill_rate=window.run_fill_rate(),
         train_rows=state.samples_seen if isinstance(train_dataset, TrainStream) else len(train_dataset))
     summary.update(task.summary(accelerator, model))
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
-    # for a forward pass.
-    _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
+    # for a forward pass. A stopped run's model is not the run's result: no on_end.
+    if stop is None:
+        _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
     keep_process_groups()  # freed with the model on return, a group could deadlock in its destructor
     accelerator.end_training()
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         print(format_run_summary(summary), flush=True)
+    if stop is not None:
+        raise stop  # after the summary and the plot: the recipe's process still exits 1 with the reason
     return summary
+
+
+def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, logger: MetricsLogger,
+               evaluation: Evaluation, window: LogWindow, preemption: Preemption, callbacks,
+               first: tuple = (None, None)) -> str:
+    """The optimizer steps from the loop's position to the end of the run; returns how they ended (summary.json's
+    ``ended``: ENDED_COMPLETED, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped).
+
+    Whatever ends the run, its last step is the last step of a run: logged, evaluated, the bar closed, then saved
+    and exported. A stream's next step is read before this step is logged, so that a stream that ends makes this
+    step the last one (not a break before a step that never comes). ``first``: a stream's steps and its first
+    step, already read (``_first_stream_step``)."""
+    args, model = cfg.train, run.model
+
+    def after_backward(micro_step: int) -> None:
+        _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
+
+    (batches, ahead), overflows, streaming = first, 0, run.train_dl is None
+    while state.step < run.total_steps:
+        if batches is None:  # an epoch starts, or resumes part-way
+            batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, args.gradient_accumulation_steps)
+        micro_batches, ahead = ahead or next_micro_batches(batches, run, accelerator), None
+        if micro_batches is None:  # a resume at the stream's end (every rank reads it: all see its end here)
+            logger.close()
+            _data_ran_out(accelerator, run, state)
+            return ENDED_DATA_RAN_OUT
+        result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
+                            data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
+                            loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
+                            after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
+                            stop_flag=preemption.requested(), overflows=overflows,
+                            max_consecutive_overflows=args.max_consecutive_overflows)
+        overflows = result.overflows
+        if _finish_step(state, result, run):  # (a stream's resume position is recorded here, before reading ahead)
+            batches = None  # the epoch's last step: the next one starts the next epoch
+        if streaming and state.step < run.total_steps:
+            ahead = next_micro_batches(batches, run, accelerator)
+        ran_out = streaming and state.step < run.total_steps and ahead is None
+        window.add(result)
+        logger.advance()
+        last = state.step == run.total_steps or ran_out
+        row = _log_step(args, state, result, last, run, window, evaluation, logger)
+        _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
+        # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
+        # after the next one (the flag is sent with the counts, before the step's first backward).
+        preempted = not last and result.stop_requested
+        if last or preempted:  # the bar ends with training: the lines and the export's own bars below it
+            logger.close()
+        if ran_out:
+            _data_ran_out(accelerator, run, state)
+        run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
+        if preempted:
+            accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
+                              "resume_from_checkpoint: latest to continue", flush=True)
+            return ENDED_PREEMPTED
+        if ran_out:
+            return ENDED_DATA_RAN_OUT
+    return ENDED_COMPLETED
+
+
+def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
+    """A stream's steps from the loop's position and the first of them, read before the run writes a file: a fresh
+    run whose stream ends before its first global batch is refused there (rather than exporting the model as loaded
+    and calling it trained), and a relaunch into the same output_dir starts clean. (None, None) for map-style data."""
+    if run.train_dl is not None:
+        return None, None
+    batches = epoch_batches(accelerator, None, run.sampler, state, run.sampler.accumulation)
+    micro_batches = next_micro_batches(batches, run, accelerator)
+    if micro_batches is None and state.step == 0:
+        raise ConfigError("train_file", f"the stream ends before its first global batch "
+                                        f"({run.sampler.global_batch_size} rows with text): nothing to train on; add "
+                                        "rows, or lower per_device_train_batch_size or gradient_accumulation_steps")
+    return batches, micro_batches
+
+
+def _export_if_not_yet(accelerator, run: Run, state: LoopState, start_step: int) -> None:
+    """A finished run whose last step was not trained in this attempt (a resume of a run that had finished, e.g.
+    killed during its export): the weights loaded are the run's result; final/ is written from them."""
+    if state.step == start_step and run.checkpointer.exported is None and run.checkpointer.args.save_final_model:
+        accelerator.print(f"the checkpoint is at step {state.step} of {run.total_steps}: nothing left to train; "
+                          "exporting its weights to final/", flush=True)
+    run.checkpointer.export()  # collective; once per run: a no-op after the last step's export

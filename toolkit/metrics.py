@@ -19,6 +19,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from toolkit import layout
 
+# How a run ended (summary.json's "ended"): it trained total_steps; its stream ran out before them (it still ends
+# with its final evaluation and export); SIGTERM or a lost launcher (a checkpoint, no export: relaunch to continue);
+# TrainingStopped, e.g. a non-finite gradient (no export; the latest checkpoint is the last good step).
+ENDED_COMPLETED, ENDED_DATA_RAN_OUT = "completed", "data_ran_out"
+ENDED_PREEMPTED, ENDED_STOPPED = "preempted", "stopped"
+
 
 def read_metrics(output_dir_or_file: str) -> list[dict]:
     """The rows of a run's ``metrics.jsonl`` (an output_dir or the file itself).
@@ -84,11 +90,22 @@ def format_run_summary(summary: dict) -> str:
         f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
         *([f"  last eval: rewards/accuracies {summary['eval_rewards/accuracies']:.4f}, rewards/margins "
            f"{summary['eval_rewards/margins']:.4f}"] if summary.get("eval_rewards/accuracies") is not None else []),
+        *_ended_line(summary),
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
             "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
-            if summary.get("preempted") else "  model: not saved (save_final_model false)"),
+            if summary.get("preempted") else "  model: not exported (training stopped: the latest checkpoint holds "
+            "the last good step)" if summary.get("ended") == ENDED_STOPPED else
+            "  model: not saved (save_final_model false)"),
     ]
     return "\n".join(lines)
+
+
+def _ended_line(summary: dict) -> list[str]:
+    """Why the run ended, when it ended before its steps were done (summary.json's ``ended``)."""
+    ended, at = summary.get("ended"), f"at step {summary['steps']} of {summary.get('total_steps')}"
+    return {ENDED_DATA_RAN_OUT: [f"  ended {at}: the training data ran out"],
+            ENDED_PREEMPTED: [f"  ended {at}: preempted"],
+            ENDED_STOPPED: [f"  ended {at}: training stopped: {summary.get('stop_reason')}"]}.get(ended, [])
 
 
 # The eval metrics the progress bar prints, of any task (DPO's: TRL's reward accuracy and margin, named as TRL names
@@ -253,11 +270,14 @@ def parallel_degrees(accelerator) -> str:
 
 
 def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: int, steps: int, flops_per_token: float,
-                peak_flops: float | None, best: tuple[str, float | None], final_model: str | None, preempted: bool,
-                data_parallel_size: int, train_rows: int | None = None, fill_rate: float | None = None) -> dict:
+                peak_flops: float | None, best: tuple[str, float | None], final_model: str | None, ended: str,
+                total_steps: int, data_parallel_size: int, stop_reason: str | None = None,
+                train_rows: int | None = None, fill_rate: float | None = None) -> dict:
     """Collective (peak memory is gathered): the end-of-run summary (``summary.json``). ``tokens`` and ``steps``: what
     this attempt trained (a resumed run's rates count this attempt only); ``best``: (metric name, best value);
-    ``train_rows``: the training split's rows (after packing); ``fill_rate``: real tokens / positions computed."""
+    ``final_model``: the export this run wrote, or None; ``ended``: one of the ENDED_* above, after ``state.step``
+    of ``total_steps``; ``stop_reason``: a stopped run's message; ``train_rows``: the training split's rows (after
+    packing); ``fill_rate``: real tokens / positions computed."""
     from toolkit.accounting import mfu
 
     world = accelerator.num_processes
@@ -274,7 +294,10 @@ def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: in
         "peak_memory_gb_per_rank": [round(float(m), 3) for m in peak_memory_per_rank(accelerator)],
         best_key(best[0]): best[1],
         "final_model": final_model,
-        "preempted": preempted,
+        "ended": ended,
+        "total_steps": total_steps,  # the steps the run was to train (max_steps, or the epochs' steps)
+        "stop_reason": stop_reason,
+        "preempted": ended == ENDED_PREEMPTED,
         "world_size": world,
         "data_parallel_size": data_parallel_size,  # ranks taking other rows: world / tp_size
         "distributed_type": accelerator.distributed_type.value,

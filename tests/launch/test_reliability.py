@@ -123,6 +123,8 @@ def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(runs, tmp_pa
     assert f"SIGTERM: saved checkpoint step-{stopped}" in output
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
     assert not os.path.exists(os.path.join(out, "final")), "a preempted run is not finished"
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["ended"], summary["steps"], summary["final_model"]) == ("preempted", stopped, None)
 
     # The launcher SIGKILLed alone (no signal reaches the ranks: torch elastic gives each a session of its own). The
     # orphaned ranks see their parent change, finish the step, save and exit, instead of training on into output_dir.
@@ -172,6 +174,9 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{bad_step - 1}" or bad_step == 1
     assert not os.path.exists(os.path.join(out, "checkpoints", f"step-{bad_step}"))
     assert not os.path.exists(os.path.join(out, "final"))
+    summary = json.load(open(os.path.join(out, "summary.json")))  # written by both ranks' end, before exit 1
+    assert summary["ended"] == "stopped" and summary["steps"] == bad_step - 1 and summary["final_model"] is None
+    assert summary["stop_reason"] == message[len("training stopped: "):] and summary["world_size"] == 2
 
     skipped = runs.get("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED)  # skip_nonfinite_steps, save_steps 12
     rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]

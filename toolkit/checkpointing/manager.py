@@ -52,6 +52,7 @@ class Checkpointer:
         self.accelerator, self.args, self.plan = accelerator, cfg.train, plan
         self.merge_lora = cfg.model.merge_lora
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
+        self.exported: str | None = None  # final/, once this run wrote it (the summary names only what was written)
 
     def load(self, state) -> str | None:
         """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
@@ -94,10 +95,18 @@ class Checkpointer:
         if (args.save_steps and state.step % args.save_steps == 0) or preempted:
             written = checkpoint.save_checkpoint(self.accelerator, args.output_dir, state.step, args.save_total_limit,
                                                  record=self.record(state), protect=self.plan.checkpoint)
-        if last_step and args.save_final_model and not preempted:
-            checkpoint.save_final(self.accelerator, self.model, self.tokenizer, layout.final_dir(args.output_dir),
-                                  merge_lora=self.merge_lora)
+        if last_step and not preempted:
+            self.export()
         return written
+
+    def export(self) -> str | None:
+        """Collective: the final export (``final/``) of the weights as they are, when ``save_final_model`` asks for
+        it; once per run. Returns the folder written (also kept in ``exported``), or None."""
+        if self.args.save_final_model and self.exported is None:
+            path = layout.final_dir(self.args.output_dir)
+            checkpoint.save_final(self.accelerator, self.model, self.tokenizer, path, merge_lora=self.merge_lora)
+            self.exported = path
+        return self.exported
 
     def record(self, state) -> dict:
         """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),

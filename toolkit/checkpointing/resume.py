@@ -138,4 +138,18 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
             f"this run has {global_batch} ({ranks} ranks x {micro} x {accumulation} accumulation); keep "
             "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
         )
+    _check_not_past_the_end(checkpoint, saved["loop"]["step"], cfg.train, order["train_rows"], global_batch)
     return saved, plan
+
+
+def _check_not_past_the_end(checkpoint: str, step: int, args, train_rows, global_batch: int) -> None:
+    """A checkpoint past this run's last step would end the run at once and export its weights as the result of a
+    shorter run. One exactly at the end is a finished run (it exports again: its final/ may have been lost)."""
+    import math
+
+    by_epochs = args.max_steps <= 0 and isinstance(train_rows, int)
+    total = math.ceil(args.num_train_epochs * (train_rows // global_batch)) if by_epochs else args.max_steps
+    if step > total:
+        field_name = "num_train_epochs" if by_epochs else "max_steps"
+        raise ConfigError(field_name, f"the checkpoint {checkpoint} is at step {step}, past this run's {total} "
+                                      f"steps; raise {field_name} to continue it, or resume an earlier checkpoint")
