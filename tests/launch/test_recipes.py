@@ -231,11 +231,13 @@ def test_dpo_under_zero2_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pair
     _assert_reference_unchanged(run, "live", sharded=strategy != "zero2", whole=whole)
 
 
-# The live run and its precomputed twin, and how close their final weights must be: fp32 exact to 1e-6 (DDP, and ZeRO-3
-# with the policy and the live reference sharded); under bf16 mixed precision (CPU autocast gives a row the same
-# logits whatever batch it is in) 1e-5: the precomputed pass autocasts as the live reference does; without it these
-# two runs ended 1.2e-4 apart (measured 2026-12-06).
-PRECOMPUTED = {"ddp": ("dpo_two", 1e-6), "zero3": ("dpo_zero3", 1e-6), "ddp_bf16": ("dpo_bf16", 1e-5)}
+# The live run, its precomputed twin, how close their final weights must be, and (bf16) the fp32 live run it must
+# differ from: fp32 exact to 1e-6 (DDP, and ZeRO-3 with the policy and the live reference sharded); under bf16 mixed
+# precision 1e-5. DDP autocasts (CPU autocast gives a row the same logits whatever batch it is in): so does the
+# precomputed pass, without which these two runs ended 1.2e-4 apart (measured 2026-12-06). DeepSpeed does not
+# autocast but runs the weights in bf16: so does the precomputed copy.
+PRECOMPUTED = {"ddp": ("dpo_two", 1e-6, None), "zero3": ("dpo_zero3", 1e-6, None),
+               "ddp_bf16": ("dpo_bf16", 1e-5, "dpo_two"), "zero3_bf16": ("dpo_bf16_zero3", 1e-5, "dpo_zero3")}
 
 
 @pytest.mark.parametrize("strategy", list(PRECOMPUTED))
@@ -247,7 +249,7 @@ def test_dpo_precomputed_reference_equals_the_live_one(runs, gpt2_256, pairs, st
 
     from toolkit import layout
 
-    name, tolerance = PRECOMPUTED[strategy]
+    name, tolerance, fp32_twin = PRECOMPUTED[strategy]
     config = runs.planned[name]["config"]
     live = runs.get(name, config, 2, 2, 2, _dpo(gpt2_256, pairs))
     pre = runs.get(f"{name}_precomputed", config, 2, 2, 2, _dpo_precomputed(gpt2_256, pairs))
@@ -264,8 +266,8 @@ def test_dpo_precomputed_reference_equals_the_live_one(runs, gpt2_256, pairs, st
     counts = {split: sum(1 for _ in open(pairs[f"{split}_file"])) for split in ("train", "validation")}
     assert {k: len(v) for k, v in values.items()} == {f"{split}/{column}": counts[split] for split in counts
                                                       for column in ("ref_chosen_logps", "ref_rejected_logps")}
-    if strategy == "ddp_bf16":  # autocast ran: bf16 ends away from the fp32 run
-        fp32 = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
+    if fp32_twin:  # bf16 ran: the run ends away from the fp32 one
+        fp32 = runs.get(fp32_twin, runs.planned[fp32_twin]["config"], 2, 2, 2, _dpo(gpt2_256, pairs))
         assert max_abs_diff(load_weights(os.path.join(fp32, "final")), load_weights(os.path.join(live, "final"))) > 1e-4
 
 
@@ -337,7 +339,8 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     for strategy in DPO_STRATEGIES:  # joining the LoRA and classifier launches of those configs
         r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False)
     r.plan("dpo_bf16", _bf16_config(r.tmp, "ddp.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
-    for name in ("dpo_two", "dpo_zero3", "dpo_bf16"):
+    r.plan("dpo_bf16_zero3", _bf16_config(r.tmp, "zero3.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
+    for name in ("dpo_two", "dpo_zero3", "dpo_bf16", "dpo_bf16_zero3"):
         r.plan(f"{name}_precomputed", r.planned[name]["config"], 2, 2, 2, _dpo_precomputed(gpt2_256, pairs),
                recipe="dpo", probe=False)
     for strategy in DPO_LORA_STRATEGIES:
