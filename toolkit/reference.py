@@ -75,7 +75,16 @@ def load_whole(cfg, accelerator, block_size: int):
     with plain_loading(accelerator):
         model = load_model(reference_arguments(cfg))
     _freeze(model, cfg, block_size)
-    return model.to(accelerator.device)
+    return model.to(accelerator.device, dtype=_deepspeed_dtype(accelerator))
+
+
+def _deepspeed_dtype(accelerator) -> torch.dtype | None:
+    """The dtype DeepSpeed runs weights in under mixed precision: its engine casts the model (the live reference's
+    and the policy's) to bf16/fp16 instead of autocasting (accelerate's autocast is off under DeepSpeed), so a
+    precomputed pass gives the live reference's values only in that dtype. None: keep the loaded dtype."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
 def _freeze(model, cfg, block_size: int) -> None:
