@@ -5,7 +5,8 @@
   with whole chats packed (packing: true, bfd).
 - recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch) under DDP,
   ZeRO-2, ZeRO-3 and FSDP2, the held-out metrics with TRL's names; the live reference sharded like the policy and
-  unchanged, the precomputed reference giving the same run, LoRA DPO adapters equal, a resume bit-identical.
+  unchanged, the precomputed reference giving the same run (fp32, and bf16 under DDP and ZeRO-3) and kept in the run
+  folder, LoRA DPO adapters equal, a resume bit-identical.
 - recipes/sft.py with streaming: true on chats in 3 files: the same equality step by step, and the stream's step-2
   checkpoint of the 2-rank run resumed on 1 process ends as the uninterrupted runs do (the order's window and
   source position carried across world sizes).
