@@ -76,6 +76,7 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
                                        "streaming: false")
     task.check(cfg)
+    task.apply_defaults(cfg)  # e.g. disable_dropout, unset: DPO's true, the others' false
     if cfg.model.use_peft:
         lora.check_available()
     set_seed(cfg.train.seed)

@@ -345,6 +345,11 @@ class DataArguments:
         default=10_000, metadata={"help": "With streaming: rows per shuffled window of the stream (held in memory "
                                           "on every rank); a larger window mixes the corpus more."}
     )
+    drop_long_prompts: bool = field(
+        default=True, metadata={"help": "DPO: drop a pair whose prompt leaves its completions no token within "
+                                        "block_size (TRL drops them too), counted in the log and summary.json; "
+                                        "false: such a pair stops the run before any work, naming its row."}
+    )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     dataset_format: Optional[str] = field(
         default=None, metadata={"help": f"The data's format, one of {', '.join(DATASET_FORMATS)}; unset: detected "
@@ -563,9 +568,10 @@ class TrainingArguments:
     shuffle: bool = field(
         default=True, metadata={"help": "Shuffle the sample order each epoch (same order on any world size)."}
     )
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "Set every dropout probability of the model to 0 (TRL's name): "
-                                         "deterministic runs, e.g. to compare strategies."}
+    disable_dropout: Optional[bool] = field(
+        default=None, metadata={"help": "Set every dropout probability of the model to 0 (TRL's name): "
+                                        "deterministic runs, e.g. to compare strategies. Unset: the task's default "
+                                        "(DPO: true, as TRL's; every other recipe: false)."}
     )
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping "
@@ -619,8 +625,9 @@ class TrainingArguments:
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "
-                                         "training (a whole copy, then freed) instead of a live frozen copy sharded "
-                                         "like the policy.", "tasks": DPO_ONLY}
+                                         "training (a whole copy on the device, each rank its share, then freed; "
+                                         "kept in output_dir/reference_logps/ for a resume) instead of a live "
+                                         "frozen copy sharded like the policy.", "tasks": DPO_ONLY}
     )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})

@@ -15,6 +15,8 @@
         step-N.old.tmp/    the step-N a re-save of step N replaces, while the new one is renamed in
         latest             the name of the newest complete checkpoint
       final/               save_pretrained model + tokenizer             (checkpoint.save_final)
+      reference_logps/     DPO's precomputed reference log-probs         (preference; reused by a resume or restart)
+        <key>.safetensors  keyed by the reference's weights, the pairs and the precision; kept by overwrite_output_dir
 
 Standard library only, imports no other toolkit module: ``config`` checks the folder through these functions before
 any model, process group or torch import.
@@ -43,6 +45,9 @@ RUN_FILES = (CONFIG, METRICS, SUMMARY, LOSS_PLOT, TRACKER_LOGS, CHECKPOINTS, FIN
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old" + TMP_SUFFIX  # step-N.old.tmp: a replaced checkpoint, deleted once the new one is in place
 CONVERTED_FROM = "converted_from.json"  # inside step-N.<kind>: the fingerprint of the step-N it was made from
+# Not in RUN_FILES: keyed by what it was computed from, so still right for a run that starts over, which writes it
+# before the earlier run's files are moved aside.
+REFERENCE_LOGPS = "reference_logps"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -62,6 +67,11 @@ def step_dir(output_dir: str, step: int) -> str:
 
 def final_dir(output_dir: str) -> str:
     return os.path.join(output_dir, FINAL)
+
+
+def reference_logps_file(output_dir: str, key: str) -> str:
+    """Where DPO's precomputed reference log-probabilities for ``key`` are kept."""
+    return os.path.join(output_dir, REFERENCE_LOGPS, f"{key}.safetensors")
 
 
 def has_final_model(output_dir: str) -> bool:

@@ -7,8 +7,8 @@ template). Either way ``prompt + completion`` is tokenized once, as chat SFT tok
 ``tokenize_chat``, ``tokenize_spans``), and the completion's tokens (an assistant turn with its end-of-turn token; a
 text completion and its EOS) are the targets. A row is a *pair*: its chosen and rejected sequences are collated into
 the same micro-batch (chosen rows first, then rejected, one forward), so they stay on one rank and one micro-step.
-Rows are truncated to ``block_size`` keeping their start; a prompt that leaves either completion no token within
-``block_size`` is refused (naming the row), where TRL would train the pair as a tie.
+Rows are truncated to ``block_size`` keeping their start; a pair whose prompt leaves either completion no token within
+``block_size`` is dropped and counted (TRL's rule; ``drop_long_prompts: false`` refuses it, naming the row).
 
 Loss (``loss_type: sigmoid``, TRL's default and the DPO paper's), per pair, with log-probabilities *summed* over the
 completion's tokens (p: the policy's, r: the reference's):
@@ -28,9 +28,10 @@ Reference (``toolkit.reference``): by default a live frozen copy of the starting
 ``ref_model_name_or_path``), sharded like the policy, evaluated beside it on every micro-batch without grad; with
 ``use_peft`` the policy with its adapter disabled. With ``precompute_ref_log_probs`` (TRL's name) the starting weights
 are evaluated once before training from a whole copy loaded for it and freed (``add_reference``; the policy itself may
-already be partitioned under ZeRO-3): every rank computes the log-probabilities of every pair in fixed chunks of
-``per_device_eval_batch_size`` pairs in dataset order (so the values do not depend on the world size or the
-micro-batch), and they travel with the rows (``ref_chosen_logps``, ``ref_rejected_logps``). Both give the same run.
+already be partitioned under ZeRO-3), on the device: the pairs in fixed chunks of ``per_device_eval_batch_size`` in
+dataset order, each rank its share of the chunks, under the run's precision (``accelerator.autocast``, as the live
+reference runs), gathered; they travel with the rows (``ref_chosen_logps``, ``ref_rejected_logps``) and are kept in
+the run folder for a resume or restart (``toolkit.reference``). Both give the same run.
 
 Metrics on the held-out pairs, named as TRL's evaluation names them: ``eval_rewards/chosen`` and
 ``eval_rewards/rejected`` (beta x log-ratio), ``eval_rewards/accuracies`` (the share of pairs whose chosen reward is
@@ -41,17 +42,31 @@ completions' tokens), and ``eval_loss`` (the mean pair loss).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+
 import torch
 import torch.nn.functional as F
 from datasets import DatasetDict
 
-from toolkit import data
+from toolkit import data, layout
 from toolkit.chat import set_chat_template, tokenize_completion  # noqa: F401 (tokenize_completion: its old home)
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
 from toolkit.mixture import load_task_splits
-from toolkit.reference import check_reference, fingerprint, load_live, load_whole, reference_kind, reshard
+from toolkit.reference import (
+    check_reference,
+    fingerprint,
+    load_live,
+    load_whole,
+    precomputed_key,
+    read_precomputed,
+    reference_kind,
+    reshard,
+    write_precomputed,
+)
 from toolkit.tasks import CausalLM
 
 
@@ -89,8 +104,9 @@ def load_raw_pairs(args: DataArguments, record: dict | None = None) -> DatasetDi
 
 
 def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every pair tokenized (both sides, truncated to ``block_size``, keeping the start); a prompt that leaves a
-    completion no token within ``block_size`` is refused, naming the row."""
+    """Every pair tokenized (both sides, truncated to ``block_size``, keeping the start). A pair whose prompt leaves
+    a completion no token within ``block_size`` is dropped (TRL's rule), or with ``drop_long_prompts: false``
+    refused, naming the row; a split left with no pair is refused."""
 
     def tokenize(batch, indices):
         out = {key: [] for side in SIDES for key in KEYS[side]}
@@ -98,17 +114,19 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
             for side, completion in zip(SIDES, (chosen, rejected)):
                 ids, labels = tokenize_completion(tokenizer, prompt, completion, f"row {index}, {side}")
                 prompt_tokens = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
-                if prompt_tokens >= block_size:  # TRL would train it as a tie: both log-probs over no token
+                # kept, the pair would train as a tie (both log-probs over no token); dropped by has_targets below
+                if prompt_tokens >= block_size and not args.drop_long_prompts:
                     raise ConfigError("block_size", f"row {index}: the prompt is {prompt_tokens} tokens, so block_size "
                                                     f"{block_size} leaves its {side} completion no token; raise "
-                                                    "block_size or remove the pairs with longer prompts")
+                                                    "block_size, remove the pairs with longer prompts, or set "
+                                                    "drop_long_prompts: true to drop them")
                 out[KEYS[side][0]].append(ids[:block_size])
                 out[KEYS[side][1]].append(labels[:block_size])
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (block_size,), batched=True, with_indices=True,
-                                        desc="tokenize preference pairs", **kwargs)
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (block_size, args.drop_long_prompts), batched=True,
+                                        with_indices=True, desc="tokenize preference pairs", **kwargs)
 
     def has_targets(batch):  # position i predicts label i+1: a target after the first token, on both sides
         return [all(any(x != IGNORE_INDEX for x in labels[1:]) for labels in pair)
@@ -117,7 +135,8 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     kept = tokenized.filter(has_targets, batched=True, desc="drop pairs with no completion token within block_size")
     for name, split in kept.items():
         if len(split) == 0:
-            raise ConfigError("block_size", f"no {name} pair has a completion token within block_size {block_size}; "
+            raise ConfigError("block_size", f"none of the {len(tokenized[name])} {name} pairs has a completion token "
+                                            f"within block_size {block_size} (their prompts are as long or longer); "
                                             "raise block_size or shorten the prompts")
     return kept
 
@@ -173,11 +192,13 @@ class DPO(CausalLM):
     loss_unit = "per pair"  # the DPO loss of a pair (sigmoid: nats; ipo: a squared log-ratio gap), not per token
     stream_refusal = ("it computes every training pair's reference log-probs before step 1 (TRL's "
                       "precompute_ref_log_probs)")
+    defaults = {"disable_dropout": True}  # TRL's: the policy's log-ratios without dropout noise, as the reference's
 
     def __init__(self):
         self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check
         self.reference, self.block_size, self.start = None, None, None  # the live copy (toolkit.reference)
         self.last_eval: dict = {}  # the last evaluation's metrics, for the summary
+        self.dropped: dict = {}  # pairs dropped per split: the prompt leaves no completion token (drop_long_prompts)
 
     def check(self, cfg) -> None:
         if cfg.data.packing or cfg.data.packing_strategy:
@@ -201,7 +222,9 @@ class DPO(CausalLM):
     def tokenize(self, raw, tokenizer, args, block_size: int):
         if self.conversational and not getattr(tokenizer, "chat_template", None):
             set_chat_template(tokenizer, None)  # refuses: conversational pairs need a template
-        return tokenize_pairs(raw, tokenizer, args, block_size)
+        pairs = tokenize_pairs(raw, tokenizer, args, block_size)
+        self.dropped = {name: len(raw[name]) - len(split) for name, split in pairs.items()}
+        return pairs
 
     def collator(self, tokenizer):
         return PairCollator(tokenizer.pad_token_id)
@@ -226,8 +249,14 @@ class DPO(CausalLM):
                 logps = self.sequence_logps(self.reference, batch, chunked)
             reshard(self.reference)
             return logps
-        with unwrap(model).disable_adapter():
-            return self.sequence_logps(model, batch, chunked)
+        base = unwrap(model)
+        was_training = base.training
+        base.eval()  # the reference is the frozen base: no dropout in its forward, as a live copy's eval mode
+        try:
+            with base.disable_adapter():
+                return self.sequence_logps(model, batch, chunked)
+        finally:
+            base.train(was_training)
 
     def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
         ref_chosen, ref_rejected = self.reference_logps(model, batch, chunked)
@@ -264,21 +293,48 @@ class DPO(CausalLM):
 
     def add_reference(self, cfg, accelerator, parts) -> None:
         """With ``precompute_ref_log_probs``: ``parts``' train and eval datasets with the reference log-probabilities,
-        from a whole copy on every rank (``reference.load_whole``: outside ZeRO-3's partitioning, before any strategy
-        shards the policy, so the same under DDP, ZeRO and FSDP), evaluated, then freed. Otherwise the live reference
-        is loaded once the policy is prepared (``prepared``)."""
+        read from the run folder when an earlier attempt kept them for the same reference, pairs and precision, else
+        computed from a whole copy on the device (``reference.load_whole``: outside ZeRO-3's partitioning, before any
+        strategy shards the policy, so the same under DDP, ZeRO and FSDP), each rank its share, and kept there by the
+        main process; every rank reads the file. Otherwise the live reference is loaded once the policy is prepared
+        (``prepared``)."""
+        from accelerate.utils import broadcast_object_list
+
         self.block_size = parts.block_size
         if reference_kind(cfg) != "precomputed":
             return
-        reference = load_whole(cfg, accelerator)
-        datasets = self.precompute_reference(reference, {"train": parts.train_dataset, "validation": parts.eval_dataset},
-                                             cfg.train.per_device_eval_batch_size, parts.tokenizer.pad_token_id)
+        splits = {name: split for name, split in (("train", parts.train_dataset), ("validation", parts.eval_dataset))
+                  if split is not None}
+        reference = load_whole(cfg, accelerator, parts.block_size)
+        key = precomputed_key(reference, {name: pairs_fingerprint(split) for name, split in splits.items()},
+                              accelerator, cfg)
+        path = layout.reference_logps_file(cfg.train.output_dir, key)
+        found = broadcast_object_list([os.path.isfile(path)])[0]  # the main process's answer, on every rank
+        if found:
+            accelerator.print(f"reference log-probs: reusing {path} (the same reference weights, pairs and precision)")
+        else:
+            values = self.reference_values(reference, splits, cfg.train.per_device_eval_batch_size,
+                                           parts.tokenizer.pad_token_id, accelerator, bool(cfg.train.loss_chunk_size))
+            if accelerator.is_main_process:
+                write_precomputed(path, values)
+            accelerator.print(f"reference log-probs: computed for {', '.join(f'{len(s)} {n}' for n, s in splits.items())}"
+                              f" pairs on {accelerator.num_processes} process(es), kept in {path}")
         del reference
-        parts.train_dataset, parts.eval_dataset = datasets["train"], datasets["validation"]
+        accelerator.wait_for_everyone()  # the file is complete before any rank reads it
+        values = read_precomputed(path)
+        for name, split in splits.items():
+            for column in REF_COLUMNS:
+                split = split.add_column(column, values[name][column].tolist())
+            splits[name] = split
+        parts.train_dataset, parts.eval_dataset = splits["train"], splits.get("validation")
 
     def prepared(self, accelerator, model) -> None:
         """The live reference, loaded and sharded as the policy was; its fingerprint before the first step."""
         kind = reference_kind(self.cfg)
+        if any(self.dropped.values()):
+            counts = " and ".join(f"{n} {name}" for name, n in self.dropped.items() if n)
+            accelerator.print(f"dropped {counts} pair(s) whose prompt leaves no completion token within block_size "
+                              f"{self.block_size} (drop_long_prompts; summary.json's dropped_pairs)")
         if kind == "live":
             self.reference, self.autocast = load_live(self.cfg, accelerator, self.block_size), accelerator.autocast
         if kind != "precomputed":
@@ -297,28 +353,65 @@ class DPO(CausalLM):
             out["ranks"] = gather_object([{"start": self.start["sha256"], "end": end["sha256"], "numel": end["numel"]}])
         # the last evaluation's reward accuracy and margin
         last = {key: self.last_eval.get(key) for key in ("eval_rewards/accuracies", "eval_rewards/margins")}
-        return {"reference": out, **last, **self.data_record}
+        return {"reference": out, **last, **self.data_record, "dropped_pairs": self.dropped}
+
+    def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:
+        """Each dataset (None stays None) with ``model``'s log-probabilities as two columns (``REF_COLUMNS``), in
+        this process (``reference_values``)."""
+        values = self.reference_values(model, {n: s for n, s in datasets.items() if s is not None}, batch_size,
+                                       pad_token_id)
+        out = {}
+        for name, split in datasets.items():
+            for column in REF_COLUMNS if split is not None else ():
+                split = split.add_column(column, values[name][column].tolist())
+            out[name] = split
+        return out
 
     @torch.no_grad()
-    def precompute_reference(self, model, datasets: dict, batch_size: int, pad_token_id: int) -> dict:
-        """Each dataset with the starting weights' log-probabilities as two columns (``REF_COLUMNS``), computed in
-        chunks of ``batch_size`` pairs in dataset order (the same values on any world size), in eval mode."""
+    def reference_values(self, model, datasets: dict, batch_size: int, pad_token_id: int, accelerator=None,
+                         chunked: bool = False) -> dict:
+        """{split: {column: float32 tensor}}: the starting weights' log-probabilities of every pair (``REF_COLUMNS``),
+        in eval mode, computed in chunks of ``batch_size`` pairs in dataset order (the same chunks on any world size),
+        on the model's device. With ``accelerator``: each rank its contiguous share of the chunks under the run's
+        precision (``accelerator.autocast``, as the live reference runs), gathered in rank order (TRL splits its pass
+        the same way)."""
+        from accelerate.utils import gather_object
+
         was_training = model.training
         model.eval()
-        collate, out = PairCollator(pad_token_id), {}
-        device = next(model.parameters()).device
+        collate, device = PairCollator(pad_token_id), next(model.parameters()).device
+        autocast = accelerator.autocast if accelerator is not None else contextlib.nullcontext
+        out = {}
         for name, split in datasets.items():
-            if split is None:
-                out[name] = None
-                continue
-            values = {column: [] for column in REF_COLUMNS}
-            for start in range(0, len(split), batch_size):
-                batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
-                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                for column, logps in zip(REF_COLUMNS, self.sequence_logps(model, batch)):
-                    values[column] += logps.float().cpu().tolist()
-            for column in REF_COLUMNS:
-                split = split.add_column(column, values[column])
-            out[name] = split
+            starts = list(range(0, len(split), batch_size))
+            share = accelerator.split_between_processes(starts) if accelerator else contextlib.nullcontext(starts)
+            chunks = []
+            with share as mine:
+                for start in mine:
+                    batch = collate([split[i] for i in range(start, min(start + batch_size, len(split)))])
+                    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                    with autocast():
+                        logps = self.sequence_logps(model, batch, chunked)
+                    chunks.append([x.float().cpu().tolist() for x in logps])  # float32 -> float -> float32: exact
+            if accelerator is not None and accelerator.num_processes > 1:
+                chunks = gather_object(chunks)  # every rank's chunks, rank 0's first: the dataset's order
+            out[name] = {column: torch.tensor([v for chunk in chunks for v in chunk[i]], dtype=torch.float32)
+                         for i, column in enumerate(REF_COLUMNS)}
         model.train(was_training)
         return out
+
+
+def pairs_fingerprint(split) -> str:
+    """sha256 of a split's pairs, every token and label of both sides (what the reference's log-probs depend on):
+    the key of the precomputed values, so changed data computes them again (``datasets``' own fingerprint is random
+    for in-memory data)."""
+    import pyarrow.compute as pc
+
+    table = split.select_columns([k for side in SIDES for k in KEYS[side]]).with_format("arrow")[:]
+    h = hashlib.sha256(str(len(split)).encode())
+    for column in table.column_names:
+        values = table.column(column).combine_chunks()
+        h.update(column.encode())
+        h.update(pc.list_value_length(values).to_numpy(zero_copy_only=False).tobytes())
+        h.update(pc.list_flatten(values).to_numpy(zero_copy_only=False).astype("int64").tobytes())
+    return h.hexdigest()

@@ -10,7 +10,10 @@ Three kinds, TRL's (``precompute_ref_log_probs``, ``ref_model``, peft's adapter)
 - ``adapter``: with ``use_peft`` and no ``ref_model_name_or_path``, the policy with its LoRA adapter disabled
   (peft's ``disable_adapter``): the frozen base is the starting weights, and no copy is loaded.
 - ``precomputed`` (``precompute_ref_log_probs: true``): ``toolkit.preference.DPO.add_reference`` evaluates a whole copy
-  once before training and frees it; the values travel with the rows.
+  on the device once before training, each rank its share of the pairs under the run's precision, and frees it; the
+  values travel with the rows. They are kept in the run folder (``layout.reference_logps_file``) under a key of the
+  reference's fingerprint, the pairs and the precision (``precomputed_key``), so a resume or a restart reads them
+  back, and a changed reference or data computes them again.
 
 ``fingerprint`` hashes the frozen weights a rank holds (its shard under ZeRO-3 and FSDP2), so a run can show that its
 reference never changed (``summary.json``'s ``reference``).
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 
 import torch
 
+from toolkit import layout
 from toolkit.config import ModelArguments
 from toolkit.distributed import launched_parallel_sizes, launched_strategy, plain_loading
 from toolkit.errors import ConfigError
@@ -64,21 +69,38 @@ def reference_arguments(cfg) -> ModelArguments:
                                gguf_file=None, use_peft=False)
 
 
-def load_whole(cfg, accelerator):
-    """The reference's weights loaded whole in this process (outside ZeRO-3's partitioning), in eval mode."""
+def load_whole(cfg, accelerator, block_size: int):
+    """The reference's weights loaded whole in this process (outside ZeRO-3's partitioning), frozen, in eval mode,
+    its loss chunked as the live copy's, on the accelerator's device."""
     with plain_loading(accelerator):
         model = load_model(reference_arguments(cfg))
-    return model.eval()
+    _freeze(model, cfg, block_size)
+    return model.to(accelerator.device, dtype=_deepspeed_dtype(accelerator))
+
+
+def _deepspeed_dtype(accelerator) -> torch.dtype | None:
+    """The dtype DeepSpeed runs weights in under mixed precision: its engine casts the model (the live reference's
+    and the policy's) to bf16/fp16 instead of autocasting (accelerate's autocast is off under DeepSpeed), so a
+    precomputed pass gives the live reference's values only in that dtype. None: keep the loaded dtype."""
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+
+
+def _freeze(model, cfg, block_size: int) -> None:
+    """No gradients, eval mode, and with ``loss_chunk_size`` the chunked loss, as the policy's: its evaluation never
+    holds a whole micro-batch's logits."""
+    model.requires_grad_(False)
+    model.eval()
+    if cfg.train.loss_chunk_size:
+        rows = 2 * max(cfg.train.per_device_train_batch_size, cfg.train.per_device_eval_batch_size) * block_size
+        enable_chunked_loss(model, cfg.train.loss_chunk_size, max_positions=rows, max_eval_positions=rows)
 
 
 def load_live(cfg, accelerator, block_size: int):
     """The live reference copy, frozen and prepared for the run's strategy (module docstring)."""
     model = load_model(reference_arguments(cfg))  # under ZeRO-3 with zero3_init_flag: partitioned as it loads
-    model.requires_grad_(False)
-    model.eval()
-    if cfg.train.loss_chunk_size:  # as the policy: its evaluation never holds a whole micro-batch's logits
-        rows = 2 * max(cfg.train.per_device_train_batch_size, cfg.train.per_device_eval_batch_size) * block_size
-        enable_chunked_loss(model, cfg.train.loss_chunk_size, max_positions=rows, max_eval_positions=rows)
+    _freeze(model, cfg, block_size)
     kind = accelerator.distributed_type.value
     if kind == "DEEPSPEED":
         return _deepspeed(model, accelerator)
@@ -140,3 +162,43 @@ def fingerprint(model) -> dict:
         h.update(tensor.contiguous().cpu().view(torch.uint8).numpy().tobytes())
         numel += tensor.numel()
     return {"sha256": h.hexdigest(), "numel": numel}
+
+
+def precomputed_key(model, data: dict[str, str], accelerator, cfg) -> str:
+    """What precomputed log-probabilities depend on, hashed: the reference's weights (``fingerprint`` of the whole
+    copy), each split's pairs (``data``: name -> hash), and how they were computed (mixed precision, device type,
+    chunked loss). The world size is not in it: the pairs are evaluated in the same chunks on any."""
+    record = {"reference": fingerprint(model)["sha256"], "data": data, "mixed_precision": accelerator.mixed_precision,
+              "device": accelerator.device.type, "loss_chunk_size": cfg.train.loss_chunk_size}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def write_precomputed(path: str, values: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``values`` ({split: {column: tensor}}) written to ``path`` atomically (a temporary file, flushed, then
+    renamed: a run killed while writing leaves no file a restart would trust), and the folder's files of other keys
+    (another reference or data) removed. Main process only."""
+    from safetensors.torch import save_file
+
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = path + layout.TMP_SUFFIX
+    save_file({f"{split}/{column}": t.contiguous() for split, columns in values.items() for column, t in columns.items()},
+              tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    layout.fsync_dir(folder)
+    for name in os.listdir(folder):
+        if os.path.join(folder, name) != path:
+            os.remove(os.path.join(folder, name))
+
+
+def read_precomputed(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """What ``write_precomputed`` wrote: {split: {column: tensor}}."""
+    from safetensors.torch import load_file
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(path).items():
+        split, column = key.split("/")
+        out.setdefault(split, {})[column] = tensor
+    return out

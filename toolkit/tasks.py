@@ -65,8 +65,19 @@ class Task(ABC):
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
 
+    # The value an unset (None) training field takes for this task: the fields stay listed once, in toolkit.config,
+    # and a recipe that needs another default says so here (DPO: disable_dropout true, TRL's default).
+    defaults: dict = {"disable_dropout": False}
+
     def check(self, cfg) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
         """Fields that this task cannot honour, refused before any work."""
+
+    def apply_defaults(self, cfg) -> None:
+        """Give each training field this task has a default for (``defaults``) that value, where the config left it
+        unset."""
+        for name, value in self.defaults.items():
+            if getattr(cfg.train, name) is None:
+                setattr(cfg.train, name, value)
 
     @abstractmethod
     def load_raw(self, args):

@@ -241,10 +241,11 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "is a field of recipes/classify.py; recipes/dpo.py does not use it", "dpo"),
         ("dpo beta zero", {"train_file": files["pairs_empty_chosen.jsonl"], "validation_file": None, "beta": 0}, [], {},
          "beta", "must be > 0", "dpo"),
-        ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None},
-         [], {}, "block_size",
-         f"row 5: the prompt is {long_tokens} tokens, so block_size 32 leaves its chosen completion no token",
-         "dpo"),
+        # by default the pair is dropped (TRL's rule) and the run trains; drop_long_prompts: false refuses it
+        ("dpo prompt longer than block_size", {"train_file": files["pairs_long_prompt.jsonl"], "validation_file": None,
+                                               "drop_long_prompts": False}, [], {}, "block_size",
+         f"row 5: the prompt is {long_tokens} tokens, so block_size 32 leaves its chosen completion no token; raise "
+         "block_size, remove the pairs with longer prompts, or set drop_long_prompts: true", "dpo"),
         ("dpo from a config", {"train_file": files["pairs.jsonl"], "validation_file": None,
                                "model_name_or_path": None, "config_name": tiny_model}, [], {}, "model_name_or_path",
          "DPO's reference is the starting weights", "dpo"),

@@ -5,7 +5,8 @@
   with whole chats packed (packing: true, bfd).
 - recipes/dpo.py: the same equality for DPO pairs (the loss is the mean over every pair of the global batch) under DDP,
   ZeRO-2, ZeRO-3 and FSDP2, the held-out metrics with TRL's names; the live reference sharded like the policy and
-  unchanged, the precomputed reference giving the same run, LoRA DPO adapters equal, a resume bit-identical.
+  unchanged, the precomputed reference giving the same run (fp32, and bf16 under DDP and ZeRO-3) and kept in the run
+  folder, LoRA DPO adapters equal, a resume bit-identical.
 - recipes/sft.py with streaming: true on chats in 3 files: the same equality step by step, and the stream's step-2
   checkpoint of the 2-rank run resumed on 1 process ends as the uninterrupted runs do (the order's window and
   source position carried across world sizes).
@@ -256,19 +257,44 @@ def test_dpo_under_zero2_zero3_and_fsdp2_equals_one_process(runs, gpt2_256, pair
     _assert_reference_unchanged(run, "live", sharded=strategy != "zero2", whole=whole)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+# The live run, its precomputed twin, how close their final weights must be, and (bf16) the fp32 live run it must
+# differ from: fp32 exact to 1e-6 (DDP, and ZeRO-3 with the policy and the live reference sharded); under bf16 mixed
+# precision 1e-5. DDP autocasts (CPU autocast gives a row the same logits whatever batch it is in): so does the
+# precomputed pass, without which these two runs ended 1.2e-4 apart (measured 2026-12-06). DeepSpeed does not
+# autocast but runs the weights in bf16: so does the precomputed copy.
+PRECOMPUTED = {"ddp": ("dpo_two", 1e-6, None), "zero3": ("dpo_zero3", 1e-6, None),
+               "ddp_bf16": ("dpo_bf16", 1e-5, "dpo_two"), "zero3_bf16": ("dpo_bf16_zero3", 1e-5, "dpo_zero3")}
+
+
+@pytest.mark.parametrize("strategy", list(PRECOMPUTED))
 def test_dpo_precomputed_reference_equals_the_live_one(runs, gpt2_256, pairs, strategy):
-    """precompute_ref_log_probs: true (one pass of a whole copy before training) ends with the weights of the live
-    reference's run (1e-6), under DDP and with the policy and the live reference sharded by ZeRO-3."""
-    name = {"ddp": "dpo_two", "zero3": "dpo_zero3"}[strategy]
-    live = runs.get(name, f"{strategy}.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
-    pre = runs.get(f"{name}_precomputed", f"{strategy}.yaml", 2, 2, 2, _dpo_precomputed(gpt2_256, pairs))
+    """precompute_ref_log_probs: true (one pass of a whole copy on the device before training, each rank its share
+    of the pairs, under the run's precision) ends with the weights of the live reference's run (PRECOMPUTED's
+    tolerances); the values are kept in the run folder, one file of every pair's two log-probs."""
+    from safetensors.torch import load_file
+
+    from toolkit import layout
+
+    name, tolerance, fp32_twin = PRECOMPUTED[strategy]
+    config = runs.planned[name]["config"]
+    live = runs.get(name, config, 2, 2, 2, _dpo(gpt2_256, pairs))
+    pre = runs.get(f"{name}_precomputed", config, 2, 2, 2, _dpo_precomputed(gpt2_256, pairs))
     assert _reference(pre) == {"kind": "precomputed"} and _reference(live)["kind"] == "live"
     diff = max_abs_diff(load_weights(os.path.join(live, "final")), load_weights(os.path.join(pre, "final")))
-    assert diff <= 1e-6, diff
+    print(f"precomputed vs live reference ({strategy}): final weights {diff:.2e} apart")
+    assert diff <= tolerance, diff
     evals = {run: [r for r in _rows(run) if "eval_loss" in r] for run in (live, pre)}
     assert [r["eval_rewards/margins"] for r in evals[pre]] == pytest.approx(
         [r["eval_rewards/margins"] for r in evals[live]], abs=1e-5)
+    folder = os.path.join(pre, layout.REFERENCE_LOGPS)
+    (kept,) = os.listdir(folder)
+    values = load_file(os.path.join(folder, kept))
+    counts = {split: sum(1 for _ in open(pairs[f"{split}_file"])) for split in ("train", "validation")}
+    assert {k: len(v) for k, v in values.items()} == {f"{split}/{column}": counts[split] for split in counts
+                                                      for column in ("ref_chosen_logps", "ref_rejected_logps")}
+    if fp32_twin:  # bf16 ran: the run ends away from the fp32 one
+        fp32 = runs.get(fp32_twin, runs.planned[fp32_twin]["config"], 2, 2, 2, _dpo(gpt2_256, pairs))
+        assert max_abs_diff(load_weights(os.path.join(fp32, "final")), load_weights(os.path.join(live, "final"))) > 1e-4
 
 
 def test_dpo_resumes_bit_identically(runs, gpt2_256, pairs):
@@ -340,7 +366,9 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
            recipe="dpo", probe=False)
     for strategy in DPO_STRATEGIES:  # joining the LoRA and classifier launches of those configs
         r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False)
-    for name in ("dpo_two", "dpo_zero3"):
+    r.plan("dpo_bf16", _bf16_config(r.tmp, "ddp.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
+    r.plan("dpo_bf16_zero3", _bf16_config(r.tmp, "zero3.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
+    for name in ("dpo_two", "dpo_zero3", "dpo_bf16", "dpo_bf16_zero3"):
         r.plan(f"{name}_precomputed", r.planned[name]["config"], 2, 2, 2, _dpo_precomputed(gpt2_256, pairs),
                recipe="dpo", probe=False)
     for strategy in DPO_LORA_STRATEGIES:
@@ -353,6 +381,18 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     r.plan("lora_resumed", "ddp.yaml", 2, 2, 2, {**_lora(tiny_model, padded_data), "resume_from_checkpoint": "latest"},
            copy_from=("lora_ddp", 2), probe=False)  # recipes/gpt2.py itself
     return {"runs": r}
+
+
+def _bf16_config(folder, config: str) -> str:
+    """``config`` with bf16 mixed precision, written into ``folder``."""
+    import yaml
+    from helpers import CONFIGS
+
+    data = {**yaml.safe_load(open(os.path.join(CONFIGS, config))), "mixed_precision": "bf16"}
+    path = os.path.join(str(folder), f"bf16_{config}")
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return path
 
 
 @pytest.fixture(scope="module")

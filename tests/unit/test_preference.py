@@ -283,24 +283,184 @@ def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tm
     assert torch.allclose(chunked, plain, atol=1e-5), (chunked, plain)
 
 
-def test_a_prompt_that_fills_block_size_is_refused_naming_the_row(tiny_model):
-    """A prompt of block_size tokens or more leaves its completions no token (TRL would train the pair as a tie):
-    refused with the row, the prompt's length and the fix; one token shorter and the pair trains."""
+def test_a_prompt_that_fills_block_size_drops_its_pair_or_is_refused_naming_the_row(tiny_model):
+    """A prompt of block_size tokens or more leaves its completions no token (TRL would train the pair as a tie): by
+    default the pair is dropped (TRL drops it too) and the task counts it; with drop_long_prompts: false it is refused
+    with the row, the prompt's length and the fixes; one token shorter and the pair trains."""
+    from datasets import Dataset, DatasetDict
+
+    from toolkit.config import DataArguments
+    from toolkit.errors import ConfigError
+    from toolkit.preference import DPO
+
+    tokenizer = _tokenizer(tiny_model)
+    long = {"prompt": "one two three four five six seven eight", "chosen": " nine", "rejected": " ten eleven"}
+    prompt = len(tokenizer(long["prompt"])["input_ids"])
+    raw = DatasetDict({"train": Dataset.from_list([PAIRS[0], long, PAIRS[1]]),
+                       "validation": Dataset.from_list([long, PAIRS[2]])})
+    task = DPO()
+    task.conversational = False  # what load_raw says of text pairs
+    rows = task.tokenize(raw, tokenizer, DataArguments(dataset_name="x"), block_size=prompt)
+    assert [len(rows[n]) for n in ("train", "validation")] == [2, 1] and task.dropped == {"train": 1, "validation": 1}
+    assert rows["train"][1]["input_ids"] == task.tokenize(DatasetDict({"train": raw["train"].select([2])}), tokenizer,
+                                                          DataArguments(dataset_name="x"), prompt)["train"][0]["input_ids"]
+    with pytest.raises(ConfigError, match=f"block_size: row 1: the prompt is {prompt} tokens, so block_size {prompt} "
+                                          "leaves its chosen completion no token; raise block_size, remove the pairs "
+                                          "with longer prompts, or set drop_long_prompts: true"):
+        task.tokenize(raw, tokenizer, DataArguments(dataset_name="x", drop_long_prompts=False), block_size=prompt)
+    rows = task.tokenize(raw, tokenizer, DataArguments(dataset_name="x", drop_long_prompts=False), block_size=prompt + 1)
+    assert len(rows["train"]) == 3 and task.dropped == {"train": 0, "validation": 0}
+
+
+def test_a_split_whose_every_prompt_is_too_long_is_refused(tiny_model):
+    """Dropping every pair of a split leaves nothing to train or evaluate on: refused before any work."""
     from datasets import Dataset, DatasetDict
 
     from toolkit.config import DataArguments
     from toolkit.errors import ConfigError
     from toolkit.preference import tokenize_pairs
 
+    raw = DatasetDict({"train": Dataset.from_list(PAIRS[:2])})
+    with pytest.raises(ConfigError, match="block_size: none of the 2 train pairs has a completion token within "
+                                          "block_size 3 .* raise block_size or shorten the prompts"):
+        tokenize_pairs(raw, _tokenizer(tiny_model), DataArguments(dataset_name="x"), block_size=3)
+
+
+def test_the_reference_of_a_lora_policy_runs_in_eval_mode(tiny_model):
+    """With use_peft the reference is the policy with its adapter disabled: its forward runs in eval mode (no dropout,
+    as a live copy's), whatever mode the policy trains in, and the policy's mode is given back."""
+    from datasets import Dataset, DatasetDict
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import DataArguments
+    from toolkit.preference import DPO, PairCollator, tokenize_pairs
+
     tokenizer = _tokenizer(tiny_model)
-    long = {"prompt": "one two three four five six seven eight", "chosen": " nine", "rejected": " ten eleven"}
-    prompt = len(tokenizer(long["prompt"])["input_ids"])
-    raw = DatasetDict({"train": Dataset.from_list([PAIRS[0], long])})
-    with pytest.raises(ConfigError, match=f"block_size: row 1: the prompt is {prompt} tokens, so block_size {prompt} "
-                                          "leaves its chosen completion no token; raise block_size"):
-        tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x"), block_size=prompt)
-    rows = tokenize_pairs(raw, tokenizer, DataArguments(dataset_name="x", overwrite_cache=True), block_size=prompt + 1)
-    assert len(rows["train"]) == 2
+    rows = tokenize_pairs(DatasetDict({"train": Dataset.from_list(PAIRS)}), tokenizer, DataArguments(dataset_name="x"),
+                          block_size=64)["train"]
+    batch = PairCollator(tokenizer.pad_token_id)([rows[i] for i in range(4)])
+    dropout = dict(resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, **dropout).eval()
+    expected = DPO().sequence_logps(base, batch)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, **dropout),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.5))
+    policy.train()
+    torch.manual_seed(0)
+    for _ in range(2):
+        got = DPO().reference_logps(policy, batch)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), (got, expected)
+    assert policy.training and all(m.training for m in policy.modules())
+
+
+def _precompute_parts(tiny_model, tmp_path, pairs, ref_model=None):
+    """A one-process config with precompute_ref_log_probs and the parts add_reference reads."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset, DatasetDict
+
+    from toolkit.config import DataArguments, config_from_dict
+    from toolkit.preference import tokenize_pairs
+
+    cfg = config_from_dict({"model_name_or_path": tiny_model, "dataset_name": "x", "output_dir": str(tmp_path / "run"),
+                            "precompute_ref_log_probs": True, "per_device_eval_batch_size": 3, "report_to": "none",
+                            "ref_model_name_or_path": ref_model})
+    tokenizer = _tokenizer(tiny_model)
+    rows = tokenize_pairs(DatasetDict({"train": Dataset.from_list(pairs), "validation": Dataset.from_list(PAIRS[:2])}),
+                          tokenizer, DataArguments(dataset_name="x"), block_size=64)
+    return cfg, SimpleNamespace(train_dataset=rows["train"], eval_dataset=rows["validation"], block_size=64,
+                                tokenizer=tokenizer)
+
+
+def test_precomputed_reference_is_kept_and_reused_until_the_reference_or_data_change(tiny_model, tmp_path, capsys,
+                                                                                     reset_accelerate):
+    """precompute_ref_log_probs: the values land in the run folder (reference_logps/<key>.safetensors, written
+    once); the same reference and pairs again (a resume, a restart) read them back and say so in one line, equal to
+    a pass in this process; other pairs or another reference compute them again and replace the file."""
+    from accelerate import Accelerator
+
+    from toolkit import layout
+    from toolkit.preference import DPO, REF_COLUMNS
+
+    accelerator = Accelerator(cpu=True)
+    folder = tmp_path / "run" / layout.REFERENCE_LOGPS
+
+    def add(pairs, ref_model=None):
+        cfg, parts = _precompute_parts(tiny_model, tmp_path, pairs, ref_model)
+        DPO().add_reference(cfg, accelerator, parts)
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("reference log-probs")]
+        assert len(lines) == 1, lines
+        return parts, lines[0], sorted(folder.iterdir())
+
+    parts, line, files = add(PAIRS)
+    assert line.startswith("reference log-probs: computed for 4 train, 2 validation pairs") and len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    expected = DPO().precompute_reference(_model(tiny_model), {"train": parts.train_dataset.remove_columns(
+        list(REF_COLUMNS))}, 3, parts.tokenizer.pad_token_id)["train"]
+    assert parts.train_dataset[:][REF_COLUMNS[0]] == expected[:][REF_COLUMNS[0]]
+
+    again, line, same = add(PAIRS)
+    assert line == f"reference log-probs: reusing {files[0]} (the same reference weights, pairs and precision)"
+    assert same == files and files[0].stat().st_mtime_ns == stamp
+    for split in ("train_dataset", "eval_dataset"):
+        assert getattr(again, split)[:] == getattr(parts, split)[:]
+
+    _, line, other_data = add(PAIRS[::-1])
+    assert "computed" in line and len(other_data) == 1 and other_data != files
+    moved = tmp_path / "moved"
+    _reference(tiny_model).save_pretrained(moved)
+    _, line, other_ref = add(PAIRS[::-1], str(moved))
+    assert "computed" in line and len(other_ref) == 1 and other_ref not in (files, other_data)
+
+
+def test_disable_dropout_defaults_to_true_for_dpo_and_false_for_the_other_recipes(tiny_model, tmp_path):
+    """disable_dropout unset: DPO's default is true (TRL's), every other task's false; a value given is kept."""
+    from toolkit.chat import ChatSFT
+    from toolkit.classification import SequenceClassification
+    from toolkit.config import config_from_dict
+    from toolkit.preference import DPO
+    from toolkit.tasks import CausalLM
+
+    def resolved(task, **values):
+        cfg = config_from_dict({"model_name_or_path": tiny_model, "dataset_name": "x", "report_to": "none",
+                                "output_dir": str(tmp_path), **values})
+        assert cfg.train.disable_dropout == values.get("disable_dropout")  # unset until the task says
+        task.apply_defaults(cfg)
+        return cfg.train.disable_dropout
+
+    assert resolved(DPO()) is True and resolved(DPO(), disable_dropout=False) is False
+    for task in (CausalLM(), ChatSFT(), SequenceClassification()):
+        assert resolved(task) is False and resolved(task, disable_dropout=True) is True
+
+
+def test_dropped_pairs_are_counted_in_one_line_and_in_the_summary(tiny_model, tmp_path, capsys, reset_accelerate):
+    """A run (in process, as recipes/dpo.py's main) on pairs of which one prompt is longer than block_size trains on
+    the others, says how many it dropped in one line, and summary.json keeps the count per split."""
+    import json
+
+    from toolkit.build import build
+    from toolkit.config import config_from_dict
+    from toolkit.distributed import make_accelerator
+    from toolkit.loop import train
+    from toolkit.preference import DPO
+
+    long = {**PAIRS[0], "prompt": " ".join(["The sky over the hills"] * 10)}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(long if i == 2 else PAIRS[i % 4]) + "\n" for i in range(6)))
+    out = tmp_path / "run"
+    cfg = config_from_dict({"model_name_or_path": tiny_model, "train_file": str(path), "validation_split_percentage": 0,
+                            "block_size": 32, "max_steps": 1, "per_device_train_batch_size": 5, "report_to": "none",
+                            "plot": False, "save_final_model": False, "output_dir": str(out)})
+    accelerator, task = make_accelerator(cfg.train), DPO()
+    task.check(cfg)
+    parts = build(cfg, accelerator, task=task)
+    task.add_reference(cfg, accelerator, parts)
+    summary = train(cfg, accelerator, **parts.train_kwargs())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dropped")]
+    assert lines == ["dropped 1 train pair(s) whose prompt leaves no completion token within block_size 32 "
+                     "(drop_long_prompts; summary.json's dropped_pairs)"], lines
+    assert len(parts.train_dataset) == 5 and summary["dropped_pairs"] == {"train": 1}
+    assert json.load(open(out / "summary.json"))["dropped_pairs"] == {"train": 1}
 
 
 def test_a_dpo_run_speaks_of_pairs_and_names_its_metrics_as_trl(gpt2_256, pairs, tmp_path, capsys):
