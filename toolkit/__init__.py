@@ -41,6 +41,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   host_memory   CPU ranks keep freed memory for reuse (glibc mallopt)
   loop          train_step (one optimizer step) and train (the outer loop), evaluation
   cli           a recipe's main as a process: a ConfigError is one line and exit 2; no teardown on launched ranks
+  launch        ``toolkit train TASK``: the whole configuration checked in this process, then ``accelerate launch``
   verify        ``python -m toolkit verify``: a launch config against one process
   plan          ``python -m toolkit plan``: which strategy fits, per device
   talk          ``python -m toolkit chat DIR``: talk to an exported model through its chat template

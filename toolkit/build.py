@@ -29,6 +29,7 @@ from toolkit.distributed import (
 from toolkit.errors import ConfigError
 from toolkit.model import (
     check_chunked_loss,
+    check_tensor_parallel,
     disable_dropout,
     enable_activation_checkpointing,
     enable_chunked_loss,
@@ -72,23 +73,8 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     task = task or CausalLM()
     if log is None:
         log = accelerator.print if accelerator is not None else print
-    if cfg.data.streaming and task.stream_refusal:
-        raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
-                                       "streaming: false")
-    task.check(cfg)
-    task.apply_defaults(cfg)  # e.g. disable_dropout, unset: DPO's true, the others' false
-    if cfg.model.use_peft:
-        lora.check_available()
     set_seed(cfg.train.seed)
-
-    tokenizer = load_tokenizer(cfg.model, log=log)
-    task.prepare_tokenizer(tokenizer, cfg)  # e.g. SFT's chat template: checked before the weights load
-    model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
-    if cfg.train.loss_chunk_size:
-        check_chunked_loss(model_config)
-    raw = None if cfg.data.streaming else task.load_raw(cfg.data)  # checks files and columns before the weights load
-    task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
-    block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
+    tokenizer, model_config, raw, block_size = check_inputs(cfg, task, log)
     if cfg.data.streaming:  # nothing tokenized ahead: the first rows are read (and checked) here
         lm = stream_data(cfg, accelerator, task, tokenizer, block_size, log)
     elif accelerator is not None:
@@ -127,6 +113,31 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=task.collator(tokenizer), block_size=block_size, task=task, resume=resume)
+
+
+def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
+    """Everything about a run that can be checked before the weights load: the task's fields, the tokenizer (a chat
+    template), the model's config, the raw data's files and columns (not a stream's rows: ``stream_data`` reads its
+    first ones), the block size, and a tensor-parallel split of the model. Returns (tokenizer, model config, raw
+    splits or None for a stream, block size). ``build`` starts with it; ``toolkit train`` runs it in the launching
+    process (``toolkit.launch``), so that a mistake is one line there instead of one under a launcher's traceback."""
+    if cfg.data.streaming and task.stream_refusal:
+        raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
+                                       "streaming: false")
+    task.check(cfg)
+    task.apply_defaults(cfg)  # e.g. disable_dropout, unset: DPO's true, the others' false
+    if cfg.model.use_peft:
+        lora.check_available()
+    tokenizer = load_tokenizer(cfg.model, log=log)
+    task.prepare_tokenizer(tokenizer, cfg)  # e.g. SFT's chat template: checked before the weights load
+    model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
+    if cfg.train.loss_chunk_size:
+        check_chunked_loss(model_config)
+    if tp_size > 1:
+        check_tensor_parallel(cfg.model, model_config, tp_size)
+    raw = None if cfg.data.streaming else task.load_raw(cfg.data)  # checks files and columns before the weights load
+    task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
+    return tokenizer, model_config, raw, data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
 
 
 def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: int, log) -> dict:

@@ -64,15 +64,22 @@ def _default(f: dataclasses.Field) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def help_text(classes, task: str | None, description: str | None, prog: str) -> str:
+def help_text(classes, task: str | None, description: str | None, prog: str, usage: str | None = None,
+              options: argparse.ArgumentParser | None = None) -> str:
     """The help of a recipe of ``task``: its description, ``--config`` first, then the fields it takes, one group per
-    dataclass. A field of other tasks is left out (``field_tasks``); each field once (no ``--no_X`` twin)."""
+    dataclass. A field of other tasks is left out (``field_tasks``); each field once (no ``--no_X`` twin).
+    ``options``: a command's own options (``toolkit train``'s), listed first as a group named after ``prog``."""
     epilog = ("A field set in the YAML file and on the command line takes the command line's value; '--FIELD null' "
               "unsets an optional field. Every field, with examples: docs/configuration.md.")
     if task is not None:
         epilog += f" Fields of the other recipes are not listed (this is recipes/{TASK_RECIPES[task]})."
     parser = argparse.ArgumentParser(prog=prog, description=first_paragraph(description), epilog=epilog,
-                                     usage=f"{prog} [--config FILE.yaml] [--FIELD VALUE ...]", add_help=False)
+                                     usage=usage or f"{prog} [--config FILE.yaml] [--FIELD VALUE ...]",
+                                     add_help=False)
+    if options is not None:
+        own = parser.add_argument_group(prog)
+        for action in options._actions:
+            own._add_action(action)
     config = parser.add_argument_group("config")
     config.add_argument("--config", metavar="FILE.yaml", help="A YAML file of field: value (recipes/configs/ holds "
                                                               "one per recipe); any field below overrides it.")

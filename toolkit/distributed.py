@@ -171,15 +171,21 @@ def deepspeed_out_of_sight(accelerator: Accelerator):
         other.is_deepspeed_available = available
 
 
+def check_launch(args: TrainingArguments, mixed_precision: str | None = None) -> None:
+    """The recipe's fields against the launch this process is in (its environment, as ``accelerate launch`` set it):
+    what ``make_accelerator`` refuses before the process group, and ``toolkit train`` before it launches."""
+    _check_accumulation_env(args)
+    _check_mixed_precision(mixed_precision)
+    _check_skip_nonfinite(args, launched_strategy())
+    _check_parallel_sizes()
+
+
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
     elastic.record_launcher()  # a notebook_launcher rank's first toolkit call (toolkit.preemption)
     strategy = launched_strategy()
     _process_group_per_elastic_attempt()
-    _check_accumulation_env(args)
-    _check_mixed_precision(kwargs.get("mixed_precision"))
-    _check_skip_nonfinite(args, strategy)
-    _check_parallel_sizes()
+    check_launch(args, kwargs.get("mixed_precision"))
     if strategy == "deepspeed":
         _quiet_deprecated_collectives()
     if not has_accelerator():

@@ -145,9 +145,9 @@ def tensor_parallel_problem(config, tp_size: int) -> str | None:
             f"whole heads, so tp_size must divide each ({', '.join(map(str, divisors))})")
 
 
-def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
-    from transformers.distributed import DistributedConfig
-
+def check_tensor_parallel(args: ModelArguments, config, tp_size: int) -> None:
+    """Refuse a tensor-parallel load that cannot work: no pretrained weights to split, or a model whose TP plan
+    cannot be cut over ``tp_size`` ranks (``tensor_parallel_problem``)."""
     if not args.model_name_or_path:
         raise ConfigError("model_name_or_path", "tensor parallelism loads pretrained weights split by the model's TP "
                                                 "plan; save the model first (save_pretrained) and name its folder")
@@ -156,6 +156,12 @@ def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
         fix = ("use tp_size 1 (ddp/fsdp/zero configs)" if not getattr(config, "base_model_tp_plan", None) else
                "pick a tp_size that divides each (with --num_processes equal to it)")
         raise ConfigError("parallelism_config_tp_size", f"{problem}; {fix}")
+
+
+def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
+    from transformers.distributed import DistributedConfig
+
+    check_tensor_parallel(args, config, tp_size)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
                                 distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs(),

@@ -42,6 +42,7 @@ import time
 from toolkit import layout
 from toolkit.config import ConfigError, field_names, parse_args
 from toolkit.config_help import recipe_task
+from toolkit.launch import packaged
 
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
@@ -50,13 +51,9 @@ TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE}
 
 
 def default_recipe() -> str:
-    """recipes/gpt2.py: beside the package in a source checkout, inside it (toolkit/recipes) in an installed wheel."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(os.path.dirname(package), "recipes", "gpt2.py"),
-                      os.path.join(package, "recipes", "gpt2.py")):
-        if os.path.isfile(candidate):
-            return candidate
-    return os.path.join(package, "recipes", "gpt2.py")  # reported as missing by _plan
+    """recipes/gpt2.py: beside the package in a source checkout, inside it (toolkit/recipes) in an installed wheel
+    (reported as missing by _plan when neither has it)."""
+    return packaged("recipes", "gpt2.py")
 
 
 def _optimizer_overrides(name: str, args) -> list[str]:

@@ -1,0 +1,88 @@
+"""``toolkit train TASK`` (toolkit.launch) before it launches: a mistake in a field, a file, the data or the
+strategy x model x world size is one line and exit code 2 from the launching process itself (no launcher, no
+traceback); ``--model``/``--dataset`` become the recipe's fields; ``--help`` is the task's own; the shipped launch
+configs are found by name. The launched run itself: tests/launch/test_train_command.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from toolkit import launch
+
+
+def _refused(capsys, argv) -> str:
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_mistakes_are_one_line_and_exit_2_before_any_launch(capsys, tmp_path, tiny_model, tiny_llama, padded_data,
+                                                            chats):
+    base = ["--model", tiny_model, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "out")]
+    assert _refused(capsys, ["lm", *base, "--learning_rat", "1"]).startswith(
+        "config error: learning_rat: unknown argument '--learning_rat'. Did you mean 'learning_rate'?")
+    assert _refused(capsys, ["lm", *base[:2], "--dataset", str(tmp_path / "none.jsonl"), *base[4:]]) == (
+        f"config error: train_file: file not found: {tmp_path / 'none.jsonl'}")
+    assert _refused(capsys, ["lm", *base, "--beta", "0.3"]).startswith(
+        "config error: beta: is a field of recipes/dpo.py")
+    # the strategy against the model (tiny GPT-2 has no TP plan) and against the processes (tp.yaml's 2)
+    assert "a gpt2 model has no tensor-parallel plan" in _refused(capsys, ["lm", *base, "--strategy", "tp"])
+    llama = ["lm", "--model", tiny_llama, *base[2:], "--strategy", "tp", "--num_processes", "3"]
+    assert _refused(capsys, llama).startswith("config error: num_processes: the launch config's parallelism sizes")
+    # the launch config's world against the processes: hsdp.yaml's 2 x 2 mesh on 2 processes
+    assert _refused(capsys, ["lm", *base, "--strategy", "hsdp", "--num_processes", "2"]).startswith(
+        "config error: parallelism_config_dp_replicate_size:")
+    assert "skip_nonfinite_steps" in _refused(capsys, ["lm", *base, "--strategy", "zero2",
+                                                       "--skip_nonfinite_steps", "true"])
+    # the data against the task: text rows for chat SFT; a chat template for a tokenizer without one
+    sft = ["sft", *base, "--chat_template", chats["chat_template"]]
+    assert _refused(capsys, sft).startswith("config error: dataset_format:")
+    assert _refused(capsys, ["sft", *base[:2], "--dataset", chats["train_file"], *base[4:]]).startswith(
+        "config error: chat_template: the tokenizer")
+    assert _refused(capsys, ["lm", *base, "--strategy", "zero4"]).startswith(
+        "config error: strategy: 'zero4' is neither a shipped launch config (ddp, zero2")
+
+
+def test_model_and_dataset_name_the_recipes_fields(tmp_path):
+    local = tmp_path / "my.jsonl"
+    local.write_text("{}\n")
+
+    def argv(*args):
+        opts, rest = launch.parser().parse_known_args(list(args))
+        return launch.recipe_argv(opts, rest)
+
+    assert argv("--model", "org/m", "--dataset", str(local), "--seed", "1") == [
+        "--model_name_or_path", "org/m", "--train_file", str(local), "--dataset_name", "null", "--seed", "1"]
+    assert argv("--dataset", str(tmp_path / "part-*.jsonl"))[:2] == ["--train_file", str(tmp_path / "part-*.jsonl")]
+    assert argv("--dataset", "wikitext", "--dataset_config_name", "wikitext-2-raw-v1") == [
+        "--dataset_name", "wikitext", "--dataset_config_name", "wikitext-2-raw-v1"]
+    for name in launch.STRATEGIES:
+        assert os.path.isfile(launch.strategy_config(name)), name
+
+
+def test_a_tasks_help_describes_it_its_data_and_only_its_fields(capsys):
+    assert launch.main(["dpo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: toolkit train dpo [--strategy S]")
+    assert "Direct preference optimisation" in text and "implicit_preference" in text
+    assert text.index("--strategy") < text.index("--config FILE.yaml") < text.index("--model_name_or_path")
+    assert "--beta" in text and "--label_column_name" not in text
+    assert launch.main(["classify", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--label_column_name" in text and "--beta" not in text
+    assert launch.main(["nope"]) == 2 and "TASK: lm, sft, dpo, classify" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("short", sorted(launch.TASKS))
+def test_every_task_has_its_recipe_and_class(short):
+    from toolkit.config_help import TASK_RECIPES
+
+    task = launch.TASKS[short]
+    assert os.path.isfile(launch.packaged("recipes", TASK_RECIPES[task]))
+    module, name = launch.TASK_CLASSES[task].split(":")
+    import importlib
+
+    assert getattr(importlib.import_module(module), name).name == task

@@ -1,0 +1,223 @@
+"""``toolkit train TASK``: one command for a run, its whole configuration checked here before anything is launched.
+
+    toolkit train sft --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset data/my_chats.jsonl --strategy zero3 --num_processes 8
+    toolkit train lm --config recipes/configs/smollm2_pydoc.yaml --strategy ddp --num_processes 2
+    toolkit train dpo --help
+
+TASK is ``lm``, ``sft``, ``dpo`` or ``classify``: the recipe ``recipes/gpt2.py``, ``sft.py``, ``dpo.py`` or
+``classify.py``, found beside the package in a checkout and inside it in an installed wheel. ``--model`` names
+``model_name_or_path``; ``--dataset`` a local file or glob (``train_file``) or a Hub dataset (``dataset_name``); every
+recipe field and ``--config`` are taken as the recipe takes them. ``--strategy`` is a shipped launch config (ddp,
+zero2, zero3, zero3_offload, fsdp, fsdp1, hsdp, tp) or a path to one; ``--num_processes`` defaults to the visible
+GPUs, and without one to what the launch config says.
+
+Before launching, in this process: the fields (as the recipe parses them), the launch environment ``accelerate
+launch`` would give the ranks (strategy x fields x world size: ``distributed.check_launch``), and everything a rank
+checks before its weights load (``build.check_inputs``: the tokenizer and chat template, the model's config, the data's
+files, columns and format, a tensor-parallel split). A mistake is one line and exit code 2, with no launcher
+traceback. Then ``accelerate launch`` runs the recipe, and its exit code is this command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+from toolkit import config_help
+from toolkit.errors import ConfigError
+
+# toolkit train's TASK -> the task's name (Task.name; config_help.TASK_RECIPES has its recipe) and class
+TASKS = {"lm": "causal-lm", "sft": "chat-sft", "dpo": "dpo", "classify": "sequence-classification"}
+TASK_CLASSES = {"causal-lm": "toolkit.tasks:CausalLM", "chat-sft": "toolkit.chat:ChatSFT",
+                "dpo": "toolkit.preference:DPO", "sequence-classification": "toolkit.classification:SequenceClassification"}
+# the data each task reads (docs/recipes.md#dataset-formats)
+TASK_DATA = {"causal-lm": "text (a 'text' column, or text_column_name); a .txt file: one document a line",
+             "chat-sft": "messages, sharegpt (conversations of {from, value}), prompt_completion (text or messages), "
+                         "alpaca (instruction, input, output)",
+             "dpo": "preference (prompt, chosen, rejected: text or messages), implicit_preference (chosen and "
+                    "rejected chats sharing their first turns)",
+             "sequence-classification": "a text column (text_column_name) and a label column (label_column_name)"}
+STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "fsdp1", "hsdp", "tp")
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".parquet")
+
+
+def packaged(folder: str, name: str) -> str:
+    """``folder/name`` of the project (recipes, accelerate_configs): beside the package in a source checkout, inside
+    it in an installed wheel (setup.cfg ships both as toolkit.recipes and toolkit.accelerate_configs)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(os.path.dirname(package), folder, name), os.path.join(package, folder, name)):
+        if os.path.exists(candidate):
+            return candidate
+    return os.path.join(package, folder, name)
+
+
+def strategy_config(strategy: str) -> str:
+    """A shipped launch config by name, or a path; refused with one line otherwise."""
+    if strategy in STRATEGIES:
+        return packaged("accelerate_configs", f"{strategy}.yaml")
+    if os.path.isfile(strategy):
+        return strategy
+    raise ConfigError("strategy", f"{strategy!r} is neither a shipped launch config ({', '.join(STRATEGIES)}) nor a "
+                                  "file; name one of those or give the path of an accelerate config")
+
+
+def parser(task: str | None = None) -> argparse.ArgumentParser:
+    """toolkit train's own options; the rest of the command line is the recipe's."""
+    p = argparse.ArgumentParser(prog=f"toolkit train {task or 'TASK'}", add_help=False, allow_abbrev=False)
+    p.add_argument("--strategy", default="ddp", help=f"a launch config: {', '.join(STRATEGIES)}, or a path (default: "
+                                                     "ddp)")
+    p.add_argument("--num_processes", type=int, default=None,
+                   help="processes to launch (default: the visible GPUs; without one, the launch config's)")
+    p.add_argument("--mixed_precision", default=None, choices=("no", "bf16", "fp16"),
+                   help="accelerate's mixed precision (default: the launch config's)")
+    p.add_argument("--model", default=None, help="model_name_or_path: a Hub name or a local folder")
+    p.add_argument("--dataset", default=None, help="a local file or glob (train_file) or a Hub dataset (dataset_name)")
+    return p
+
+
+def is_local_data(name: str) -> bool:
+    """A file, a glob of files or a path-like name with a data suffix: a train_file, not a Hub dataset's name."""
+    return os.path.exists(name) or bool(glob.glob(name)) or name.lower().endswith(DATA_SUFFIXES)
+
+
+def recipe_argv(opts: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The recipe's command line: ``--model`` and ``--dataset`` in the fields' own names, then the rest as given."""
+    argv = []
+    if opts.model is not None:
+        argv += ["--model_name_or_path", opts.model]
+    if opts.dataset is not None:
+        local = is_local_data(opts.dataset)
+        argv += ["--train_file", opts.dataset, "--dataset_name", "null"] if local else ["--dataset_name", opts.dataset]
+    return argv + rest
+
+
+def default_processes(config_file: str) -> int:
+    """The visible GPUs, or without one what the launch config says (1 if it says nothing)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:
+        pass
+    import yaml
+
+    with open(config_file) as f:
+        return int((yaml.safe_load(f) or {}).get("num_processes", 1))
+
+
+def launch_env(config_file: str, processes: int) -> dict[str, str]:
+    """The variables ``accelerate launch --config_file X --num_processes N`` sets for its ranks, from accelerate's own
+    code: all of them, also those this process already holds (a worker on another machine has only the environment
+    its node was started with). Empty for a config that launches one plain process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    argv = ["--config_file", config_file, "--num_processes", str(processes), "--num_machines", "1",
+            "--main_process_port", "0", "toolkit"]
+    args, defaults, mixed_precision_from_config = _validate_launch_command(launch_command_parser().parse_args(argv))
+    if args.use_deepspeed:  # what accelerate's launch_command adds before its deepspeed_launcher
+        fields = list(defaults.deepspeed_config) if defaults else []
+        args.deepspeed_fields_from_accelerate_config = ",".join(
+            fields + (["mixed_precision"] if mixed_precision_from_config else []))
+        prepare = lambda: prepare_deepspeed_cmd_env(args)[1]  # noqa: E731
+    elif args.use_fsdp or args.multi_gpu:
+        prepare = lambda: prepare_multi_gpu_env(args)  # noqa: E731
+    else:
+        return {}
+    with environment({}):  # accelerate starts from a copy of os.environ: only what it sets is left
+        return dict(prepare())
+
+
+@contextmanager
+def environment(values: dict[str, str]):
+    """os.environ replaced by ``values`` for the block, restored after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def check(task: str, config_file: str, processes: int, argv: list[str], mixed_precision: str | None = None) -> None:
+    """Everything a rank of this launch would refuse before its weights load, here, in this process (module
+    docstring). Raises ConfigError."""
+    from toolkit.config import parse_args
+
+    cfg = parse_args(argv, task=task)  # the fields, as the recipe parses them
+    env = {**os.environ, **launch_env(config_file, processes), "WORLD_SIZE": str(processes)}
+    if mixed_precision:
+        env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+    with environment(env), _quiet_datasets():  # a rank's environment, for the checks that read it
+        from toolkit.build import check_inputs
+        from toolkit.distributed import check_launch, launched_parallel_sizes
+
+        check_launch(cfg.train)
+        module, name = TASK_CLASSES[task].split(":")
+        check_inputs(cfg, getattr(importlib.import_module(module), name)(), log=lambda *a, **k: None,
+                     tp_size=launched_parallel_sizes().get("tp", 1))
+
+
+@contextmanager
+def _quiet_datasets():
+    """datasets' progress bars off while the data is checked: the ranks draw them again for the same files."""
+    from datasets.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+def help_text(short: str) -> str:
+    """``toolkit train TASK --help``: what the task trains, the data formats it reads, this command's options, then
+    the task's fields only (``config_help``)."""
+    from toolkit.config import ARGUMENT_CLASSES
+
+    task = TASKS[short]
+    recipe = packaged("recipes", config_help.TASK_RECIPES[task])
+    with open(recipe) as f:
+        doc = f.read().split('"""')[1]
+    description = f"{config_help.first_paragraph(doc)} Data formats: {TASK_DATA[task]}."
+    prog = f"toolkit train {short}"
+    return config_help.help_text(ARGUMENT_CLASSES, task, description, prog, options=parser(short),
+                                 usage=f"{prog} [--strategy S] [--num_processes N] [--model M] [--dataset D] "
+                                       "[--config FILE.yaml] [--FIELD VALUE ...]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in TASKS:
+        print(f"usage: toolkit train TASK [--strategy S] [--num_processes N] [--model M] [--dataset D] [recipe "
+              f"fields ...]\nTASK: {', '.join(TASKS)}; 'toolkit train TASK --help' lists its fields", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    short, rest = argv[0], argv[1:]
+    if "-h" in rest or "--help" in rest:
+        sys.stdout.write(help_text(short))
+        return 0
+    opts, rest = parser(short).parse_known_args(rest)
+    try:
+        config_file = strategy_config(opts.strategy)
+        processes = opts.num_processes or default_processes(config_file)
+        fields = recipe_argv(opts, rest)
+        check(TASKS[short], config_file, processes, fields, opts.mixed_precision)
+    except ConfigError as e:
+        sys.stderr.write(f"config error: {e}\n")
+        return 2
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+               "--num_processes", str(processes)]
+    command += ["--mixed_precision", opts.mixed_precision] if opts.mixed_precision else []
+    recipe = packaged("recipes", config_help.TASK_RECIPES[TASKS[short]])
+    print(f"checked; launching: accelerate launch {' '.join(command[3:])} {recipe} {' '.join(fields)}", flush=True)
+    return subprocess.call([*command, recipe, *fields])
