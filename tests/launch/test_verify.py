@@ -69,8 +69,8 @@ def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
 
 
 def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
-    """Installed from a wheel (no source checkout around it), `toolkit verify` still finds recipes/gpt2.py: the
-    recipes ship inside the package as toolkit/recipes."""
+    """Installed from a wheel (no source checkout around it), `toolkit verify` still finds recipes/gpt2.py and
+    `toolkit train` the launch configs: they ship inside the package as toolkit/recipes, toolkit/accelerate_configs."""
     dist, site, src = tmp_path / "dist", tmp_path / "site", tmp_path / "src"
     # A copy of the sources: setuptools builds in place (build/), which must neither land in the checkout nor feed
     # the wheel files from an earlier build.
@@ -79,13 +79,16 @@ def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
     wheel = next(dist.glob("toolkit-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "toolkit/recipes/gpt2.py" in names and "toolkit/recipes/configs/gpt2.yaml" in names
+    assert "toolkit/accelerate_configs/zero3.yaml" in names  # toolkit train --strategy zero3 from a wheel
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
     env = {**subprocess_env(), "PYTHONPATH": str(site)}
-    code = "import toolkit, toolkit.verify as v; print(toolkit.__file__); print(v.default_recipe())"
+    code = ("import toolkit, toolkit.verify as v, toolkit.launch as l; print(toolkit.__file__); "
+            "print(v.default_recipe()); print(l.strategy_config('zero3'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out[0].startswith(str(site)), out  # the installed copy, not the checkout
     assert out[1] == str(site / "toolkit" / "recipes" / "gpt2.py") and os.path.isfile(out[1])
+    assert out[2] == str(site / "toolkit" / "accelerate_configs" / "zero3.yaml") and os.path.isfile(out[2])
 
 
 @pytest.mark.slow
