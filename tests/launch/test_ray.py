@@ -35,6 +35,9 @@ def cluster():
     saved = dict(os.environ)
     os.environ.update(subprocess_env())
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+    # Ray's controller looks at its workers every 0.5 s, not 2 s: a reported checkpoint is committed (each save
+    # waits for it) and a dead worker seen sooner
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
