@@ -19,7 +19,7 @@ each worker runs the recipe's ``main``, and the launch config's strategy is appl
   the last one from Ray (``ray.train.get_checkpoint()``, the same on every rank): it is attempt n + 1, resumes that
   checkpoint and tells the toolkit through ``TORCHELASTIC_RESTART_COUNT``, the variable torch elastic restarts set,
   so that the earlier attempt's files are its own (``toolkit.elastic``). ``Result.checkpoint`` is the last pointer
-  (``reported_checkpoint`` reads it).
+  (``reported_checkpoint`` reads it). Ray Train's v2 API (Ray 2.60's default) is used throughout.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Set by Ray for each worker (its process group, its threads) or by the cluster (the path): not taken from accelerate.
@@ -79,16 +80,16 @@ def launch_env(config_file: str | None, processes: int) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in RAY_OWNS}
 
 
-class _empty_environment:
+@contextmanager
+def _empty_environment():
     """os.environ emptied for the block, restored after."""
-
-    def __enter__(self):
-        self.saved = dict(os.environ)
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
         os.environ.clear()
-
-    def __exit__(self, *exc):
-        os.environ.clear()
-        os.environ.update(self.saved)
+        os.environ.update(saved)
 
 
 # ------------------------------------------------------------------------ restarts: Ray's record of the checkpoints
