@@ -12,23 +12,32 @@ each worker runs the recipe's ``main``, and the launch config's strategy is appl
   MASTER_ADDR/PORT and creates the process group, which the Accelerator adopts.
 - Checked first: the recipe's config is parsed here, so a bad field stops with one line and exit code 2 before any
   worker starts. ``output_dir`` must be on storage every node sees; Ray's own files go to ``<output_dir>/ray``.
-- Failures: Ray restarts the whole worker group up to ``--max-failures`` times (``FailureConfig``); each worker counts
-  its starts in ``<output_dir>/ray/attempts-<job>/rank<r>`` and tells the toolkit through
-  ``TORCHELASTIC_RESTART_COUNT``, the variable torch elastic restarts set, so a restart continues the run from
-  ``latest`` exactly as an elastic restart does (toolkit.elastic).
+- Failures: Ray restarts the whole worker group up to ``--max-failures`` times (``FailureConfig``). Every toolkit
+  checkpoint (``save_steps``, a preemption) is reported to Ray as it is written (``ray.train.report``): a pointer
+  (``toolkit_checkpoint.json``: its path in ``output_dir``, its step, the attempt) is what Ray stores, the checkpoint
+  stays where the toolkit wrote it. Each attempt reports one such pointer when it starts too. A restarted group learns
+  the last one from Ray (``ray.train.get_checkpoint()``, the same on every rank): it is attempt n + 1, resumes that
+  checkpoint and tells the toolkit through ``TORCHELASTIC_RESTART_COUNT``, the variable torch elastic restarts set,
+  so that the earlier attempt's files are its own (``toolkit.elastic``). ``Result.checkpoint`` is the last pointer
+  (``reported_checkpoint`` reads it). Ray Train's v2 API (Ray 2.60's default) is used throughout.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
+import json
 import os
 import sys
+import tempfile
+import time
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Set by Ray for each worker (its process group, its threads) or by the cluster (the path): not taken from accelerate.
 RAY_OWNS = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH")
+POINTER = "toolkit_checkpoint.json"  # what Ray stores for a toolkit checkpoint (a pointer: no copy of the weights)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -45,53 +54,89 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def launch_env(config_file: str | None, processes: int) -> dict[str, str]:
-    """The variables ``accelerate launch --config_file X --num_processes N`` gives its ranks beyond this process's own
-    (none without a launch config), from accelerate's own code."""
+    """The variables ``accelerate launch --config_file X --num_processes N`` sets for its ranks (none without a launch
+    config), from accelerate's own code (``toolkit.launch.launch_env``): all of them, also those this process already
+    holds, since a worker on another machine has only the environment its node was started with. Ray's own
+    (``RAY_OWNS``) are left to Ray."""
     if config_file is None:
         return {}
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    from toolkit.launch import launch_env as accelerate_env
 
-    argv = ["--config_file", config_file, "--num_processes", str(processes), "--num_machines", "1",
-            "--main_process_port", "0", "ray_train"]
-    args, defaults, mixed_precision_from_config = _validate_launch_command(launch_command_parser().parse_args(argv))
-    if args.use_deepspeed:  # what accelerate's launch_command adds before its deepspeed_launcher
-        fields = list(defaults.deepspeed_config) if defaults else []
-        args.deepspeed_fields_from_accelerate_config = ",".join(
-            fields + (["mixed_precision"] if mixed_precision_from_config else []))
-        env = prepare_deepspeed_cmd_env(args)[1]
-    elif args.use_fsdp or args.multi_gpu:
-        env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in accelerate_env(config_file, processes).items() if k not in RAY_OWNS}
+
+
+# ------------------------------------------------------------------------ restarts: Ray's record of the checkpoints
+def reported_checkpoint(checkpoint) -> dict | None:
+    """What a pointer Ray stores says (``ray.train.get_checkpoint()``, ``Result.checkpoint``): {"checkpoint": the
+    toolkit checkpoint's folder or None, "step", "attempt"}; None for no checkpoint."""
+    if checkpoint is None:
+        return None
+    with open(os.path.join(checkpoint.path, POINTER)) as f:
+        return json.load(f)
+
+
+def restart(previous: dict | None, recipe_args: list[str]) -> tuple[int, list[str]]:
+    """(attempt, the recipe's arguments) for a worker group whose last reported pointer is ``previous`` (the same on
+    every rank): none, the first attempt with the arguments as given; else the next attempt, resuming the checkpoint
+    Ray holds (the toolkit's restart policy still takes ``latest`` where it is newer: one written and not reported
+    before the group died)."""
+    if previous is None:
+        return 0, list(recipe_args)
+    resume = ["--resume_from_checkpoint", previous["checkpoint"]] if previous["checkpoint"] else []
+    return previous["attempt"] + 1, [*recipe_args, *resume]
+
+
+def report(rank: int, record: dict) -> None:
+    """Every rank: hand Ray a pointer to a toolkit checkpoint (rank 0 writes it; Ray copies its one small file into
+    the run's storage), and wait until Ray has committed it, so that a group that dies after this call restarts
+    knowing of it."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointConsistencyMode
+
+    metrics = {"attempt": record["attempt"], "step": record["step"] or 0}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, POINTER), "w") as f:
+                json.dump(record, f)
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
     else:
-        return {}
-    return {k: v for k, v in env.items() if os.environ.get(k) != v and k not in RAY_OWNS}
+        ray.train.report(metrics, checkpoint=None)
+    ray.train.get_all_reported_checkpoints(CheckpointConsistencyMode.COMMITTED)
 
 
-def attempt(folder: str, rank: int) -> int:
-    """How many times this rank started before in this job (0 on the first attempt); counts this start. Ray restarts
-    the whole group, so every rank counts alike."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"rank{rank}")
-    before = int(open(path).read()) if os.path.exists(path) else 0
-    with open(path, "w") as f:
-        f.write(str(before + 1))
-    return before
+class ReportCheckpoints:
+    """A toolkit callback (``toolkit.loop.train``): every checkpoint written, reported to Ray."""
+
+    def __init__(self, rank: int, attempt: int):
+        self.rank, self.attempt = rank, attempt
+
+    def on_save(self, accelerator, state, checkpoint):
+        report(self.rank, {"checkpoint": os.path.abspath(checkpoint), "step": state.step, "attempt": self.attempt})
 
 
 def worker(config: dict) -> None:
-    """One Ray Train worker: the launch config's variables, the attempt, then the recipe's ``main`` as a script."""
+    """One Ray Train worker: the launch config's variables, the attempt (from Ray's last reported checkpoint), then
+    the recipe's ``main`` as a script, its checkpoints reported to Ray."""
     import ray.train
 
     os.environ.update(config["env"])
     rank = ray.train.get_context().get_world_rank()
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt(config["attempts"], rank))
+    previous = reported_checkpoint(ray.train.get_checkpoint())
+    attempt, recipe_args = restart(previous, config["recipe_args"])
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    # This attempt's start, carrying the checkpoint it resumes: a restart before its first save is known as one.
+    report(rank, {"checkpoint": previous and previous["checkpoint"], "step": previous and previous["step"],
+                  "attempt": attempt})
     recipe = config["recipe"]
-    sys.argv = [recipe, *config["recipe_args"]]
+    sys.argv = [recipe, *recipe_args]
     sys.path[:0] = [os.path.dirname(recipe), ROOT]
     spec = importlib.util.spec_from_file_location(f"ray_train_recipe_{rank}", recipe)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main()
+    if "callbacks" in inspect.signature(module.main).parameters:  # the recipes' main(callbacks=None)
+        module.main(callbacks=[ReportCheckpoints(rank, attempt)])
+    else:  # a script of its own: its checkpoints are not reported (a restart resumes latest)
+        module.main()
 
 
 def check_recipe_args(recipe_args: list[str]) -> str:
@@ -123,12 +168,14 @@ def fit(args: argparse.Namespace):
         from ray import cloudpickle
 
         cloudpickle.register_pickle_by_value(sys.modules[worker.__module__])
-    storage = os.path.join(output_dir, "ray")
     config = {"env": launch_env(args.config_file, args.num_workers), "recipe": os.path.abspath(args.recipe),
-              "recipe_args": args.recipe_args, "attempts": os.path.join(storage, f"attempts-{uuid.uuid4().hex}")}
+              "recipe_args": args.recipe_args}
+    # A run of its own per driver run: Ray's record of another run's checkpoints (a driver started again) never
+    # passes for this one's; that driver continues with resume_from_checkpoint: latest, as after any launcher.
+    name = f"train-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
     trainer = TorchTrainer(worker, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
-                           run_config=RunConfig(name="train", storage_path=storage,
+                           run_config=RunConfig(name=name, storage_path=os.path.join(output_dir, "ray"),
                                                 failure_config=FailureConfig(max_failures=args.max_failures)))
     return trainer.fit()
 
@@ -136,7 +183,11 @@ def fit(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> None:
     # A run that fails past --max-failures raises Ray's TrainingFailedError here, with each worker's error (a
     # ConfigError from a check that runs in the workers, the data's, arrives as itself: toolkit/errors.py).
-    fit(parse(sys.argv[1:] if argv is None else argv))
+    result = fit(parse(sys.argv[1:] if argv is None else argv))
+    last = reported_checkpoint(result.checkpoint)
+    if last is not None and last["checkpoint"]:
+        print(f"ray train: last checkpoint {last['checkpoint']} (step {last['step']}, attempt {last['attempt']})",
+              flush=True)
 
 
 if __name__ == "__main__":

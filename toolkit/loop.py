@@ -490,7 +490,8 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     """Train, evaluate, checkpoint and export. Returns a summary dict (also printed on the main process).
 
     ``callbacks``: objects with any of ``on_prepared(accelerator, model, optimizer)``,
-    ``on_micro_step(accelerator, state, micro_step)``, ``on_step_end(accelerator, state, row)`` and
+    ``on_micro_step(accelerator, state, micro_step)``, ``on_step_end(accelerator, state, row)``,
+    ``on_save(accelerator, state, checkpoint)`` (a checkpoint folder written) and
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
     and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
     LM by default). ``resume``: the plan ``toolkit.build`` made before the weights loaded (planned here if None).
@@ -626,7 +627,9 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             logger.close()
         if ran_out:
             _data_ran_out(accelerator, run, state)
-        run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
+        saved = run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ last
+        if saved is not None:  # complete and named by latest (a launcher records it: scripts/ray_train.py)
+            _call(callbacks, "on_save", accelerator=accelerator, state=state, checkpoint=saved)
         if preempted:
             accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
                               "resume_from_checkpoint: latest to continue", flush=True)

@@ -59,9 +59,10 @@ class KillRankAndRecordStore(KillRank):
             json.dump({"attempt": a, "rank": rank, "key_space": found}, f)
 
 
-def main():
-    """The kill alone (scripts/ray_train.py runs this: Ray's workers restart through Ray, not a torch elastic store)."""
-    return gpt2.main(callbacks=[KillRank()])
+def main(callbacks=None):
+    """The kill alone (scripts/ray_train.py runs this, with its own callbacks: Ray's workers restart through Ray, not
+    a torch elastic store)."""
+    return gpt2.main(callbacks=[KillRank(), *(callbacks or [])])
 
 
 if __name__ == "__main__":

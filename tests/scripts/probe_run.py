@@ -144,9 +144,9 @@ def weights_fingerprint(accelerator, model) -> str:
     return h.hexdigest()
 
 
-def main():
+def main(callbacks=None):
     probe = Probe()
-    summary = gpt2.main(callbacks=[probe])
+    summary = gpt2.main(callbacks=[probe, *(callbacks or [])])
     probe.after_train()
     return summary
 

@@ -2,6 +2,7 @@
 own files, an earlier different run still refused) and the refusal of restarts across machines on a store shared
 across attempts. The real multi-machine and elastic runs are in tests/launch/test_multinode.py."""
 
+import json
 import os
 
 import pytest
@@ -321,6 +322,44 @@ def test_ray_train_gives_its_workers_the_launch_configs_variables_and_the_recipe
     assert not any(k.startswith(("ACCELERATE_USE_", "FSDP_")) for k in ddp) and ddp["ACCELERATE_MIXED_PRECISION"] == "no"
     assert not set(ray_train.RAY_OWNS) & (set(zero3) | set(fsdp) | set(ddp))
     assert ray_train.launch_env(None, 2) == {}
+
+
+def test_ray_train_sends_the_launch_configs_whole_environment_whatever_the_driver_holds(monkeypatch):
+    """A worker on another machine has only its node's environment: the launch config's variables go to it all, also
+    those the driver holds with the same values (they were left out: FSDP exported in the driver trained plain DDP on
+    the workers), and nothing else of the driver's."""
+    ray_train = _ray_train()
+    fsdp_config = os.path.join(ROOT, "accelerate_configs", "fsdp.yaml")
+    clean = ray_train.launch_env(fsdp_config, 2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("TOOLKIT_DRIVER_ONLY", "1")
+    before = dict(os.environ)
+    fsdp = ray_train.launch_env(fsdp_config, 2)
+    assert (fsdp["ACCELERATE_USE_FSDP"], fsdp["FSDP_VERSION"], fsdp["ACCELERATE_MIXED_PRECISION"]) == ("true", "2", "no")
+    assert fsdp == clean and "TOOLKIT_DRIVER_ONLY" not in fsdp and "PATH" not in fsdp
+    assert dict(os.environ) == before  # the driver's own environment is back as it was
+
+
+def test_a_restarted_ray_group_resumes_the_checkpoint_ray_reported(tmp_path):
+    """Every worker of a group decides from the pointer Ray hands it (``ray.train.get_checkpoint()``, the same on every
+    rank): none, the first attempt with the recipe's arguments as given; else the next attempt, resuming the
+    checkpoint the pointer names, or (a restart before the first save) the arguments as given."""
+    pytest.importorskip("ray", reason="ray is not installed")
+    from ray.train import Checkpoint
+
+    ray_train = _ray_train()
+    args = ["--config", "c.yaml", "--output_dir", "/runs/x"]
+    step1 = {"checkpoint": "/runs/x/checkpoints/step-1", "step": 1, "attempt": 0}
+    pointer = tmp_path / "pointer"
+    pointer.mkdir()
+    (pointer / ray_train.POINTER).write_text(json.dumps(step1))
+    assert ray_train.reported_checkpoint(Checkpoint.from_directory(str(pointer))) == step1
+    assert ray_train.reported_checkpoint(None) is None
+    assert ray_train.restart(None, args) == (0, args)
+    assert ray_train.restart(step1, args) == (1, [*args, "--resume_from_checkpoint", "/runs/x/checkpoints/step-1"])
+    assert ray_train.restart({"checkpoint": None, "step": None, "attempt": 1}, args) == (2, args)
 
 
 def test_a_config_error_survives_pickling_as_a_ray_worker_sends_it():
