@@ -564,7 +564,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         stop_reason=str(stop) if stop else None, final_model=os.path.abspath(exported) if exported else None,
         data_parallel_size=run.data_parallel_size, fill_rate=window.run_fill_rate(),
         train_rows=state.samples_seen if isinstance(train_dataset, TrainStream) else len(train_dataset))
-    summary.update(task.summary(accelerator, model))
+    summary.update(row_unit=task.row_unit, **task.summary(accelerator, model))  # row_unit: what a global batch counts
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass. A stopped run's model is not the run's result: no on_end.
     if stop is None:

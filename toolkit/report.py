@@ -109,6 +109,7 @@ def summarize(run: dict) -> dict:
         # Under tensor parallelism the ranks of a group share rows: the batch splits over the data-parallel degree.
         "global_batch": micro * accum * (summary.get("data_parallel_size") or world) if micro and accum and world
         else None,
+        "row_unit": summary.get("row_unit", "sequences"),  # the task's (pairs for DPO, examples for a classifier)
         "steps": max((r.get("step", 0) for r in rows), default=0),
         "tokens_seen": max((r.get("tokens_seen", 0) for r in rows), default=0),
         "first_train_loss": train[0]["loss"] if train else None,
@@ -153,7 +154,7 @@ ROWS = (  # (label, key, format)
     ("world size", "world_size", "d"),
     ("strategy", "strategy", "s"),
     ("micro batch x accumulation", None, None),
-    ("global batch (sequences)", "global_batch", "d"),
+    ("global batch", "global_batch", "d"),
     ("optimizer steps", "steps", "d"),
     ("tokens seen", "tokens_seen", ","),
     ("train loss first -> final", None, None),
@@ -195,6 +196,8 @@ def _cell(s: dict, label: str, key, spec) -> str:
     if key in ("reward_accuracy", "reward_margin"):
         return f"{_fmt(s['first_' + key], spec)} -> {_fmt(s['final_' + key], spec)}"
     value = _fmt(s[key], spec)
+    if key == "global_batch" and s[key] is not None:
+        value += f" {s['row_unit']}"
     if key == "world_size" and s["world_size_source"] == "inferred from tokens/step":
         value += " (inferred)"
     return value

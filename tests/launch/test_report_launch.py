@@ -27,7 +27,7 @@ def test_report_on_real_runs(quickstart, tmp_path):
     world = next(line for line in lines if line.startswith("| world size |"))
     assert world.replace(" (inferred)", "") == "| world size | 1 | 2 |", world
     assert "| micro batch x accumulation | 4 x 2 | 4 x 1 |" in lines
-    assert "| global batch (sequences) | 8 | 8 |" in lines
+    assert "| global batch | 8 sequences | 8 sequences |" in lines
     assert "| optimizer steps | 12 | 12 |" in lines and "| tokens seen | 3,072 | 3,072 |" in lines
     assert os.path.getsize(out) > 10_000
     s = summarize(load_run(launch))

@@ -171,3 +171,15 @@ def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
                                   "eval_rewards/margins": 0.0582})
     assert "last eval: rewards/accuracies 0.5385, rewards/margins 0.0582" in printed
     assert "best eval loss: 0.6745" in printed
+
+
+def test_the_global_batch_is_counted_in_the_tasks_unit():
+    """summary.json's row_unit (the task's: pairs for DPO) names what the report's global batch counts; a run written
+    before the field existed reads as sequences."""
+    from toolkit.report import _cell, summarize
+
+    run = {"output_dir": "x", "rows": [], "config": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}}
+    pairs = summarize({**run, "summary": {"world_size": 2, "row_unit": "pairs"}})
+    older = summarize({**run, "summary": {"world_size": 2}})
+    assert (pairs["global_batch"], pairs["row_unit"], older["row_unit"]) == (8, "pairs", "sequences")
+    assert _cell(pairs, "global batch", "global_batch", "d") == "8 pairs"
