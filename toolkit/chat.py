@@ -35,8 +35,8 @@ from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
-from toolkit.packing import pack_documents
-from toolkit.tasks import CausalLM
+from toolkit.packing import pack_splits
+from toolkit.tasks import CausalLM, stream_limit
 
 MESSAGES = "messages"
 ROLES = ("system", "user", "assistant")
@@ -179,23 +179,26 @@ def _tokenize_in_pieces(tokenizer, full: str, spans) -> tuple[list[int], list[in
 
 
 def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every chat tokenized with its label mask, truncated to ``block_size``; chats left without a target dropped."""
+    """Every chat tokenized with its label mask, truncated to ``block_size`` (packed: by the packing, which says how
+    much it cut, or splits it under bfd_split); chats left without a target within block_size dropped."""
     column = messages_column(args)
+    cut = None if args.padding_free else block_size  # the packing cuts (pack_splits)
+    within = None if args.packing_strategy == "bfd_split" and args.padding_free else block_size
 
     def tokenize(batch, indices):
         out = {"input_ids": [], "labels": []}
         for messages, index in zip(batch[column], indices):
             check_messages(messages, f"row {index}")
             ids, labels = tokenize_chat(tokenizer, messages)
-            out["input_ids"].append(ids[:block_size])
-            out["labels"].append(labels[:block_size])
+            out["input_ids"].append(ids[:cut])
+            out["labels"].append(labels[:cut])
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (column, block_size), batched=True,
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, (column, cut), batched=True,
                                         with_indices=True, desc="render chats, mask prompts", **kwargs)
     # position i predicts label i+1, so a row needs a target after its first token
-    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:]) for labels in b["labels"]],
+    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")
     if len(kept["train"]) == 0:
         raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
@@ -204,7 +207,7 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
         raise ConfigError("block_size", "no validation chat has an assistant token within block_size; raise "
                                          "block_size, or validation_split_percentage: 0 to train without evaluation")
     if args.padding_free:  # whole chats, several per row, each with its own label mask
-        return DatasetDict({name: pack_documents(split, block_size, kwargs) for name, split in kept.items()})
+        return pack_splits(kept, block_size, kwargs, split=args.packing_strategy == "bfd_split")
     return kept
 
 
@@ -222,7 +225,7 @@ class ChatSFT(CausalLM):
                                                   "packing_strategy: bfd, or packing: false")
         if cfg.data.packing is None:  # unset: one chat per row, unless packing_strategy: bfd asks for packing
             cfg.data.packing = cfg.data.packing_strategy is not None
-        if cfg.data.packing:
+        if cfg.data.packing and cfg.data.packing_strategy != "bfd_split":
             cfg.data.packing_strategy = "bfd"
 
     def load_raw(self, args):
@@ -235,11 +238,13 @@ class ChatSFT(CausalLM):
             check_messages(row.get(column), f"a row of the stream (columns {sorted(row)})")
             return True  # a chat with no assistant token within block_size stays: a row without targets
 
+        limit = stream_limit(args, block_size)
+
         def encode(rows):
             out = []
             for row in rows:
                 ids, labels = tokenize_chat(tokenizer, row[column])
-                out.append({"input_ids": ids[:block_size], "labels": labels[:block_size]})
+                out.append({"input_ids": ids[:limit], "labels": labels[:limit]})
             return out
 
         return keep, encode

@@ -49,7 +49,7 @@ LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
-PACKING_STRATEGIES = ("wrapped", "bfd")
+PACKING_STRATEGIES = ("wrapped", "bfd", "bfd_split")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
             "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
@@ -356,7 +356,8 @@ class DataArguments:
     @property
     def padding_free(self) -> bool:
         """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
-        return self.packing is not False and self.packing_strategy == "bfd"  # bfd with packing false is refused
+        # bfd with packing false is refused
+        return self.packing is not False and self.packing_strategy in ("bfd", "bfd_split")
 
     def __post_init__(self):
         if self.dataset_name is not None and self.train_file is not None:

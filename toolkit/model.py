@@ -190,7 +190,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     original = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, mean_logits=False,
-                **kwargs):
+                row_lengths=None, **kwargs):
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
@@ -198,7 +198,8 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
                                  use_cache=False).last_hidden_state
         positions = max_positions if self.training else max_eval_positions
         out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
-                                   num_chunks=-(-positions // chunk_size), mean_logits=mean_logits)
+                                   num_chunks=-(-positions // chunk_size), mean_logits=mean_logits,
+                                   row_lengths=row_lengths)
         return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
     model.forward = types.MethodType(forward, model)

@@ -14,6 +14,7 @@ from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX, token_losses
 from toolkit.order import GlobalBatchSampler
 from toolkit.packing import (
+    ROW_LENGTHS,
     SEQ_LENGTHS,
     best_fit_decreasing,
     check_packed_attention,
@@ -83,15 +84,41 @@ def test_bfd_rows_are_whole_documents_the_same_on_any_world_size(tok):
         sorted(two.global_batch(0, s), key=one.global_batch(0, s).index) for s in range(two.steps_per_epoch)]
 
 
-def test_the_packed_collator_restarts_positions_and_cuts_targets_at_each_document():
+def test_the_packed_collator_flattens_the_rows_restarts_positions_and_cuts_targets_at_each_document():
+    """One row of every document side by side (transformers' DataCollatorWithFlattening's layout, its ids, labels
+    and positions exactly), no padding: the counts are the three documents' unpacked, every position a real token."""
+    from transformers import DataCollatorWithFlattening
+
     rows = [{"input_ids": [5, 6, 7, 8, 9], SEQ_LENGTHS: [3, 2]}, {"input_ids": [1, 2], SEQ_LENGTHS: [2]}]
-    b = collate_packed(rows, pad_token_id=0)
+    b = collate_packed(rows)
     assert "attention_mask" not in b
-    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
-    assert b["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100, 2, -100, -100, -100]]
-    # targets: 2 + 1 in row 0, 1 in row 1, as the three documents unpacked; real tokens 7 of 10 positions
-    assert (b["num_targets"], b["num_tokens"], b["num_slots"]) == (4, 7, 10)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert b["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 2]]
+    assert b[ROW_LENGTHS].tolist() == [5, 2]
+    # targets: 2 + 1 in row 0, 1 in row 1, as the three documents unpacked; 7 real tokens in 7 positions
+    assert (b["num_targets"], b["num_tokens"], b["num_slots"]) == (4, 7, 7)
+    theirs = DataCollatorWithFlattening()([{"input_ids": d} for d in ([5, 6, 7], [8, 9], [1, 2])])
+    assert {k: theirs[k].tolist() for k in theirs} == {k: b[k].tolist() for k in theirs}
     assert CausalLMCollator(0)(rows)["position_ids"].tolist() == b["position_ids"].tolist()
+
+
+def test_the_flattened_micro_batch_gives_flash_attention_the_documents():
+    """What transformers' flash-attention path (modeling_flash_attention_utils) derives from a micro-batch without an
+    attention mask, by its own functions: for the flattened row, packed sequences with ``cu_seqlens`` at every
+    document of every row; for the same rows as a 2-row batch (the layout before flattening), no packed sequence at
+    all (flash would run plain causal attention over each row: the documents attending to each other)."""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    rows = [{"input_ids": list(range(1, 10)), SEQ_LENGTHS: [4, 3, 2]}, {"input_ids": [7, 8, 9, 10], SEQ_LENGTHS: [4]},
+            {"input_ids": [3, 4, 5, 6, 7, 8], SEQ_LENGTHS: [1, 5]}]
+    positions = collate_packed(rows)["position_ids"]
+    assert _is_packed_sequence(positions, batch_size=positions.shape[0])
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(positions)
+    assert cu_q.tolist() == cu_k.tolist() == [0, 4, 7, 9, 13, 14, 19]
+    assert int(max_q) == int(max_k) == 5
+    two_rows = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4]])  # rows 0 and 2, side by side
+    assert not _is_packed_sequence(two_rows, batch_size=2)
 
 
 MODELS = ["gpt2", "llama"]
@@ -132,19 +159,23 @@ def test_a_packed_micro_batch_trains_like_its_documents_unpacked(request, tok, f
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                                reduction="none").view(targets.shape)
         ce.sum().backward()
-        assert torch.allclose(ce.sum(-1), token_losses(logits, batch["labels"])[0])  # the task's row loss
-        return ce.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return ce.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, logits.detach()
 
-    packed_batch = collate_packed(rows, tok.eos_token_id)
-    packed_ce, packed_grads = run(packed_batch)
-    per_doc_packed = {}
-    for r, b in enumerate(bins):
-        at = 0
+    packed_batch = collate_packed(rows)
+    assert packed_batch["input_ids"].shape == (1, sum(lengths))
+    packed_ce, packed_grads, packed_logits = run(packed_batch)
+    per_doc_packed, per_row, at = {}, [], 0
+    for b in bins:
+        per_row.append(0.0)
         for i in b:
-            per_doc_packed[i] = float(packed_ce[r, at:at + lengths[i]].sum())
+            per_doc_packed[i] = float(packed_ce[0, at:at + lengths[i]].sum())
+            per_row[-1] += per_doc_packed[i]
             at += lengths[i]
+    row_loss, row_targets = token_losses(packed_logits, packed_batch["labels"], packed_batch[ROW_LENGTHS])
+    assert row_loss.tolist() == pytest.approx(per_row, rel=1e-5)  # the task's loss per packed row (evaluation's)
+    assert row_targets.tolist() == [sum(lengths[i] - 1 for i in b) for b in bins]
     alone_batch = CausalLMCollator(tok.eos_token_id)([{"input_ids": d} for d in docs])
-    alone_ce, alone_grads = run(alone_batch)
+    alone_ce, alone_grads, _ = run(alone_batch)
     assert packed_batch["num_targets"] == alone_batch["num_targets"] == sum(n - 1 for n in lengths)
     for i in range(len(docs)):
         assert per_doc_packed[i] == pytest.approx(float(alone_ce[i].sum()), rel=1e-6, abs=1e-6)
@@ -160,7 +191,7 @@ def test_the_guard_passes_a_model_that_honours_packed_positions(request, tok, fa
     docs = _documents(tok, 2)
     row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
     model.train()
-    assert check_packed_attention(model, row, tok.eos_token_id) < 1e-5
+    assert check_packed_attention(model, row) < 1e-5
     assert model.training  # the mode is given back
 
 
@@ -184,7 +215,7 @@ def test_the_guard_refuses_transformers_silent_fallbacks(request, tok, family, d
     docs = _documents(tok, 2)
     row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
     with pytest.raises(ConfigError, match="packing_strategy: .*does not honour packed position_ids"):
-        check_packed_attention(model, row, tok.eos_token_id)
+        check_packed_attention(model, row)
 
 
 def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
@@ -210,12 +241,13 @@ def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
             at += n
     assert sorted(pieces) == sorted(zip(alone["input_ids"], alone["labels"]))
     batch = CausalLMCollator(tok.eos_token_id)(list(packed))
-    for r, row in enumerate(packed):
+    flat = 0
+    for row in packed:
         at = 0
         for n in row[SEQ_LENGTHS]:
             assert row["labels"][at] == IGNORE_INDEX  # a chat starts with its prompt
-            assert batch["labels"][r, at:at + n].tolist() == row["labels"][at:at + n]
-            at += n
+            assert batch["labels"][0, flat:flat + n].tolist() == row["labels"][at:at + n]
+            at, flat = at + n, flat + n
     assert batch["num_targets"] == sum(sum(x != IGNORE_INDEX for x in labels[1:]) for labels in alone["labels"])
 
 
@@ -228,7 +260,7 @@ def test_the_chunked_loss_of_a_packed_micro_batch_is_the_plain_one(request, tok)
     lengths = [len(d) for d in docs]
     rows = [{"input_ids": [t for i in b for t in docs[i]], SEQ_LENGTHS: [lengths[i] for i in b]}
             for b in best_fit_decreasing(lengths, 64)]
-    batch = collate_packed(rows, tok.eos_token_id)
+    batch = collate_packed(rows)
     model = _model(request, "gpt2", "sdpa")
     with torch.no_grad():
         plain = CausalLM().row_losses(model, batch)
@@ -244,8 +276,8 @@ def test_the_guard_refuses_a_model_that_ignores_packed_positions(request, tok, m
     model = _model(request, "gpt2", "sdpa")
     wpe = model.transformer.wpe.forward
     monkeypatch.setattr(model.transformer.wpe, "forward",
-                        lambda ids: wpe(torch.arange(ids.shape[-1]).expand_as(ids)))
+                        lambda ids: wpe((torch.arange(ids.shape[-1]) % model.config.n_positions).expand_as(ids)))
     docs = _documents(tok, 2)
     row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
     with pytest.raises(ConfigError, match="differ by .* from the document run alone"):
-        check_packed_attention(model, row, tok.eos_token_id)
+        check_packed_attention(model, row)
