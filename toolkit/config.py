@@ -48,7 +48,7 @@ LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
+# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd", "bfd_split")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
@@ -156,6 +156,11 @@ class ModelArguments:
     )
     gguf_file: Optional[str] = field(default=None, metadata={"help": "GGUF file name inside model_name_or_path."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the Hub. Off: safety."})
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "transformers' attention (TRL's name): eager, sdpa, flash_attention_2, "
+                                        "flash_attention_3, or a kernel of the Hub (kernels-community/flash-attn); "
+                                        "default: transformers' choice (sdpa where it can)."}
+    )
     torch_dtype: str = field(
         default="float32",
         metadata={"help": "dtype the weights load and train in: float32 (fp32 master weights, the default), auto (the "
@@ -284,7 +289,9 @@ class DataArguments:
         default=None, metadata={"help": "With packing (TRL's name): 'wrapped', concatenate every document and cut "
                                         "into block_size rows (a document attends to the one before it); 'bfd', "
                                         "best-fit decreasing: whole documents or chats per row, each attending only "
-                                        "to itself, no padding (a document longer than block_size is truncated). "
+                                        "to itself, no padding (a document longer than block_size is cut; the run "
+                                        "logs how much); 'bfd_split', the same, a longer document split into "
+                                        "block_size pieces instead (no token dropped). "
                                         "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.

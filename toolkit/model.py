@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from contextlib import contextmanager
 
@@ -39,6 +40,7 @@ def load_config(args: ModelArguments, disable_dropout: bool = False):
     except OSError as e:
         raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e,
                            offline) from None
+    check_attn_implementation(args.attn_implementation)
     if disable_dropout:
         # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, BERT's
         # hidden_dropout_prob, ...): some models apply dropout functionally from these, with no nn.Dropout to reach.
@@ -46,6 +48,28 @@ def load_config(args: ModelArguments, disable_dropout: bool = False):
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
     return config
+
+
+def check_attn_implementation(name: str | None) -> None:
+    """Refuse, before the weights load, an attention implementation that this installation cannot run."""
+    from transformers.utils import import_utils
+
+    available = {"flash_attention_2": import_utils.is_flash_attn_2_available,
+                 "flash_attention_3": import_utils.is_flash_attn_3_available}
+    if name is None or name in ("eager", "sdpa"):
+        return
+    if name in available:
+        if not available[name]():
+            raise ConfigError("attn_implementation", f"{name} needs its flash-attn package and a CUDA GPU, not found "
+                                                     "here; install it, or use a kernel of the Hub "
+                                                     "(kernels-community/flash-attn, pip install kernels), or sdpa")
+    elif "/" in name:
+        if importlib.util.find_spec("kernels") is None:
+            raise ConfigError("attn_implementation", f"{name!r} is a kernel of the Hub, loaded by the kernels package, "
+                                                     "which is not installed; pip install kernels, or use sdpa")
+    else:
+        raise ConfigError("attn_implementation", f"unknown {name!r}; use eager, sdpa, flash_attention_2, "
+                                                 "flash_attention_3 or a kernel of the Hub (owner/name)")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -115,11 +139,17 @@ def _load(args: ModelArguments, config, auto):
     config = config if config is not None else load_config(args)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype, **args.pretrained_kwargs())
+        return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype, **args.pretrained_kwargs(),
+                                    **_attention(args))
     # From a config there is no stored dtype: "auto" means the config's own (float32 unless it says otherwise).
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
-    return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code, **_attention(args))
+
+
+def _attention(args: ModelArguments) -> dict:
+    """``attn_implementation`` for the model's loading, when set (checked by ``check_attn_implementation``)."""
+    return {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
 
 
 def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
@@ -143,7 +173,8 @@ def _load_tensor_parallel(args: ModelArguments, config, auto, tp_size: int):
                                                         "(with --num_processes equal to it)")
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     return auto.from_pretrained(args.model_name_or_path, config=config, dtype=dtype,
-                                distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs())
+                                distributed_config=DistributedConfig(tp_size=tp_size), **args.pretrained_kwargs(),
+                                **_attention(args))
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -1,15 +1,23 @@
-"""Padding-free packing (``packing_strategy: bfd``): whole documents or chats placed into ``block_size`` rows by
-best-fit decreasing, each attending only to itself, so a packed run trains exactly like the same documents unpacked.
+"""Padding-free packing (``packing_strategy: bfd`` or ``bfd_split``, TRL's names): documents or chats placed into
+``block_size`` rows by best-fit decreasing, each attending only to itself, so a packed run trains exactly like the
+same documents unpacked.
 
 Why a strategy of its own: ``wrapped`` (run_clm's concatenate-and-cut, ``toolkit.data.pack``) lets a document attend
-to the one before it and cuts documents across rows; chat SFT cannot use it. Here each row is a bin of whole
-documents (``seq_lengths`` records them), and its forward (``packed_inputs``) passes ``position_ids`` restarting at 0
-per document, *no* ``attention_mask`` and ``use_cache=False``: transformers then finds the documents from the
-restarts (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal mask for SDPA and eager
-attention, or ``cu_seqlens`` for flash-attention. That detection runs only without a 2D mask and without a cache
-(a config's default ``use_cache=True`` builds one, even in training), and it fails silently: the documents attend
-across each other and the loss still falls (docs/pitfalls.md#packed-position-ids). ``check_packed_attention`` proves
-on the real model, before the first step, that it did not.
+to the one before it and cuts documents across rows; chat SFT cannot use it. Here each row is a bin of documents
+(``seq_lengths`` records them). A document longer than ``block_size`` is cut to it under ``bfd`` and split into
+``block_size`` pieces under ``bfd_split`` (``pieces``; each piece a document of its own); ``cut_report`` is the line
+the build logs about it.
+
+A micro-batch is flattened into one row (``collate_packed``, the layout of transformers' and TRL's
+``DataCollatorWithFlattening``) and its forward (``packed_inputs``) passes ``position_ids`` restarting at 0 per
+document, *no* ``attention_mask`` and ``use_cache=False``: transformers then finds the documents from the restarts
+(``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal mask for SDPA and eager
+attention, or ``cu_seqlens`` for flash-attention, which reads them from the positions only in a batch of one row
+(``modeling_flash_attention_utils._is_packed_sequence``): several rows would attend across their documents there.
+That detection runs only without a 2D mask and without a cache (a config's default ``use_cache=True`` builds one,
+even in training), and it fails silently: the documents attend across each other and the loss still falls
+(docs/pitfalls.md#packed-position-ids). ``check_packed_attention`` proves on the real model, before the first step,
+that it did not.
 
 The bins are computed once, from the tokenized rows (deterministic: lengths sorted decreasing, ties by row index),
 before the global order (``toolkit.order``) shuffles them with the seed: the rows are then ordinary rows, so the same

@@ -281,3 +281,146 @@ def test_the_guard_refuses_a_model_that_ignores_packed_positions(request, tok, m
     row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
     with pytest.raises(ConfigError, match="differ by .* from the document run alone"):
         check_packed_attention(model, row)
+
+
+def _pieces(rows) -> list[list[int]]:
+    out = []
+    for row in rows:
+        at = 0
+        for n in row[SEQ_LENGTHS]:
+            out.append(list(row["input_ids"][at:at + n]))
+            at += n
+    return sorted(out)
+
+
+def _long_docs(tok, block: int):
+    """60 EOS-ended documents of the pydoc text, a few of them longer than ``block``, and their unpacked rows."""
+    raw = DatasetDict({"train": Dataset.from_dict({"text": [" ".join([t] * (1 + i % 4)) for i, t in
+                                                            enumerate(_texts(60))]})})
+    docs = tokenize_and_group(raw, tok, DataArguments(packing=False), block_size=10_000)["train"]["input_ids"]
+    assert sum(len(d) > block for d in docs) >= 5
+    return raw, docs
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+def test_bfd_cuts_and_bfd_split_keeps_long_documents_as_trl_packs_them_and_says_how_much(tok, strategy):
+    """TRL's pack_dataset (the oracle) on the same documents gives the same pieces and as many rows: bfd keeps each
+    document's first block_size tokens, bfd_split cuts a longer one into block_size pieces and a remainder (every
+    token kept: the ids' multiset is the documents'). The log line counts the long documents and the cut tokens."""
+    from trl.data_utils import pack_dataset
+
+    from toolkit.packing import PACKING_REPORT
+
+    block = 16
+    raw, docs = _long_docs(tok, block)
+    packed = tokenize_and_group(raw, tok, DataArguments(packing=True, packing_strategy=strategy), block_size=block)
+    rows = packed["train"]
+    assert all(len(r["input_ids"]) == sum(r[SEQ_LENGTHS]) <= block for r in rows)
+    theirs = pack_dataset(Dataset.from_dict({"input_ids": docs}), block, strategy)
+    assert _pieces(rows) == _pieces(theirs) and len(rows) == len(theirs)
+    over = [len(d) for d in docs if len(d) > block]
+    tokens = sorted(t for r in rows for t in r["input_ids"])
+    if strategy == "bfd_split":
+        assert tokens == sorted(t for d in docs for t in d)
+        assert getattr(packed, PACKING_REPORT) == (
+            f"packing_strategy bfd_split: {len(over)} of {len(docs)} training documents are longer than block_size "
+            f"{block}: split into {sum(-(-n // block) for n in over)} pieces, each packed as a document of its own; "
+            "no token dropped")
+    else:
+        assert tokens == sorted(t for d in docs for t in d[:block])
+        cut, total = sum(n - block for n in over), sum(len(d) for d in docs)
+        assert getattr(packed, PACKING_REPORT).startswith(
+            f"packing_strategy bfd: {len(over)} of {len(docs)} training documents are longer than block_size {block}: "
+            f"cut to it, {cut} of {total} tokens dropped ({100 * cut / total:.1f}%)")
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+def test_a_stream_cuts_or_splits_long_documents_per_micro_batch_and_says_so(tiny_model, tmp_path, strategy):
+    """A stream (toolkit.stream) packs each micro-batch's documents as the map-style data is packed: under bfd each
+    cut to block_size, under bfd_split every token kept; the build logs the cut of the stream's first documents. The
+    micro-batches are flattened into one row."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from toolkit.build import build
+    from toolkit.config import config_from_dict
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = [" ".join([t] * (1 + i % 4)) for i, t in enumerate(_texts(24))]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = config_from_dict({"model_name_or_path": tiny_model, "train_file": str(path), "streaming": True,
+                            "packing_strategy": strategy, "block_size": 16, "shuffle_buffer_size": 24,
+                            "per_device_train_batch_size": 6, "gradient_accumulation_steps": 4, "max_steps": 1,
+                            "output_dir": str(tmp_path / "out")})
+    lines = []
+    parts = build(cfg, log=lines.append)
+    docs = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
+    over = [len(d) for d in docs if len(d) > 16]
+    assert over
+    report = [line for line in lines if line.startswith(f"packing_strategy {strategy}:")]
+    assert len(report) == 1 and f"{len(over)} of 24 first documents of the stream are longer than block_size 16" in \
+        report[0], lines
+    batches = next(parts.train_dataset.steps())
+    assert all(b["input_ids"].shape[0] == 1 and b["num_slots"] == b["num_tokens"] for b in batches)
+    tokens = sorted(t for b in batches for t in b["input_ids"][0].tolist())
+    assert tokens == sorted(t for d in docs for t in (d if strategy == "bfd_split" else d[:16]))
+
+
+def _varlen_probe(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+    """A CPU stand-in for transformers' flash-attention dispatch (``_flash_attention_forward`` without a mask): the
+    varlen kernel over the ``cu_seqlens`` transformers derives from ``position_ids``, by its own functions, only when
+    ``_is_packed_sequence`` finds packed sequences; otherwise plain causal attention over each row (``flash_fn``)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    if attention_mask is None and _is_packed_sequence(position_ids, query.shape[0]):
+        (cu, _), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+        cu = cu.tolist()
+        out = torch.cat([sdpa(query[:, :, a:e], key[:, :, a:e], value[:, :, a:e], is_causal=True, scale=scaling,
+                              enable_gqa=True) for a, e in zip(cu, cu[1:])], dim=2)
+    else:
+        out = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_the_guard_passes_flash_style_attention_on_the_flattened_layout_which_several_rows_would_break(request, tok):
+    """Llama with an attention that dispatches as transformers' flash-attention does (``_varlen_probe``; its name
+    must not hold "flash", which sends transformers to the real kernels): the guard passes, a flattened micro-batch
+    gives sdpa's logits; the same documents as a micro-batch of 2 rows (the layout before flattening) attend across
+    their documents, by far more than the guard's tolerance."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register("varlen_probe", _varlen_probe)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen_probe", flash_attention_mask)  # flash's: no mask when causal
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue("tiny_llama"), attn_implementation="varlen_probe")
+    sdpa = _model(request, "llama", "sdpa")
+    docs = _documents(tok, 4)
+    row = {"input_ids": docs[0] + docs[1], SEQ_LENGTHS: [len(docs[0]), len(docs[1])]}
+    assert check_packed_attention(model, row) < 1e-5
+    lengths = [len(d) for d in docs]
+    rows = [{"input_ids": [t for i in b for t in docs[i]], SEQ_LENGTHS: [lengths[i] for i in b]}
+            for b in best_fit_decreasing(lengths, 64)]
+    batch = collate_packed(rows)
+    with torch.no_grad():
+        flat = model(**model_inputs(batch)).logits
+        assert torch.allclose(flat, sdpa(**model_inputs(batch)).logits, atol=1e-5)
+        two = {"input_ids": torch.tensor([row["input_ids"]] * 2), "use_cache": False,
+               "position_ids": torch.tensor([list(range(len(docs[0]))) + list(range(len(docs[1])))] * 2)}
+        alone = model(input_ids=torch.tensor([docs[1]]), use_cache=False).logits[0]
+        leaked = model(**two).logits[0, len(docs[0]):]
+    assert float((leaked - alone).abs().max()) > 100 * 1e-3 * max(float(alone.abs().max()), 1.0)
+
+
+def test_attn_implementation_reaches_the_model_and_one_that_cannot_run_is_refused(tiny_model):
+    from toolkit.config import ModelArguments
+    from toolkit.model import load_config, load_model
+
+    args = ModelArguments(model_name_or_path=tiny_model, attn_implementation="eager")
+    assert load_model(args, load_config(args)).config._attn_implementation == "eager"
+    for name, words in (("flash_attention_2", "needs its flash-attn package and a CUDA GPU"),
+                        ("sdpa2", "unknown 'sdpa2'; use eager, sdpa")):
+        with pytest.raises(ConfigError, match=f"attn_implementation: .*{words}"):
+            load_config(ModelArguments(model_name_or_path=tiny_model, attn_implementation=name))
