@@ -19,8 +19,9 @@ straddles a prompt/answer boundary becomes.
 
 One chat per row, truncated to ``block_size``; or, with ``packing: true`` (``packing_strategy: bfd``), several whole
 chats per row, each attending only to itself (``toolkit.packing``; ``wrapped`` is refused: it would let a chat attend
-to the one before it and cut chats across rows). A chat whose assistant tokens all fall beyond ``block_size`` has
-nothing to learn and is dropped.
+to the one before it and cut chats across rows); ``bfd_split`` splits a chat longer than ``block_size`` into pieces
+packed on their own instead of cutting it. A chat whose assistant tokens all fall beyond ``block_size`` has nothing
+to learn and is dropped (not under ``bfd_split``, which keeps them).
 
 ``ChatSFT``, at the end, is the task (``toolkit.tasks.Task``) that the SFT recipe trains: a causal LM on these rows.
 """
