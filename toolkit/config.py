@@ -362,8 +362,8 @@ class DataArguments:
 
     @property
     def padding_free(self) -> bool:
-        """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
-        # bfd with packing false is refused
+        """bfd or bfd_split: documents per packed row, each attending only to itself (``toolkit.packing``); either
+        with packing false is refused."""
         return self.packing is not False and self.packing_strategy in ("bfd", "bfd_split")
 
     def __post_init__(self):
