@@ -5,7 +5,11 @@
 # dynamic loss scaling under DDP (a GradScaler) and under DeepSpeed ZeRO-2 (its fp16 engine): overflow steps are
 # skipped and counted (skipped_steps), the run ends with a finite loss (docs/pitfalls.md#fp16-overflow-norm).
 # Then padding-free packing (docs/performance.md#padding-free-packing): the same model on the pydoc paragraphs, one
-# per row padded against whole paragraphs packed best-fit decreasing (packing_strategy bfd), real tokens/s and fill rate.
+# per row padded against whole paragraphs packed best-fit decreasing (packing_strategy bfd), real tokens/s and fill rate;
+# then, where flash-attention is installed (the flash-attn package, or the kernels package with
+# kernels-community/flash-attn in its cache: the device has no network), the same bfd run with it: each packed
+# micro-batch is one flattened row, so flash finds the documents (cu_seqlens) and the guard passes; its loss must match
+# the sdpa bfd run's.
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -74,6 +78,31 @@ for mode in ("padded", "bfd"):
 print(f"gpu_check packing: bfd / padded real tokens/s = "
       f"{last['bfd']['tokens_per_s'] / last['padded']['tokens_per_s']:.2f}x")
 PY
+FLASH=""
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  if python -c "import flash_attn" 2>/dev/null; then FLASH=flash_attention_2
+  elif python -c "import kernels" 2>/dev/null; then FLASH=kernels-community/flash-attn; fi
+fi
+if [ -n "$FLASH" ]; then
+  python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 --mixed_precision bf16 \
+    recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc --block_size 1024 \
+    --packing_strategy bfd --attn_implementation "$FLASH" \
+    --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" --logging_steps 10 \
+    --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false \
+    --report_to none --output_dir "$WORK/run-bfd-flash" --overwrite_output_dir true 2>&1 | tee "$WORK/bfd-flash.log"
+  grep -q "checked that a packed document's logits do not depend on the documents" "$WORK/bfd-flash.log"
+  python - "$WORK" "$FLASH" <<'PY'
+import json, sys
+rows = {m: [json.loads(x) for x in open(f"{sys.argv[1]}/run-{m}/metrics.jsonl") if '"loss"' in x] for m in ("bfd", "bfd-flash")}
+flash, sdpa = rows["bfd-flash"][-1], rows["bfd"][-1]
+print(f"gpu_check packing bfd with {sys.argv[2]}: guard passed, {flash['tokens_per_s']:,.0f} real tokens/s "
+      f"({flash['tokens_per_s'] / sdpa['tokens_per_s']:.2f}x sdpa's bfd), loss {flash['loss']:.4f} against sdpa's "
+      f"{sdpa['loss']:.4f}")
+assert abs(rows["bfd-flash"][0]["loss"] / rows["bfd"][0]["loss"] - 1) < 0.02, (rows["bfd-flash"][0], rows["bfd"][0])
+PY
+else
+  echo "gpu_check packing: no flash-attention here (flash-attn or kernels, and a GPU): the packed flash run is skipped"
+fi
 if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   # train() in process on the GPU leaves glibc's allocator alone (cpu_memory_reuse is for CPU ranks), and on the CPU
   # gives glibc its settings back when it returns (docs/pitfalls.md#glibc-restore)

@@ -1,4 +1,4 @@
-"""Real tokens/s of padded, bfd-packed and wrapped rows (``packing_strategy``, toolkit/packing.py), in one process.
+"""Real tokens/s of padded, bfd-packed (bfd_split too) and wrapped rows (``packing_strategy``, toolkit/packing.py), in one process.
 
     python bench/packing.py [--rounds 5 --steps 3 --layers 2 --width 128 --block 256 --rows 4 --threads 1]
 
@@ -6,7 +6,8 @@ Two jobs, each as its recipe builds the rows: chat SFT on the built-in ``pydoc-c
 ChatML-like template; ``wrapped`` does not apply to chats) and the causal LM on CPython's documentation paragraphs
 (``pydoc``: 1-~600 tokens a paragraph). A GPT-2 shape (vocab 50257, random init, one seed) trains with SGD on each kind
 of micro-batch through the toolkit's own forward (``CausalLM.row_losses``: padded rows with their attention mask,
-bfd rows with per-document ``position_ids``, no mask, no cache; wrapped rows full). The packed modes take ``--rows``
+a micro-batch of bfd rows flattened into one row with per-document ``position_ids``, no mask, no cache; wrapped rows
+full). The packed modes take ``--rows``
 rows of up to ``--block`` tokens per micro-batch; padded takes as many documents as ``--rows`` bfd rows hold on
 average (the same documents per step), padded to the longest of them. The modes run interleaved, ``--steps`` micro-steps each per round, for ``--rounds`` rounds, so that a slow
 moment of a shared machine hits all of them; the figure is real (non-pad) tokens per CPU second of this process
@@ -37,6 +38,7 @@ def _rows(job: str, mode: str, block: int):
 
     tok = gpt2_tokenizer()
     packing = {"padded": dict(packing=False), "bfd": dict(packing=True, packing_strategy="bfd"),
+               "bfd_split": dict(packing=True, packing_strategy="bfd_split"),
                "wrapped": dict(packing=True, packing_strategy="wrapped")}[mode]
     if job == "chat":
         set_chat_template(tok, TEMPLATE)
@@ -74,7 +76,7 @@ def main(argv=None) -> dict:
     from toolkit.tasks import CausalLM
 
     torch.set_num_threads(opts.threads)
-    jobs = {"chat": ("padded", "bfd"), "text": ("padded", "bfd", "wrapped")}
+    jobs = {"chat": ("padded", "bfd"), "text": ("padded", "bfd", "bfd_split", "wrapped")}
     data, fill, micro = {}, {}, {}
     for job, modes in jobs.items():
         built = {mode: _rows(job, mode, opts.block) for mode in modes}

@@ -12,7 +12,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   hub           whether the Hugging Face Hub answers (once per process); offline, Hub names fail at once
   upstream      import costs of the libraries underneath, avoided: transformers' losses without scipy.optimize
   loss          token-sum loss normalised over the accumulated global batch
-  packing       padding-free packing: best-fit-decreasing rows of whole documents, their forward, the guard
+  packing       padding-free packing: best-fit-decreasing rows of documents, one flattened row per micro-batch, the guard
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding
   formats       dataset formats (TRL's, Alpaca, ShareGPT) detected from the columns, converted to a task's schema
   mixture       a task's raw splits: one dataset, or several mixed (dataset_mixture, alignment-handbook's shape)

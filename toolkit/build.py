@@ -40,8 +40,11 @@ from toolkit.model import (
     parameter_dtypes,
 )
 from toolkit.order import require_one_global_batch
+from toolkit.packing import PACKING_REPORT, cut_report
 from toolkit.stream import StreamSpec, TrainStream, eval_rows
 from toolkit.tasks import CausalLM, Task
+
+STREAM_CUT_SAMPLE = 4_096  # the stream's first documents that the cut report counts (tokenized once more)
 
 
 @dataclass
@@ -82,6 +85,8 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
             lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
     else:
         lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
+    if getattr(lm, PACKING_REPORT, None):
+        log(getattr(lm, PACKING_REPORT))  # what block_size cut (bfd) or split (bfd_split)
 
     checkpointing, resume = cfg.train.gradient_checkpointing, None
     if accelerator is not None:  # checked here so that a run that cannot go on stops before the weights load
@@ -153,6 +158,10 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
                         data_parallel_size=dp, rank=rank, bfd_block_size=bfd, max_steps=cfg.train.max_steps)
     if not train.head(1):
         raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row")
+    if bfd:  # what block_size cuts or splits, as seen in the stream's first documents (the rest is cut alike)
+        _, whole = task.stream_rows(tokenizer, cfg.data, None)
+        lengths = [len(r["input_ids"]) for r in whole(train.first_window[:STREAM_CUT_SAMPLE])]
+        log(cut_report(lengths, block_size, cfg.data.packing_strategy == "bfd_split", "first documents of the stream"))
     lm = {"train": train}
     if cfg.data.validation_file:
         lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), keep, encode, cfg.data.max_eval_samples,

@@ -21,8 +21,9 @@ straddles a prompt/answer boundary becomes.
 
 One chat per row, truncated to ``block_size``; or, with ``packing: true`` (``packing_strategy: bfd``), several whole
 chats per row, each attending only to itself (``toolkit.packing``; ``wrapped`` is refused: it would let a chat attend
-to the one before it and cut chats across rows). A chat whose assistant tokens all fall beyond ``block_size`` has
-nothing to learn and is dropped.
+to the one before it and cut chats across rows); ``bfd_split`` splits a chat longer than ``block_size`` into pieces
+packed on their own instead of cutting it. A chat whose assistant tokens all fall beyond ``block_size`` has nothing
+to learn and is dropped (not under ``bfd_split``, which keeps them).
 
 ``ChatSFT``, at the end, is the task (``toolkit.tasks.Task``) that the SFT recipe trains: a causal LM on these rows.
 """
@@ -39,8 +40,8 @@ from toolkit.errors import ConfigError
 from toolkit.formats import CHAT_COLUMNS, convert_row
 from toolkit.loss import IGNORE_INDEX
 from toolkit.mixture import load_task_splits
-from toolkit.packing import pack_documents
-from toolkit.tasks import CausalLM
+from toolkit.packing import pack_splits
+from toolkit.tasks import CausalLM, stream_limit
 
 ROLES = ("system", "user", "assistant")
 PYDOC_CHATS = "pydoc-chats"  # the built-in offline set (toolkit.builtin_data.pydoc_chats)
@@ -204,22 +205,25 @@ def tokenize_row(tokenizer, messages, prompt_turns: int, prompt, completion, whe
 
 
 def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every row of the chat schema tokenized with its label mask, truncated to ``block_size``; rows left without a
-    target dropped."""
+    """Every row of the chat schema tokenized with its label mask, truncated to ``block_size`` (packed: by the
+    packing, which says how much it cut, or splits it under bfd_split); rows left without a target within block_size
+    dropped."""
+    cut = None if args.padding_free else block_size  # the packing cuts (pack_splits)
+    within = None if args.packing_strategy == "bfd_split" and args.padding_free else block_size
 
     def tokenize(batch, indices):
         out = {"input_ids": [], "labels": []}
         for row in zip(*(batch[k] for k in CHAT_COLUMNS), indices):
             ids, labels = tokenize_row(tokenizer, *row[:4], f"row {row[4]}")
-            out["input_ids"].append(ids[:block_size])
-            out["labels"].append(labels[:block_size])
+            out["input_ids"].append(ids[:cut])
+            out["labels"].append(labels[:cut])
         return out
 
     kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, ("chat", block_size), batched=True,
+    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, ("chat", cut), batched=True,
                                         with_indices=True, desc="render chats, mask prompts", **kwargs)
     # position i predicts label i+1, so a row needs a target after its first token
-    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:]) for labels in b["labels"]],
+    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")
     if len(kept["train"]) == 0:
         raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
@@ -228,7 +232,7 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
         raise ConfigError("block_size", "no validation chat has an assistant token within block_size; raise "
                                          "block_size, or validation_split_percentage: 0 to train without evaluation")
     if args.padding_free:  # whole chats, several per row, each with its own label mask
-        return DatasetDict({name: pack_documents(split, block_size, kwargs) for name, split in kept.items()})
+        return pack_splits(kept, block_size, kwargs, split=args.packing_strategy == "bfd_split")
     return kept
 
 
@@ -246,7 +250,7 @@ class ChatSFT(CausalLM):
                                                   "packing_strategy: bfd, or packing: false")
         if cfg.data.packing is None:  # unset: one chat per row, unless packing_strategy: bfd asks for packing
             cfg.data.packing = cfg.data.packing_strategy is not None
-        if cfg.data.packing:
+        if cfg.data.packing and cfg.data.packing_strategy != "bfd_split":
             cfg.data.packing_strategy = "bfd"
 
     def load_raw(self, args):
@@ -265,12 +269,14 @@ class ChatSFT(CausalLM):
                 check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
             return True  # a chat with no assistant token within block_size stays: a row without targets
 
+        limit = stream_limit(args, block_size)
+
         def encode(rows):
             out = []
             for row in rows:
                 converted = chat_row(row)
                 ids, labels = tokenize_row(tokenizer, *(converted[k] for k in CHAT_COLUMNS), "a row of the stream")
-                out.append({"input_ids": ids[:block_size], "labels": labels[:block_size]})
+                out.append({"input_ids": ids[:limit], "labels": labels[:limit]})
             return out
 
         return keep, encode

@@ -50,8 +50,8 @@ LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing whole documents (toolkit.packing)
-PACKING_STRATEGIES = ("wrapped", "bfd")
+# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.packing)
+PACKING_STRATEGIES = ("wrapped", "bfd", "bfd_split")
 # the dataset formats (TRL's, toolkit.formats converts them), and the fields that take a YAML mapping
 DATASET_FORMATS = ("text", "messages", "prompt_completion", "alpaca", "sharegpt", "preference", "implicit_preference")
 MAPPING_FIELDS = ("sharegpt_roles", "dataset_mixture")
@@ -225,16 +225,12 @@ class ModelArguments:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
 
     def _check_attn_implementation(self) -> None:
-        """A name transformers knows, and flash-attn installed for flash_attention_2: found here, not after the
-        process group is up and the weights have loaded (transformers' own check runs at load)."""
+        """A name transformers knows (or a Hub kernel, owner/name), at parse time; whether this machine can run it
+        (flash-attn, a GPU, the kernels package) is ``toolkit.model.check_attn_implementation``'s, with the model's
+        config, still before the weights load."""
         value = self.attn_implementation
-        if value is None or "/" in value:  # a Hub kernel repository: transformers resolves it
-            return
-        _one_of(self, "attn_implementation", ATTN_IMPLEMENTATIONS)
-        if value == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("attn_implementation", "flash_attention_2 needs the flash-attn package (pip install "
-                                                     "flash-attn, on a CUDA machine); or use sdpa (the default where "
-                                                     "the model has it)")
+        if value is not None and "/" not in value:
+            _one_of(self, "attn_implementation", ATTN_IMPLEMENTATIONS)
 
     @property
     def config_source(self) -> str | None:
@@ -322,7 +318,9 @@ class DataArguments:
         default=None, metadata={"help": "With packing (TRL's name): 'wrapped', concatenate every document and cut "
                                         "into block_size rows (a document attends to the one before it); 'bfd', "
                                         "best-fit decreasing: whole documents or chats per row, each attending only "
-                                        "to itself, no padding (a document longer than block_size is truncated). "
+                                        "to itself, no padding (a document longer than block_size is cut; the run "
+                                        "logs how much); 'bfd_split', the same, a longer document split into "
+                                        "block_size pieces instead (no token dropped). "
                                         "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
@@ -436,8 +434,9 @@ class DataArguments:
 
     @property
     def padding_free(self) -> bool:
-        """Whole documents per packed row, each attending only to itself (``toolkit.packing``)."""
-        return self.packing is not False and self.packing_strategy == "bfd"  # bfd with packing false is refused
+        """bfd or bfd_split: documents per packed row, each attending only to itself (``toolkit.packing``); either
+        with packing false is refused."""
+        return self.packing is not False and self.packing_strategy in ("bfd", "bfd_split")
 
     def __post_init__(self):
         if self.dataset_name is not None and self.train_file is not None:

@@ -17,7 +17,7 @@ from toolkit import hub
 from toolkit.config import DATA_EXTENSIONS, DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets
-from toolkit.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_documents
+from toolkit.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_splits
 
 PYDOC = "pydoc"
 
@@ -238,17 +238,18 @@ def tokenize_and_group(raw: DatasetDict, tokenizer, args: DataArguments, block_s
 
     if wrapped:
         grouped = DatasetDict({name: pack(split, block_size, map_kwargs) for name, split in tokenized.items()})
-    else:
+    elif args.padding_free:  # bfd, bfd_split: packing cuts (or splits) what exceeds block_size, and says how much
         # A row with fewer than 2 tokens has no next-token target: drop it rather than feed a zero-token loss.
+        kept = tokenized.filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True,
+                                desc="drop rows < 2 tokens")
+        grouped = pack_splits(kept, block_size, map_kwargs, split=args.packing_strategy == "bfd_split")
+    else:
         grouped = tokenized.map(
             lambda b: {"input_ids": [ids[:block_size] for ids in b["input_ids"]]},
             batched=True,
             desc=f"truncate to {block_size}",
             **map_kwargs,
         ).filter(lambda b: [len(ids) >= 2 for ids in b["input_ids"]], batched=True, desc="drop rows < 2 tokens")
-        if args.padding_free:  # bfd: the documents above, as unpacked, several whole ones per row
-            grouped = DatasetDict({name: pack_documents(split, block_size, map_kwargs)
-                                   for name, split in grouped.items()})
 
     what = f"fewer than {block_size} tokens in all (packing)" if wrapped else "rows all shorter than 2 tokens"
     if "validation" in grouped and len(grouped["validation"]) == 0:
@@ -330,8 +331,8 @@ class CausalLMCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if SEQ_LENGTHS in rows[0]:  # whole documents packed per row (packing_strategy: bfd)
-            return collate_packed(rows, self.pad_token_id)
+        if SEQ_LENGTHS in rows[0]:  # whole documents packed per row (bfd, bfd_split): flattened into one row
+            return collate_packed(rows)
         ids, mask = pad_right([r["input_ids"] for r in rows], self.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
         if "labels" in rows[0]:

@@ -511,13 +511,13 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
             restore_freed_memory()
 
 
-def _check_packing(accelerator, model, tokenizer, train_dataset) -> None:
+def _check_packing(accelerator, model, strategy: str, train_dataset) -> None:
     """The padding-free guard (toolkit.packing.check_packed_attention) on the prepared model: every rank, the same row
     (a sharded model may need collectives for a forward)."""
     rows = train_dataset.head(64) if isinstance(train_dataset, TrainStream) else train_dataset
-    check_packed_attention(model, packed_guard_row(rows), tokenizer.pad_token_id, accelerator.device)
-    accelerator.print("packing_strategy bfd: checked that a packed document's logits do not depend on the documents "
-                      "before it in its row")
+    check_packed_attention(model, packed_guard_row(rows), accelerator.device)
+    accelerator.print(f"packing_strategy {strategy}: checked that a packed document's logits do not "
+                      "depend on the documents before it in its flattened micro-batch")
 
 
 def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
@@ -527,7 +527,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     model = run.model
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:
-        _check_packing(accelerator, model, tokenizer, train_dataset)
+        _check_packing(accelerator, model, cfg.data.packing_strategy, train_dataset)
     _call(callbacks, "on_prepared", accelerator=accelerator, model=model, optimizer=run.optimizer)
     state = LoopState(world_size=accelerator.num_processes, global_batch_size=run.sampler.global_batch_size)
     resumed_from = run.checkpointer.load(state)  # the checkpoint's weights, optimizer, position; or a fresh start

@@ -39,8 +39,19 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row summed cross-entropy (fp32) and per-row target counts, for shifted next-token prediction.
+def row_index(labels: torch.Tensor, row_lengths: torch.Tensor | None) -> torch.Tensor:
+    """Each position's row, flattened: the batch's rows, or with ``row_lengths`` the packed rows that a flattened
+    micro-batch (one row, ``toolkit.packing.collate_packed``) holds side by side."""
+    batch, seq = labels.shape
+    if row_lengths is None:
+        return torch.arange(batch, device=labels.device).repeat_interleave(seq)
+    return torch.arange(len(row_lengths), device=labels.device).repeat_interleave(row_lengths, output_size=batch * seq)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor,
+                 row_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row summed cross-entropy (fp32) and per-row target counts, for shifted next-token prediction; the rows
+    of a flattened packed micro-batch with ``row_lengths`` (``row_index``).
 
     Our own function rather than the model's ``loss_function`` (``ForCausalLMLoss`` via ``labels=`` and
     ``num_items_in_batch=``): evaluation needs per-row sums (``gather_for_metrics`` drops repeated rows), the chunked
@@ -53,6 +64,10 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         ignore_index=IGNORE_INDEX,
         reduction="none",
     ).view(targets.shape)
+    if row_lengths is not None:
+        rows = row_index(labels, row_lengths)
+        sums = torch.zeros(len(row_lengths), dtype=ce.dtype, device=ce.device).index_add(0, rows, ce.flatten())
+        return sums, torch.zeros_like(row_lengths).index_add(0, rows, (targets != IGNORE_INDEX).flatten().long())
     return ce.sum(dim=-1), (targets != IGNORE_INDEX).sum(dim=-1)
 
 
@@ -65,7 +80,8 @@ def row_logit_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
-                         chunk_size: int, num_chunks: int = 0, mean_logits: bool = False) -> tuple[torch.Tensor, ...]:
+                         chunk_size: int, num_chunks: int = 0, mean_logits: bool = False,
+                         row_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``token_losses`` of ``head(hidden)`` without ever holding the logits of the whole micro-batch.
 
     The (batch x seq) positions are taken ``chunk_size`` at a time: project to the vocabulary, cross-entropy in fp32,
@@ -86,8 +102,8 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     batch, seq = labels.shape
     targets = shift_labels(labels)
     flat_hidden, flat_targets = hidden.reshape(batch * seq, -1), targets.reshape(-1)
-    rows = torch.arange(batch, device=labels.device).repeat_interleave(seq)
-    row_loss = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
+    rows = row_index(labels, row_lengths)
+    row_loss = torch.zeros(batch if row_lengths is None else len(row_lengths), dtype=torch.float32, device=hidden.device)
     chunks = max(num_chunks, -(-batch * seq // chunk_size))
     if chunks > num_chunks > 0:
         raise ValueError(f"a micro-batch of {batch} x {seq} positions needs {chunks} chunks of {chunk_size}, more than "
@@ -104,7 +120,8 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
         else:
             ce = checkpoint(_chunk_cross_entropy, flat_hidden[part], flat_targets[part], head, use_reentrant=False)
         row_loss = row_loss.index_add(0, rows[part], ce)
-    counts = (targets != IGNORE_INDEX).sum(dim=-1)
+    counts = (targets != IGNORE_INDEX).sum(dim=-1) if row_lengths is None else torch.zeros_like(row_lengths).index_add(
+        0, rows, (flat_targets != IGNORE_INDEX).long())
     return (row_loss, counts, row_logits) if mean_logits else (row_loss, counts)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from contextlib import contextmanager
 
@@ -39,6 +40,7 @@ def load_config(args: ModelArguments, disable_dropout: bool = False):
     except OSError as e:
         raise _unreachable("config_name" if args.config_name else "model_name_or_path", args.config_source, e,
                            offline) from None
+    check_attn_implementation(args.attn_implementation)
     if disable_dropout:
         # Every float hyperparameter named like a dropout rate (GPT-2's *_pdrop, Llama's attention_dropout, BERT's
         # hidden_dropout_prob, ...): some models apply dropout functionally from these, with no nn.Dropout to reach.
@@ -46,6 +48,24 @@ def load_config(args: ModelArguments, disable_dropout: bool = False):
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
     return config
+
+
+def check_attn_implementation(name: str | None) -> None:
+    """Refuse, before the weights load, an attention implementation that this installation cannot run."""
+    from transformers.utils import import_utils
+
+    available = {"flash_attention_2": import_utils.is_flash_attn_2_available,
+                 "flash_attention_3": import_utils.is_flash_attn_3_available}
+    if name is None or name in ("eager", "sdpa"):
+        return
+    if name in available:
+        if not available[name]():
+            raise ConfigError("attn_implementation", f"{name} needs its flash-attn package and a CUDA GPU, not found "
+                                                     "here; install it, or use a kernel of the Hub "
+                                                     "(kernels-community/flash-attn, pip install kernels), or sdpa")
+    elif "/" in name and importlib.util.find_spec("kernels") is None:  # other names: checked at parse time
+        raise ConfigError("attn_implementation", f"{name!r} is a kernel of the Hub, loaded by the kernels package, "
+                                                 "which is not installed; pip install kernels, or use sdpa")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -212,7 +232,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     original = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, mean_logits=False,
-                **kwargs):
+                row_lengths=None, **kwargs):
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
@@ -220,7 +240,8 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
                                  use_cache=False).last_hidden_state
         positions = max_positions if self.training else max_eval_positions
         out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
-                                   num_chunks=-(-positions // chunk_size), mean_logits=mean_logits)
+                                   num_chunks=-(-positions // chunk_size), mean_logits=mean_logits,
+                                   row_lengths=row_lengths)
         return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
     model.forward = types.MethodType(forward, model)

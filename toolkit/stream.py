@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from toolkit.errors import ConfigError
-from toolkit.packing import SEQ_LENGTHS, best_fit_decreasing
+from toolkit.packing import pack_rows
 
 
 def shard_order(files: list[str], seed: int, shuffle: bool) -> list[str]:
@@ -141,13 +141,9 @@ class Windows:
 
 
 def pack_bfd(rows: list[dict], block_size: int) -> list[dict]:
-    """A micro-batch's documents (each at most ``block_size`` tokens) as packed rows (``toolkit.packing``)."""
-    columns = [c for c in ("input_ids", "labels") if c in rows[0]]
-    packed = []
-    for members in best_fit_decreasing([len(r["input_ids"]) for r in rows], block_size):
-        packed.append({**{c: [t for i in members for t in rows[i][c]] for c in columns},
-                       SEQ_LENGTHS: [len(rows[i]["input_ids"]) for i in members]})
-    return packed
+    """A micro-batch's documents as packed rows (``toolkit.packing.pack_rows``: one longer than ``block_size`` is split,
+    under bfd_split; bfd's ``encode`` cut it)."""
+    return pack_rows(rows, block_size)
 
 
 class TrainStream:

@@ -41,7 +41,7 @@ from toolkit import data
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets, row_logit_sums, token_losses
 from toolkit.mixture import load_task_splits
-from toolkit.packing import packed_inputs
+from toolkit.packing import ROW_LENGTHS, packed_inputs
 
 
 def model_inputs(batch: dict) -> dict:
@@ -143,8 +143,14 @@ def check_stream_packing(args) -> None:
                                               "the rows would depend on which documents each rank holds and the order "
                                               "on the world size; use packing_strategy: bfd (whole documents per row, "
                                               "the default with streaming) or packing: false")
-    if args.packing:
+    if args.packing and args.packing_strategy != "bfd_split":
         args.packing_strategy = "bfd"
+
+
+def stream_limit(args, block_size: int) -> int | None:
+    """Where a stream's ``encode`` cuts a document: ``block_size``; not at all under bfd_split, whose packing splits
+    it (``toolkit.packing.pack_rows``)."""
+    return None if args.packing and args.packing_strategy == "bfd_split" else block_size
 
 
 class CausalLM(Task):
@@ -178,9 +184,11 @@ class CausalLM(Task):
                                                       "or remove the row")
             return bool(text)  # an empty text has no token: skipped, as the map-style path drops it
 
+        limit = stream_limit(args, block_size)
+
         def encode(rows):
             ids = encode_texts([r[column] for r in rows])
-            return [{"input_ids": (x + [eos] if eos is not None else x)[:block_size]} for x in ids]
+            return [{"input_ids": (x + [eos] if eos is not None else x)[:limit]} for x in ids]
 
         return keep, encode
 
@@ -206,12 +214,16 @@ class CausalLM(Task):
         logits, or from the model's chunked loss (``chunked``). ``use_cache=False``: a training forward has no use for
         the key/value cache transformers would otherwise build (Trainer turns it off too); the config, and so
         generation after export, keeps its own setting."""
+        rows = batch.get(ROW_LENGTHS)  # a flattened packed micro-batch: the loss per packed row (collate_packed)
         if chunked:
             inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
-            out = model(**inputs, labels=batch["labels"], **({"mean_logits": True} if mean_logits else {}))
+            extra = {"mean_logits": True} if mean_logits else {}
+            if rows is not None:
+                extra["row_lengths"] = rows
+            out = model(**inputs, labels=batch["labels"], **extra)
             return tuple(out[k] for k in ("row_loss", "row_targets", "row_logit_sum")[:3 if mean_logits else 2])
         logits = model(**model_inputs(batch)).logits
-        losses = token_losses(logits, batch["labels"])
+        losses = token_losses(logits, batch["labels"], rows)
         return (*losses, row_logit_sums(logits, batch["labels"])) if mean_logits else losses
 
     def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:

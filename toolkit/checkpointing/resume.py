@@ -52,8 +52,8 @@ def order_record(cfg, train_dataset) -> dict:
         "seed": cfg.train.seed,
         "shuffle": cfg.train.shuffle,
         "packing": cfg.data.packing,
-        # recorded for bfd only: None for wrapped, as in the checkpoints written before packing_strategy existed
-        "packing_strategy": "bfd" if cfg.data.padding_free else None,
+        # recorded for bfd and bfd_split only: None for wrapped, as in the checkpoints written before it existed
+        "packing_strategy": cfg.data.packing_strategy if cfg.data.padding_free else None,
         "block_size": cfg.data.block_size,
         "train_rows": "stream" if stream else len(train_dataset),
         "train_data_sha": train_dataset.spec.fingerprint() if stream else data_fingerprint(train_dataset),
