@@ -52,6 +52,28 @@ def window_order(window: int, size: int, seed: int, shuffle: bool) -> list[int]:
     return np.random.default_rng([seed, window]).permutation(size).tolist()
 
 
+# A file's content fingerprint: its size and 32 blocks of 64 KiB spread evenly from its first byte to its last (the
+# whole file up to 2 MiB). A full hash costs 0.69 s per GiB from the page cache (sha256, measured on a 1 GiB jsonl
+# shard, AMD EPYC), on every rank at every start (and a cold read from disk is slower): minutes for a corpus of a
+# hundred shards. The sample costs 1.7 ms per file whatever its size, and sees a shard regenerated with other rows
+# (which changes bytes everywhere); an edit that keeps the size and falls between the samples is not seen.
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 32, 64 * 1024
+
+
+def content_fingerprint(path: str) -> str:
+    """A cheap hash of a file's size and content (``SAMPLE_BLOCKS`` blocks; see above)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"{size};".encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+            h.update(f.read())
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(i * (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1))
+                h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class StreamSpec:
     """What the order of a stream depends on (``order_record`` writes it into checkpoints)."""
@@ -67,6 +89,11 @@ class StreamSpec:
         for path in shard_order(self.files, self.seed, self.shuffle):
             h.update(f"{os.path.basename(path)}:{os.path.getsize(path)};".encode())
         return h.hexdigest()[:16]
+
+    def file_fingerprints(self) -> list[list[str]]:
+        """[path, content fingerprint] of each file in read order: a resume whose file changed is refused naming it
+        (``toolkit.checkpointing.resume``), as the stream restarts at a row index that would fall in other rows."""
+        return [[path, content_fingerprint(path)] for path in shard_order(self.files, self.seed, self.shuffle)]
 
 
 def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None = None):

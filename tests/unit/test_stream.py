@@ -155,3 +155,34 @@ def test_datasets_own_stream_tools_break_the_order_contract(shards):
     resumed = stream().shuffle(seed=3, buffer_size=16)
     resumed.load_state_dict(state)
     assert head == whole[:20] and head + [r["text"] for r in resumed] != whole
+
+
+@pytest.mark.slow  # an in-process run: ~2 s alone, more beside other work
+def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_is_refused(tiny_model, tmp_path,
+                                                                                           monkeypatch):
+    """A stream resumes at a row index: a shard rewritten with other rows of the same byte size (the names and sizes
+    were all a checkpoint recorded) would have resumed into other data. Refused before the weights load, naming it."""
+    from helpers import train_in_process
+
+    import toolkit.build
+
+    paths = []
+    for f in range(2):
+        paths.append(tmp_path / f"part-{f}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"text": f"row {i:02d} of shard {f}"}) + "\n" for i in range(20)))
+    values = {"model_name_or_path": tiny_model, "train_file": str(tmp_path / "part-*.jsonl"), "streaming": True,
+              "shuffle_buffer_size": 8, "max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 4,
+              "block_size": 16, "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
+              "optim": "sgd"}
+    assert train_in_process(values)["steps"] == 2
+    before = paths[1].read_bytes()
+    paths[1].write_text("".join(json.dumps({"text": f"row {19 - i:02d} of shard 1"}) + "\n" for i in range(20)))
+    assert len(paths[1].read_bytes()) == len(before) and paths[1].read_bytes() != before
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights loaded before the resume was refused")
+
+    monkeypatch.setattr(toolkit.build, "load_model", no_weights)
+    with pytest.raises(ConfigError, match=r"train_file: cannot resume from .*step-2: .*part-1\.jsonl changed since "
+                                          r"the checkpoint was written .*put back the files"):
+        train_in_process({**values, "max_steps": 4, "resume_from_checkpoint": "latest"})
