@@ -558,6 +558,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
                 break
     finally:
         preemption.restore()
+        if hasattr(batches, "close"):  # a stream's read-ahead thread ends with the run, however it ends
+            batches.close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if args.plot and accelerator.is_main_process:
         plot_run(args.output_dir)

@@ -59,6 +59,7 @@ class Task(ABC):
     sequences_per_row: int = 1  # sequences a dataset row puts in a micro-batch (a preference pair: 2)
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
+    log: Callable[[str], None] = print  # where the task says what it did to the data (build sets the run's log)
 
     def check(self, cfg) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
         """Fields that this task cannot honour, refused before any work."""
@@ -144,13 +145,13 @@ class CausalLM(Task):
         column, eos = data.text_column(args), tokenizer.eos_token_id
         encode_texts, _ = data.token_encoder(tokenizer)
 
-        def keep(row) -> bool:
+        def keep(row) -> bool | None:
             text = row.get(column)
-            if not isinstance(text, str):
-                raise ConfigError("text_column_name", f"a row of the stream has {text!r:.80} in column {column!r}, "
-                                                      f"not text (its columns: {sorted(row)}); name the text column "
-                                                      "or remove the row")
+            if not isinstance(text, str):  # null, or not text: dropped and counted, as the map-style path does
+                return None
             return bool(text)  # an empty text has no token: skipped, as the map-style path drops it
+
+        keep.drops = f"rows with no text (null or not a string) in column {column!r}"  # the log's count says so
 
         def encode(rows):
             ids = encode_texts([r[column] for r in rows])
@@ -159,7 +160,7 @@ class CausalLM(Task):
         return keep, encode
 
     def load_raw(self, args):
-        return data.load_raw_datasets(args)
+        return data.load_raw_datasets(args, self.log)
 
     def tokenize(self, raw, tokenizer, args, block_size: int):
         return data.tokenize_and_group(raw, tokenizer, args, block_size)
