@@ -256,6 +256,7 @@ class TrainStream:
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
         self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
         self.positions: dict[int, dict] = {}  # step -> where a resume at that step restarts (the last steps given)
+        self.read_ahead = True  # False: each step read in the caller's thread (bench/streaming.py's comparison)
 
     @property
     def global_batch_size(self) -> int:
@@ -277,9 +278,10 @@ class TrainStream:
                                first_window=first)
         self.positions = {}
         try:
-            for step, (batches, after) in enumerate(read_ahead(self._read(self.windows, start_step),
-                                                               "toolkit-stream-read-ahead"),
-                                                    start_step + 1):
+            steps = self._read(self.windows, start_step)
+            if self.read_ahead:
+                steps = read_ahead(steps, "toolkit-stream-read-ahead")
+            for step, (batches, after) in enumerate(steps, start_step + 1):
                 self.positions = {step - 1: self.positions.get(step - 1), step: after}
                 self.steps_done = step
                 yield batches
