@@ -15,8 +15,8 @@ first optimizer step against the map-style path on the same file.
    window read, each step's rows tokenized as they come; bfd, the stream's default), each in a fresh process with an
    empty ``datasets`` cache: seconds from the start of ``build`` to the end of step 1, and peak memory.
 3. The cost of a step once training runs (``--parts step``): ``--step-steps`` steps on one file of about
-   ``--step-tokens`` tokens, map-style and streamed, one document per row (``packing: false``: the same documents per
-   step on both paths, the stream's windows aside), each in a fresh process, alternating ``--rounds`` times; the wall
+   ``--step-tokens`` tokens, map-style and streamed, one document per row and ``shuffle: false`` (so that both paths
+   train the same documents at every step, padded alike), each in a fresh process, alternating ``--rounds`` times; the wall
    time between the ends of consecutive steps after the first ``--warmup``, pooled over the rounds. The stream as it
    runs (the next step read ahead in a thread) and with each step read in the loop's thread, against the map-style
    baseline measured in the same command: the ratios of the medians.
@@ -108,7 +108,7 @@ def run_steps(args) -> dict:
 
     work = tempfile.mkdtemp()
     cfg = _config(args.model, args.file, os.path.join(work, "out"), args.step_steps, args.streaming, args.window,
-                  args.block_size, packing=False, per_device_train_batch_size=args.micro)
+                  args.block_size, packing=False, per_device_train_batch_size=args.micro, shuffle=False)
     accelerator = make_accelerator(cfg.train)
     parts, times = build(cfg, accelerator), StepTimes()
     if args.streaming:
