@@ -14,6 +14,12 @@ first optimizer step against the map-style path on the same file.
    (every document tokenized and packed first: the causal LM's defaults, wrapped packing) and streamed (the first
    window read, each step's rows tokenized as they come; bfd, the stream's default), each in a fresh process with an
    empty ``datasets`` cache: seconds from the start of ``build`` to the end of step 1, and peak memory.
+3. The cost of a step once training runs (``--parts step``): ``--step-steps`` steps on one file of about
+   ``--step-tokens`` tokens, map-style and streamed, one document per row and ``shuffle: false`` (so that both paths
+   train the same documents at every step, padded alike), each in a fresh process, alternating ``--rounds`` times; the wall
+   time between the ends of consecutive steps after the first ``--warmup``, pooled over the rounds. The stream as it
+   runs (the next step read ahead in a thread) and with each step read in the loop's thread, against the map-style
+   baseline measured in the same command: the ratios of the medians.
 Each measurement runs in its own process so that peaks do not mix.
 """
 
@@ -72,7 +78,8 @@ class StepClock:
         self.rss.append(rss_mb()[0])
 
 
-def _config(model: str, train_file: str, out: str, steps: int, streaming: bool, window: int, block_size: int):
+def _config(model: str, train_file: str, out: str, steps: int, streaming: bool, window: int, block_size: int,
+            **extra):
     from toolkit.config import config_from_dict
 
     return config_from_dict({"model_name_or_path": model, "train_file": train_file, "streaming": streaming,
@@ -80,7 +87,68 @@ def _config(model: str, train_file: str, out: str, steps: int, streaming: bool, 
                              "per_device_train_batch_size": 4, "validation_split_percentage": 0,
                              "output_dir": out, "report_to": "none", "save_final_model": False, "logging_steps": 50,
                              "cpu_memory_reuse": False,
-                             "optim": "sgd", "learning_rate": 1e-3})
+                             "optim": "sgd", "learning_rate": 1e-3, **extra})
+
+
+class StepTimes:
+    """on_step_end: the wall and CPU seconds between the ends of consecutive steps."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_step_end(self, accelerator, state, row):
+        self.ends.append((time.perf_counter(), time.process_time()))
+
+
+def run_steps(args) -> dict:
+    """Part 3, in this process: ``--step-steps`` steps of one path on ``args.file`` (one document per row)."""
+    from toolkit.build import build
+    from toolkit.distributed import make_accelerator
+    from toolkit.loop import train
+
+    work = tempfile.mkdtemp()
+    cfg = _config(args.model, args.file, os.path.join(work, "out"), args.step_steps, args.streaming, args.window,
+                  args.block_size, packing=False, per_device_train_batch_size=args.micro, shuffle=False)
+    accelerator = make_accelerator(cfg.train)
+    parts, times = build(cfg, accelerator), StepTimes()
+    if args.streaming:
+        parts.train_dataset.read_ahead = args.read_ahead
+    train(cfg, accelerator, **parts.train_kwargs(), callbacks=[times])
+    ends = times.ends[args.warmup:]
+    out = {"wall_s": [b[0] - a[0] for a, b in zip(ends, ends[1:])],
+           "cpu_s": [b[1] - a[1] for a, b in zip(ends, ends[1:])]}
+    if args.streaming:  # the stream's data path alone (read, shuffle, tokenize, collate), in this thread
+        stream, start = parts.train_dataset, time.process_time()
+        stream.read_ahead = False
+        for _ in zip(range(args.step_steps), stream.steps()):
+            pass
+        out["data_path_cpu_s"] = [(time.process_time() - start) / args.step_steps]
+    return out
+
+
+def step_part(args, corpus: str) -> dict:
+    """Part 3: the three paths alternating in fresh processes, ``args.rounds`` times; the medians and ratios."""
+    import statistics
+
+    paths = {"map_style": ["--streaming", "false"], "stream": ["--streaming", "true"],
+             "stream_no_read_ahead": ["--streaming", "true", "--read-ahead", "false"]}
+    pooled = {name: {"wall_s": [], "cpu_s": []} for name in paths}
+    for _ in range(args.rounds):
+        for name, flags in paths.items():
+            got = child(args, "steps", "--file", corpus, *flags)
+            for key, values in got.items():
+                pooled[name].setdefault(key, []).extend(values)
+    out = {"tokens": args.step_tokens, "steps": args.step_steps, "warmup": args.warmup, "rounds": args.rounds,
+           "micro": args.micro, "block_size": args.block_size, "threads": args.threads or None,
+           "load_average": os.getloadavg()}
+    for name, values in pooled.items():
+        out[name] = {f"median_{key}_ms": 1000 * statistics.median(v) for key, v in values.items()}
+        out[name]["steps_timed"] = len(values["wall_s"])
+    base = out["map_style"]["median_wall_s_ms"]
+    for name in ("stream", "stream_no_read_ahead"):
+        out[f"{name}_over_map_style"] = out[name]["median_wall_s_ms"] / base
+        out[f"{name}_over_map_style_cpu"] = out[name]["median_cpu_s_ms"] / out["map_style"]["median_cpu_s_ms"]
+    return out
 
 
 def run_stream(args) -> dict:
@@ -148,10 +216,14 @@ def child(args, *extra) -> dict:
     """A measurement in a fresh process (and an empty datasets cache)."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "HF_DATASETS_CACHE": cache, "PYTHONPATH": ROOT}
+        if args.threads:  # torch's threads (OMP): fewer on a shared machine, where spinning threads add noise
+            env["OMP_NUM_THREADS"] = str(args.threads)
         out = subprocess.run([sys.executable, __file__, "--child", *extra, "--model", args.model, "--window",
                               str(args.window), "--block-size", str(args.block_size), "--steps", str(args.steps),
                               "--data-rows", str(args.data_rows),
-                              "--stream-tokens", str(args.stream_tokens)], env=env, capture_output=True, text=True)
+                              "--stream-tokens", str(args.stream_tokens), "--step-steps", str(args.step_steps),
+                              "--warmup", str(args.warmup), "--micro", str(args.micro)],
+                             env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -167,14 +239,21 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--words-per-row", type=int, default=200)
     p.add_argument("--model", default=None)
-    p.add_argument("--parts", default="stream,file", help="which parts to (re)measure; the others are kept from "
+    p.add_argument("--parts", default="stream,file,step", help="which parts to (re)measure; the others are kept from "
                                                            "bench/results/streaming.json")
-    p.add_argument("--child", choices=["stream", "file"])
+    p.add_argument("--step-tokens", type=int, default=1_000_000, help="tokens of the file of part 3")
+    p.add_argument("--step-steps", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=10, help="part 3: steps not timed")
+    p.add_argument("--rounds", type=int, default=2, help="part 3: each path this many times, alternating")
+    p.add_argument("--micro", type=int, default=8, help="part 3: per_device_train_batch_size")
+    p.add_argument("--read-ahead", type=lambda v: v == "true", default=True)
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset)")
+    p.add_argument("--child", choices=["stream", "file", "steps"])
     p.add_argument("--file")
     p.add_argument("--streaming", type=lambda v: v == "true", default=False)
     args = p.parse_args()
     if args.child:
-        result = run_stream(args) if args.child == "stream" else run_file(args)
+        result = {"stream": run_stream, "file": run_file, "steps": run_steps}[args.child](args)
         print(json.dumps(result))
         return
     from data_memory import write_corpus
@@ -186,14 +265,18 @@ def main() -> None:
                                               n_positions=args.block_size, seed=0)
     path = os.path.join(ROOT, "bench", "results", "streaming.json")
     results = json.load(open(path)) if os.path.isfile(path) else {}
-    if "stream" in args.parts:
+    if "stream" in args.parts.split(","):
         results["stream"] = child(args, "stream")
-    if "file" in args.parts:
+    if "file" in args.parts.split(","):
         corpus = os.path.join(work, "corpus.txt")
         write_corpus(corpus, args.tokens)
         results["file_tokens"] = args.tokens
         for streaming in ("false", "true"):
             results[f"file_streaming_{streaming}"] = child(args, "file", "--file", corpus, "--streaming", streaming)
+    if "step" in args.parts.split(","):
+        corpus = os.path.join(work, "step_corpus.txt")
+        write_corpus(corpus, args.step_tokens)
+        results["step"] = step_part(args, corpus)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

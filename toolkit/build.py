@@ -130,6 +130,7 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
         raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
                                        "streaming: false")
     task.check(cfg)
+    task.log = log  # for what a task says while it loads (rows dropped)
     task.apply_defaults(cfg)  # e.g. disable_dropout, unset: DPO's true, the others' false
     if cfg.model.use_peft:
         lora.check_available()
@@ -155,7 +156,8 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
     bfd = block_size if cfg.data.padding_free else None
     train = TrainStream(spec, keep=keep, encode=encode, collate=task.collator(tokenizer),
                         micro=cfg.train.per_device_train_batch_size, accumulation=cfg.train.gradient_accumulation_steps,
-                        data_parallel_size=dp, rank=rank, bfd_block_size=bfd, max_steps=cfg.train.max_steps)
+                        data_parallel_size=dp, rank=rank, bfd_block_size=bfd, max_steps=cfg.train.max_steps,
+                        log=log)
     if not train.head(1):
         raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row")
     if bfd:  # what block_size cuts or splits, as seen in the stream's first documents (the rest is cut alike)
@@ -165,7 +167,7 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
     lm = {"train": train}
     if cfg.data.validation_file:
         lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), keep, encode, cfg.data.max_eval_samples,
-                                     bfd)
+                                     bfd, log)
     else:
         log("streaming: no validation_file, so no evaluation (a stream has no held-out part)")
     log(f"streaming {len(spec.files)} file(s) in windows of {spec.window} rows (shuffle_buffer_size), "

@@ -863,6 +863,25 @@ def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str
     return argv, nulls, unknown
 
 
+def _join_file_lists(argv: list[str]) -> list[str]:
+    """``--train_file data/part-*.jsonl`` typed unquoted reaches us as the shell's expansion, several paths: the
+    values after ``--train_file`` or ``--validation_file`` up to the next ``--flag`` become one comma-separated value
+    (the YAML list's form), instead of an unknown argument for every path after the first."""
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        if name not in FILE_LISTS:
+            out.append(argv[i])
+            i += 1
+            continue
+        values, i = ([value] if eq else []), i + 1
+        while i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        out += [f"--{name}", ",".join(values)] if values else [argv[i - 1]]  # no value: argparse says so
+    return out
+
+
 def _cli_nulls(argv: list[str]) -> tuple[list[str], set[str]]:
     """``--field null`` (or none, None, ~, "") on the command line unsets an optional field, the way a YAML null
     does: the tokens are taken out and the field's name returned. A field that cannot be unset keeps its tokens
@@ -920,7 +939,7 @@ def parse_args(argv: list[str] | None = None, task: str | None = None,
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     ns, rest = pre.parse_known_args(argv)
-    rest, unset = _cli_nulls(rest)
+    rest, unset = _cli_nulls(_join_file_lists(rest))
 
     yaml_argv, nulls, unknown = [], {}, []
     if ns.config is not None:

@@ -40,15 +40,27 @@ def pydoc_dataset() -> DatasetDict:
     return DatasetDict({"train": Dataset.from_dict({"text": train}), "validation": Dataset.from_dict({"text": valid})})
 
 
-def load_raw_datasets(args: DataArguments) -> DatasetDict:
-    """A DatasetDict with 'train' and (unless there is none) 'validation', and the text column checked."""
-    raw = load_splits(args, {PYDOC: pydoc_dataset})
-    check_text_column(raw, text_column(args))
+def load_raw_datasets(args: DataArguments, log=print) -> DatasetDict:
+    """A DatasetDict with 'train' and (unless there is none) 'validation', and the text column checked; rows with no
+    text (null) dropped and counted in one line of ``log``, as a stream drops them (``CausalLM.stream_rows``)."""
+    return drop_null_texts(load_splits(args, {PYDOC: pydoc_dataset}), text_column(args), log)
+
+
+def drop_null_texts(raw: DatasetDict, column: str, log=print) -> DatasetDict:
+    """The text column checked (present, text) and its rows with no text (null) dropped, counted in one line."""
+    check_text_column(raw, column, nulls=False)
+    counts = {name: split.data.column(column).null_count for name, split in raw.items()}
+    if any(counts.values()):
+        raw = DatasetDict({name: split.filter(lambda texts: [t is not None for t in texts], input_columns=column,
+                                              batched=True, desc="drop null texts") if counts[name] else split
+                           for name, split in raw.items()})
+        log("dropped the rows with no text (null) in column {!r}: {}".format(column, ", ".join(
+            f"{n} of {n + len(raw[name])} in the {name} split" for name, n in counts.items() if n)))
     return raw
 
 
-def check_text_column(raw: DatasetDict, column: str) -> None:
-    """Every split has ``column``, it holds strings, and none is null."""
+def check_text_column(raw: DatasetDict, column: str, nulls: bool = True) -> None:
+    """Every split has ``column``, it holds strings, and (``nulls``) none is null."""
     for split_name, split in raw.items():
         if column not in split.column_names:
             raise ConfigError(
@@ -60,9 +72,9 @@ def check_text_column(raw: DatasetDict, column: str) -> None:
             raise ConfigError("text_column_name", f"column {column!r} of the {split_name} split holds {feature}, not "
                                                   "text; name the column that holds the text")
         # Null texts would be tokenized as "" and dropped without a word: say how many, and where.
-        nulls = split.data.column(column).null_count
-        if nulls:
-            raise ConfigError("text_column_name", f"{nulls} of {len(split)} rows of the {split_name} split have no "
+        count = split.data.column(column).null_count if nulls else 0
+        if count:
+            raise ConfigError("text_column_name", f"{count} of {len(split)} rows of the {split_name} split have no "
                                                   f"text (null) in column {column!r}; remove or fill them")
 
 

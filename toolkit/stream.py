@@ -5,7 +5,8 @@ A stream has no length and cannot be permuted whole, and ``datasets``' own tools
 whole shards to ranks). So, with W = ``shuffle_buffer_size``:
 
     source:   the files, their order permuted by the seed, read one after the other (a plain stream: its
-              ``state_dict`` resumes exactly); rows a task skips (empty text) are dropped here, on every rank alike
+              ``state_dict`` resumes exactly); rows a task skips (empty text) are dropped here, on every rank alike,
+              and rows it cannot train on (no text) too, counted in one line of the log
     window k: source rows [k*W, (k+1)*W), shuffled by a permutation seeded from (seed, k)
     global index g = k*W + j: the j-th row of window k after its shuffle
     step s:   global indices [s*B, (s+1)*B), B = data-parallel ranks x micro x accumulation
@@ -18,8 +19,12 @@ the source's state at the start of g's window (``position``); a resume on any wo
 shuffles it again and continues at g. A stream that ends before a step's last index ends the run after the last
 full step (every rank reads the same rows, so every rank stops at the same step, without a collective).
 
-Memory: the windows that hold the current step (W rows + one step), and the step's tokenized rows. Packing with
-``bfd`` places each micro-batch's documents into ``block_size`` rows (best-fit decreasing, each attending only to
+Read-ahead: the next step's rows are read, tokenized, packed and collated in a background thread while the current
+step trains (``read_ahead``: one step ahead, the same order; the resume position of each step is taken with it), so
+a streamed step costs what a map-style step does (bench/streaming.py, docs/performance.md).
+
+Memory: the windows that hold the current and the next step (W rows + two steps), and those steps' tokenized rows.
+Packing with ``bfd`` places each micro-batch's documents into ``block_size`` rows (best-fit decreasing, each attending only to
 itself, ``toolkit.packing``): a layout of the same documents, so the update is that of the unpacked rows. ``wrapped``
 packing, whose rows mix the tokens of neighbouring documents, would make the rows depend on which documents a rank
 holds, and is refused on a stream (``toolkit.tasks.CausalLM.check``).
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -52,6 +59,28 @@ def window_order(window: int, size: int, seed: int, shuffle: bool) -> list[int]:
     return np.random.default_rng([seed, window]).permutation(size).tolist()
 
 
+# A file's content fingerprint: its size and 32 blocks of 64 KiB spread evenly from its first byte to its last (the
+# whole file up to 2 MiB). A full hash costs 0.69 s per GiB from the page cache (sha256, measured on a 1 GiB jsonl
+# shard, AMD EPYC), on every rank at every start (and a cold read from disk is slower): minutes for a corpus of a
+# hundred shards. The sample costs 1.7 ms per file whatever its size, and sees a shard regenerated with other rows
+# (which changes bytes everywhere); an edit that keeps the size and falls between the samples is not seen.
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 32, 64 * 1024
+
+
+def content_fingerprint(path: str) -> str:
+    """A cheap hash of a file's size and content (``SAMPLE_BLOCKS`` blocks; see above)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"{size};".encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+            h.update(f.read())
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(i * (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1))
+                h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class StreamSpec:
     """What the order of a stream depends on (``order_record`` writes it into checkpoints)."""
@@ -67,6 +96,11 @@ class StreamSpec:
         for path in shard_order(self.files, self.seed, self.shuffle):
             h.update(f"{os.path.basename(path)}:{os.path.getsize(path)};".encode())
         return h.hexdigest()[:16]
+
+    def file_fingerprints(self) -> list[list[str]]:
+        """[path, content fingerprint] of each file in read order: a resume whose file changed is refused naming it
+        (``toolkit.checkpointing.resume``), as the stream restarts at a row index that would fall in other rows."""
+        return [[path, content_fingerprint(path)] for path in shard_order(self.files, self.seed, self.shuffle)]
 
 
 def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None = None):
@@ -94,6 +128,7 @@ class Windows:
         self.start_state = source.state_dict()  # the source's state at the start of the next window
         self.loaded: dict[int, tuple[dict, list[dict]]] = {}  # window -> (state at its start, rows in shuffled order)
         self.ended = False
+        self.dropped = 0  # rows ``keep`` refused (None) so far
 
     def read_window(self) -> bool:
         """Read the next window; False when the source has no row left."""
@@ -101,10 +136,13 @@ class Windows:
             return False
         state, rows, W = self.start_state, [], self.spec.window
         for row in self.rows:
-            if self.keep(row):
+            verdict = self.keep(row)
+            if verdict:
                 rows.append(row)
                 if len(rows) == W:
                     break
+            elif verdict is None:  # a row the task cannot train on: dropped, and counted for the log
+                self.dropped += 1
         self.start_state = self.source.state_dict()
         if len(rows) < W:
             self.ended = True
@@ -146,18 +184,66 @@ def pack_bfd(rows: list[dict], block_size: int) -> list[dict]:
     return pack_rows(rows, block_size)
 
 
+def read_ahead(items: Iterator, name: str):
+    """``items``' values in order, each computed in a background thread while the caller works on the one before it
+    (one ahead: the thread waits for the caller to take a value before it starts the one after next).
+
+    The thread never outlives its use: it ends at the end of ``items``, on an exception in ``items`` (raised here, in
+    the caller, with its traceback), and when the caller closes this generator or drops it (a run that ended early,
+    was preempted or raised: ``toolkit.loop`` closes it, and a dropped generator closes itself). It waits with a
+    timeout and is a daemon, so it cannot hold a process at exit either."""
+    results: queue.Queue = queue.Queue()
+    demand, stop, end = threading.Semaphore(1), threading.Event(), object()
+
+    def work() -> None:
+        try:
+            while not stop.is_set():
+                if not demand.acquire(timeout=0.1):
+                    continue
+                if stop.is_set():
+                    break
+                results.put((next(items, end), None))
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            results.put((None, e))
+        finally:
+            items.close()  # in the thread that ran it: a running generator cannot be closed from another thread
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item, error = results.get(timeout=1.0)
+            except queue.Empty:
+                if not thread.is_alive():
+                    raise RuntimeError(f"{name}: the read-ahead thread ended without a value") from None
+                continue
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            demand.release()  # the next value is computed while the caller works on this one
+            yield item
+    finally:
+        stop.set()
+        demand.release()  # wakes a thread waiting for demand: it sees stop at once
+        thread.join(timeout=30)  # at most the value being computed; the daemon goes with the process otherwise
+
+
 class TrainStream:
     """One rank's micro-batches of a stream, step by step (see the module docstring for the order).
 
-    ``keep(row) -> bool`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike);
-    ``encode(rows) -> rows`` tokenizes this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs
-    each micro-batch's documents. ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or
-    its start (default: ``spec``'s files, ``open_source``; bench/streaming.py passes a generator's)."""
+    ``keep(row) -> bool | None`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike,
+    or returns None: dropped and counted, the count logged when the stream stops); ``encode(rows) -> rows`` tokenizes
+    this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs each micro-batch's documents.
+    ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or its start (default: ``spec``'s
+    files, ``open_source``; bench/streaming.py passes a generator's). The next step's rows are read, tokenized and
+    collated in a background thread while the current step trains (``read_ahead``), in the same order."""
 
     def __init__(self, spec: StreamSpec, *, keep, encode, collate, micro: int, accumulation: int,
                  data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0,
-                 source: Callable[[dict | None], object] | None = None):
-        self.spec, self.keep, self.encode, self.collate = spec, keep, encode, collate
+                 source: Callable[[dict | None], object] | None = None, log: Callable[[str], None] = print):
+        self.spec, self.keep, self.encode, self.collate, self.log = spec, keep, encode, collate, log
         self.source = source or (lambda state: open_source(spec.files, spec.seed, spec.shuffle, state))
         self.micro, self.accumulation = micro, accumulation
         self.dp, self.rank, self.bfd_block_size = data_parallel_size, rank, bfd_block_size
@@ -165,6 +251,8 @@ class TrainStream:
         self.windows: Windows | None = None
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
         self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
+        self.positions: dict[int, dict] = {}  # step -> where a resume at that step restarts (the last steps given)
+        self.read_ahead = True  # False: each step read in the caller's thread (bench/streaming.py's comparison)
 
     @property
     def global_batch_size(self) -> int:
@@ -173,8 +261,7 @@ class TrainStream:
     def steps(self, start_step: int = 0, position: dict | None = None):
         """Yield this rank's micro-batches of every step from ``start_step`` (a list of ``accumulation`` each);
         ``position``: the checkpoint's ``LoopState.stream`` (None: the stream's start)."""
-        B = self.global_batch_size
-        g0 = start_step * B
+        g0 = start_step * self.global_batch_size
         if position is None and g0:
             raise ValueError("a stream resumed after step 0 needs its checkpoint's position")
         first = position["window"] if position else 0
@@ -183,9 +270,24 @@ class TrainStream:
                                                      f"would resume in window {g0 // self.spec.window}: the window "
                                                      "size changed; resume with the checkpoint's shuffle_buffer_size")
         self.first_window = None  # head()'s rows are no longer needed: training holds its own windows
-        self.windows = windows = Windows(self.source(position["source"] if position else None), self.spec, self.keep,
-                                         first_window=first)
-        step = start_step
+        self.windows = Windows(self.source(position["source"] if position else None), self.spec, self.keep,
+                               first_window=first)
+        self.positions = {}
+        try:
+            steps = self._read(self.windows, start_step)
+            if self.read_ahead:
+                steps = read_ahead(steps, "toolkit-stream-read-ahead")
+            for step, (batches, after) in enumerate(steps, start_step + 1):
+                self.positions = {step - 1: self.positions.get(step - 1), step: after}
+                self.steps_done = step
+                yield batches
+        finally:
+            self._report_dropped(self.windows)
+
+    def _read(self, windows: Windows, step: int):
+        """Each step's micro-batches from ``step`` on, with the position of a resume after it (in the read-ahead
+        thread: the windows it holds move on before the caller asks for the position)."""
+        B = self.global_batch_size
         while True:
             start = step * B
             if not windows.available(start + B):
@@ -197,12 +299,20 @@ class TrainStream:
                 rows = mine[i:i + self.micro]
                 batches.append(self.collate(pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size else rows))
             step += 1
-            self.steps_done = step
-            yield batches
+            yield batches, windows.position(start + B)
+
+    def _report_dropped(self, windows: Windows) -> None:
+        if windows.dropped:
+            what = getattr(self.keep, "drops", "rows the task cannot train on")
+            self.log(f"the stream dropped {windows.dropped} {what} (of the rows this run read, the training rows "
+                     "read ahead included)")
 
     def position(self, step: int) -> dict:
         """The ``LoopState.stream`` record for a resume at ``step`` (after the steps already given)."""
-        return self.windows.position(step * self.global_batch_size)
+        if self.positions.get(step) is None:
+            raise RuntimeError(f"no stream position recorded for step {step} (the last steps given: "
+                               f"{sorted(self.positions)})")
+        return self.positions[step]
 
     def head(self, n: int) -> list[dict]:
         """The first ``n`` rows of the global order, tokenized (the same on every rank): for the FLOPs estimate and
@@ -215,17 +325,22 @@ class TrainStream:
         return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size and rows else rows
 
 
-def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None):
+def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print):
     """The validation set of a streamed run, as a ``Dataset``: the first ``limit`` rows (all without a limit) of the
-    validation files, read as a stream in file order, tokenized (and packed with bfd) like the training rows."""
+    validation files, read as a stream in file order, tokenized (and packed with bfd) like the training rows; rows
+    ``keep`` drops (None) are counted in one line of the log."""
     from datasets import Dataset
 
-    rows = []
+    rows, dropped = [], 0
     for row in open_source(files, seed=0, shuffle=False):
-        if keep(row):
+        verdict = keep(row)
+        dropped += verdict is None
+        if verdict:
             rows.append(row)
             if limit and len(rows) == limit:
                 break
+    if dropped:
+        log(f"the validation stream dropped {dropped} {getattr(keep, 'drops', 'rows the task cannot use')}")
     if not rows:
         raise ConfigError("validation_file", "the validation stream has no row to evaluate on")
     tokenized = encode(rows)

@@ -64,6 +64,7 @@ class Task(ABC):
     loss_unit: str = "per target"  # what the logged loss is a mean of (metrics.jsonl's loss_unit, loss.png's axis)
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
+    log: Callable[[str], None] = print  # where the task says what it did to the data (build sets the run's log)
 
     # The value an unset (None) training field takes for this task: the fields stay listed once, in toolkit.config,
     # and a recipe that needs another default says so here (DPO: disable_dropout true, TRL's default).
@@ -176,15 +177,14 @@ class CausalLM(Task):
         column, eos = data.text_column(args), tokenizer.eos_token_id
         encode_texts, _ = data.token_encoder(tokenizer)
 
-        def keep(row) -> bool:
+        def keep(row) -> bool | None:
             text = row.get(column)
-            if not isinstance(text, str):
-                raise ConfigError("text_column_name", f"a row of the stream has {text!r:.80} in column {column!r}, "
-                                                      f"not text (its columns: {sorted(row)}); name the text column "
-                                                      "or remove the row")
+            if not isinstance(text, str):  # null, or not text: dropped and counted, as the map-style path does
+                return None
             return bool(text)  # an empty text has no token: skipped, as the map-style path drops it
 
         limit = stream_limit(args, block_size)
+        keep.drops = f"rows with no text (null or not a string) in column {column!r}"  # the log's count says so
 
         def encode(rows):
             ids = encode_texts([r[column] for r in rows])
@@ -194,7 +194,7 @@ class CausalLM(Task):
 
     def load_raw(self, args):
         raw, mixture = load_task_splits(args, "text", {data.PYDOC: data.pydoc_dataset})
-        data.check_text_column(raw, data.text_column(args))
+        raw = data.drop_null_texts(raw, data.text_column(args), self.log)  # as a stream drops them
         if mixture is not None:
             self.data_record["dataset_mixture"] = mixture
         return raw

@@ -40,8 +40,6 @@ def _files(tmp_path_factory, padded_data) -> dict:
         with open(paths[name], "w") as f:
             f.write(text)
 
-    write("null_text.jsonl", "".join(json.dumps({"text": None if i % 2 else r["text"]}) + "\n"
-                                     for i, r in enumerate(rows)))
     write("int_text.jsonl", "".join(json.dumps({"text": i}) + "\n" for i in range(48)))
     write("empty.jsonl", "")
     write("data.xml", "<rows/>")
@@ -172,8 +170,6 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
          "unsupported extension"),
         ("empty file", {"train_file": files["empty.jsonl"]}, [], {}, "train_file", "file is empty"),
         ("missing text column", {"text_column_name": "body"}, [], {}, "text_column_name", "'body' not in"),
-        ("null texts", {"train_file": files["null_text.jsonl"]}, [], {}, "text_column_name",
-         "24 of 48 rows of the train split have no text (null)"),
         ("integer texts", {"train_file": files["int_text.jsonl"], "validation_file": None}, [], {},
          "text_column_name", "not text"),
         ("validation packs to nothing", {"validation_file": files["tiny_valid.jsonl"], "packing": True,

@@ -329,3 +329,20 @@ def test_attn_implementation_picks_the_models_attention_kernel_and_is_checked_be
     with pytest.raises(ConfigError, match="attn_implementation: unknown value 'flash'; choose one of eager, sdpa"):
         parse_args(["--config", path, "--attn_implementation", "flash"])
     # whether this machine runs flash_attention_2: toolkit.model.check_attn_implementation (tests/unit/test_packing.py)
+
+
+def test_an_unquoted_glob_expanded_by_the_shell_is_a_list_of_files(tmp_path):
+    """`--train_file data/part-*.jsonl` typed without quotes reaches the recipe as the shell's expansion: every path
+    after the flag is one of its files (it stopped with "unknown argument '.../part-01.jsonl'")."""
+    parts = []
+    for i in range(3):
+        parts.append(str(tmp_path / f"part-{i:02d}.jsonl"))
+        open(parts[-1], "w").write('{"text": "a b c"}\n')
+    base = ["--model_name_or_path", "gpt2", "--output_dir", str(tmp_path / "out")]
+    cfg = parse_args([*base, "--train_file", *parts, "--validation_file", *parts[:2], "--streaming", "true",
+                      "--max_steps", "2"])
+    assert cfg.data.data_files("train_file") == parts and cfg.data.data_files("validation_file") == parts[:2]
+    cfg = parse_args([*base, f"--train_file={parts[0]}", *parts[1:]])  # the = form too
+    assert cfg.data.data_files("train_file") == parts
+    with pytest.raises(ConfigError, match="train_file"):  # a flag with no value still names the field
+        parse_args([*base, "--train_file", "--seed", "1"])

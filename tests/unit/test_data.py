@@ -138,7 +138,7 @@ def test_bounded_packing_equals_one_stream(monkeypatch, batch_rows, block_size, 
 def test_unpacked_rows_are_truncated_and_short_rows_dropped(tok, tmp_path):
     """Without packing each text is one row: cut to block_size, and dropped when it has < 2 tokens (no target).
     Only a text with no tokens at all is that short: any non-empty text gets an EOS, so it has at least 2."""
-    texts = ["one two three four five", "", "a", " ", "x y"]  # (a null text is refused earlier: test_battery)
+    texts = ["one two three four five", "", "a", " ", "x y"]  # (a null text is dropped earlier: test_stream)
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     raw = load_raw_datasets(DataArguments(train_file=str(path), validation_split_percentage=0))

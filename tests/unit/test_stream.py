@@ -155,3 +155,132 @@ def test_datasets_own_stream_tools_break_the_order_contract(shards):
     resumed = stream().shuffle(seed=3, buffer_size=16)
     resumed.load_state_dict(state)
     assert head == whole[:20] and head + [r["text"] for r in resumed] != whole
+
+
+@pytest.mark.slow  # an in-process run: ~2 s alone, more beside other work
+def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_is_refused(tiny_model, tmp_path,
+                                                                                           monkeypatch):
+    """A stream resumes at a row index: a shard rewritten with other rows of the same byte size (the names and sizes
+    were all a checkpoint recorded) would have resumed into other data. Refused before the weights load, naming it."""
+    from helpers import train_in_process
+
+    import toolkit.build
+
+    paths = []
+    for f in range(2):
+        paths.append(tmp_path / f"part-{f}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"text": f"row {i:02d} of shard {f}"}) + "\n" for i in range(20)))
+    values = {"model_name_or_path": tiny_model, "train_file": str(tmp_path / "part-*.jsonl"), "streaming": True,
+              "shuffle_buffer_size": 8, "max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 4,
+              "block_size": 16, "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
+              "optim": "sgd"}
+    assert train_in_process(values)["steps"] == 2
+    before = paths[1].read_bytes()
+    paths[1].write_text("".join(json.dumps({"text": f"row {19 - i:02d} of shard 1"}) + "\n" for i in range(20)))
+    assert len(paths[1].read_bytes()) == len(before) and paths[1].read_bytes() != before
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights loaded before the resume was refused")
+
+    monkeypatch.setattr(toolkit.build, "load_model", no_weights)
+    with pytest.raises(ConfigError, match=r"train_file: cannot resume from .*step-2: .*part-1\.jsonl changed since "
+                                          r"the checkpoint was written .*put back the files"):
+        train_in_process({**values, "max_steps": 4, "resume_from_checkpoint": "latest"})
+
+
+@pytest.mark.slow  # two in-process runs: ~2 s each alone
+@pytest.mark.parametrize("streaming", [True, False])
+def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp_path, capsys, streaming):
+    """A null text killed a streamed run at the row (while the map-style path refused the whole file): both drop the
+    row and say how many in one line. A text that is not a string (a row of another shape) is dropped alike."""
+    from helpers import train_in_process
+
+    from toolkit.tasks import CausalLM
+
+    path = tmp_path / "holes.jsonl"
+    path.write_text("".join(json.dumps({"text": None if i % 3 == 1 else f"row {i} has a few words"}) + "\n"
+                            for i in range(30)))
+    summary = train_in_process({"model_name_or_path": tiny_model, "train_file": str(path), "streaming": streaming,
+                                "max_steps": 20, "per_device_train_batch_size": 4, "block_size": 16, "packing": False,
+                                "validation_split_percentage": 0, "output_dir": str(tmp_path / "out"),
+                                "report_to": "none", "save_final_model": False, "optim": "sgd"})
+    out = capsys.readouterr().out
+    if streaming:  # 20 rows with text: 5 steps of 4, the stream read to its end
+        assert summary["steps"] == 5 and summary["train_rows"] == 20
+        assert out.count("the stream dropped 10 rows with no text (null or not a string) in column 'text'") == 1
+    else:
+        assert summary["steps"] == 20
+        assert out.count("dropped the rows with no text (null) in column 'text': 10 of 30 in the train split") == 1
+    if streaming:
+        from transformers import AutoTokenizer
+
+        keep, _ = CausalLM().stream_rows(AutoTokenizer.from_pretrained(tiny_model), DataArguments(), 16)
+        assert keep({"text": 5}) is None and keep({"text": None}) is None and keep({"text": ""}) is False
+
+
+def _read_ahead_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "toolkit-stream-read-ahead"]
+
+
+def test_the_next_step_is_read_ahead_in_a_thread_that_never_outlives_the_stream(shards):
+    """The next step is read and tokenized while the caller trains the current one (one step ahead, no more), and
+    the thread ends with the stream: closed early, dropped, at the end of the data, and on an error in it (raised
+    in the caller). A daemon: a process that exits mid-stream is not held by it."""
+    import time
+
+    calls = []
+
+    def stream(fail_at=None):
+        def encode(rows):
+            calls.append(len(rows))
+            if len(calls) == fail_at:
+                raise ValueError("a tokenizer failure")
+            return [r["text"] for r in rows]
+
+        return TrainStream(StreamSpec(shards, 10, 3, True), keep=lambda r: bool(r["text"]), encode=encode,
+                           collate=list, micro=4, accumulation=1)
+
+    steps = stream().steps()
+    next(steps)
+    deadline = time.time() + 60
+    while len(calls) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(calls) == 2 and len(_read_ahead_threads()) == 1  # step 1 read while step 0 is with the caller
+    assert _read_ahead_threads()[0].daemon  # the interpreter's exit does not wait for it (threading joins the others)
+    steps.close()
+    assert not _read_ahead_threads()
+    steps = stream().steps()
+    next(steps)
+    del steps  # dropped without a close: the thread goes with it
+    assert not _read_ahead_threads()
+    whole = list(stream().steps())  # to the end of the data
+    assert len(whole) == len(_global_steps(shards, 1, 4, 1)[0]) and not _read_ahead_threads()
+    calls.clear()
+    steps = stream(fail_at=3).steps()
+    assert next(steps) == whole[0] and next(steps) == whole[1]  # the steps before the failure come, in order
+    with pytest.raises(ValueError, match="a tokenizer failure"):  # step 2's, read ahead: raised when it is asked for
+        next(steps)
+    assert not _read_ahead_threads()
+
+
+@pytest.mark.slow  # an in-process run: ~2 s alone
+def test_a_run_that_raises_mid_stream_leaves_no_read_ahead_thread(tiny_model, tmp_path):
+    """The error's traceback holds the loop's frame (and so its stream) alive: the loop closes the stream itself."""
+    from helpers import train_in_process
+
+    class Fail:
+        def on_step_end(self, state, **_):
+            if state.step == 2:
+                raise RuntimeError("a failure at step 2")
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i} of the stream"}) + "\n" for i in range(40)))
+    with pytest.raises(RuntimeError, match="a failure at step 2") as err:  # held, as a notebook holds its last error
+        train_in_process({"model_name_or_path": tiny_model, "train_file": str(path), "streaming": True,
+                          "max_steps": 8, "per_device_train_batch_size": 2, "block_size": 16,
+                          "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
+                          "optim": "sgd"}, callbacks=[Fail()])
+    assert err.value.__traceback__ is not None and not _read_ahead_threads()

@@ -11,6 +11,7 @@ batch B, does not; and the checkpoint's format must be one this launch can load,
 from __future__ import annotations
 
 import hashlib
+import os
 
 from toolkit import layout
 from toolkit.checkpointing import convert
@@ -58,7 +59,28 @@ def order_record(cfg, train_dataset) -> dict:
         "train_rows": "stream" if stream else len(train_dataset),
         "train_data_sha": train_dataset.spec.fingerprint() if stream else data_fingerprint(train_dataset),
         "shuffle_buffer_size": train_dataset.spec.window if stream else None,
+        **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
     }
+
+
+def check_stream_files(checkpoint: str, saved: list | None, now: list | None) -> None:
+    """A stream resumes at a row index of its files: refuse, naming the file, a resume whose files changed (a
+    checkpoint written before files were fingerprinted has only the names and sizes, checked with the order)."""
+    if saved is None or now is None:
+        return
+    for (old, old_sha), (new, new_sha) in zip(saved, now):
+        if os.path.basename(old) != os.path.basename(new):  # a corpus moved elsewhere is the same corpus
+            what = f"the file read at this place in the stream was {old}, now {new}"
+        elif old_sha != new_sha:
+            what = f"{new} changed since the checkpoint was written (its content fingerprint {old_sha} is now {new_sha})"
+        else:
+            continue
+        raise ConfigError("train_file", f"cannot resume from {checkpoint}: {what}, so the stream would continue at its "
+                                        "saved row index in other rows; put back the files the run trained on, or "
+                                        "start a new output_dir")
+    if len(saved) != len(now):
+        raise ConfigError("train_file", f"cannot resume from {checkpoint}: the stream had {len(saved)} file(s), now "
+                                        f"{len(now)}; put back the files the run trained on, or start a new output_dir")
 
 
 # How each strategy's checkpoint is relaunched, and which loads are known to work (tested; the figures are in
@@ -114,6 +136,7 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
     if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
         raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
                                                     "checkpoint of this toolkit (or one older than 0.2)")
+    check_stream_files(checkpoint, saved["order"].get("stream_files"), order.get("stream_files"))
     for key, field_name in ORDER_FIELDS.items():
         if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")
