@@ -81,3 +81,49 @@ def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
         ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True, load_in_8bit=True)
     with pytest.raises(ConfigError, match="bnb_4bit_quant_type: "):
         ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True, bnb_4bit_quant_type="int4")
+
+
+@pytest.mark.slow
+def test_chat_sft_trains_adapters_on_a_4bit_base(tiny_llama, chats, tmp_path):
+    from toolkit.chat import ChatSFT
+
+    watch, _, losses = _train({**RUN, **QLORA, **chats, "model_name_or_path": tiny_llama, "max_steps": 3,
+                               "learning_rate": 1e-2, "output_dir": str(tmp_path / "sft"), "save_final_model": False}, task=ChatSFT())
+    _assert_adapters_trained_base_frozen(watch)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_classifier_trains_adapters_and_a_full_precision_head_on_a_4bit_base(tiny_llama, classify_files, tmp_path):
+    """The new head (Llama's ``score``) is not quantized: peft trains it whole (modules_to_save) beside the adapters."""
+    import bitsandbytes as bnb
+
+    from toolkit.classification import SequenceClassification
+
+    watch, _, losses = _train({**RUN, **QLORA, **classify_files, "model_name_or_path": tiny_llama, "max_steps": 3,
+                               "max_train_samples": 12, "per_device_train_batch_size": 12, "learning_rate": 1e-2,
+                               "output_dir": str(tmp_path / "cls"), "save_final_model": False},
+                              task=SequenceClassification())
+    moved = _assert_adapters_trained_base_frozen(watch, heads=("score",))
+    assert any("score.modules_to_save" in n for n in moved), moved
+    heads = [m for n, m in watch.model.named_modules() if n.endswith("score.modules_to_save.default")]
+    assert heads and type(heads[0]) is torch.nn.Linear and heads[0].weight.dtype == torch.float32
+    assert not isinstance(heads[0], bnb.nn.Linear4bit)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_disabled(tiny_llama, pairs, tmp_path):
+    """The reference is the quantized base itself, adapter disabled: no second copy; the first step's loss is log 2
+    (policy = reference: the adapters' B starts at zero), then below it (the chosen answers gain on the rejected)."""
+    import math
+
+    from toolkit.preference import DPO
+
+    out = str(tmp_path / "dpo")
+    watch, _, losses = _train({**RUN, **QLORA, **pairs, "model_name_or_path": tiny_llama, "block_size": 256,
+                               "config_overrides": "max_position_embeddings=256", "max_steps": 3,
+                               "per_device_train_batch_size": 4, "learning_rate": 0.1, "output_dir": out,
+                               "save_final_model": False}, task=DPO())
+    _assert_adapters_trained_base_frozen(watch)
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0], losses
