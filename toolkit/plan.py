@@ -75,12 +75,21 @@ class ModelCount:
     vocab: int
     # why the model cannot be split over t ranks by its TP plan (toolkit.model.tensor_parallel_problem), or None
     tp_problem: Callable[[int], str | None] = lambda tp: None
+    quantized: int = 0  # of ``params``, the weights held quantized (--load-in-4bit / --load-in-8bit)
+    quantized_bytes: int = 0  # the bytes they take, quantization constants included
+
+    def weight_bytes(self, per_param: int) -> float:
+        """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
+        return per_param * (self.params - self.quantized) + self.quantized_bytes
 
 
-def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None) -> ModelCount:
+def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None,
+                quantize_bits: int | None = None, nested: bool = False) -> ModelCount:
     """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device. With ``lora_r``,
     the adapters the recipes would train with these fields (``lora_target_modules`` None: peft's default for the
-    model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model."""
+    model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model. ``quantize_bits`` 4 or 8:
+    the base's linear layers held as bitsandbytes holds them (``toolkit.quantization.layer_bytes``; ``nested``:
+    double quantization)."""
     import torch
     from transformers import AutoConfig
 
@@ -97,6 +106,13 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     with torch.device("meta"):
         net = _build(config)
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
+    quantized = quantized_bytes = 0
+    if quantize_bits:
+        from toolkit.quantization import layer_bytes, quantized_layers
+
+        layers = quantized_layers(net)
+        quantized = sum(n for n, _ in layers)
+        quantized_bytes = sum(layer_bytes(n, quantize_bits, nested, rows) for n, rows in layers)
     trainable = params
     if lora_r:
         trainable = _lora_trainable(net, lora_r, lora_target_modules)
@@ -109,7 +125,8 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     from toolkit.model import tensor_parallel_problem  # what the recipe refuses at load, said before launch
 
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
-                      tp_problem=lambda tp: tensor_parallel_problem(config, tp))
+                      tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
+                      quantized_bytes=quantized_bytes)
 
 
 def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
@@ -158,7 +175,7 @@ def state_bytes(m: ModelCount, precision: str, deepspeed_stage: int | None) -> d
             weight, grad, optim = 4, 4, 8 if deepspeed_stage == 3 else 12
     else:
         weight, grad, optim = 4, 4, 8
-    return {"weights": weight * m.params, "gradients": grad * m.trainable, "optimizer": optim * m.trainable}
+    return {"weights": m.weight_bytes(weight), "gradients": grad * m.trainable, "optimizer": optim * m.trainable}
 
 
 def model_states_per_device(m: ModelCount, strategy: str, devices: int, per_node: int, precision: str) -> dict:
@@ -204,8 +221,9 @@ def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: i
     """Bytes of DPO's live reference copy on one device (``toolkit.reference``): weights only, no gradients or
     optimizer state, sharded as the policy's weights are (ZeRO-3 and FSDP2: / D, HSDP: / devices per node), whole
     under DDP and ZeRO-1/2 (a stage-0 engine: 2-byte weights under DeepSpeed's bf16/fp16, as TRL prepares it)."""
-    return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab), strategy, devices,
-                                   per_node, precision)["weights"]
+    return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab,
+                                              quantized=m.quantized, quantized_bytes=m.quantized_bytes),
+                                   strategy, devices, per_node, precision)["weights"]
 
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")

@@ -112,3 +112,36 @@ def eight_bit_adamw(groups, args, paged: bool):
 
     cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
     return cls(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+
+
+BLOCK = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
+NESTED_BLOCK = 256  # double quantization: the absmax values quantized to 8 bits in blocks of 256
+CODE_BYTES = 256 * 4 + 4  # double quantization's per-layer code book (256 fp32 values) and offset (one fp32)
+
+
+def layer_bytes(numel: int, bits: int, nested: bool = False, rows: int = 0) -> int:
+    """Bytes one quantized linear layer of ``numel`` weights holds: 4 bits: the packed weights (0.5 byte each) and
+    one absmax per block of 64 (fp32: 0.0625 byte a weight; nested: one byte per block, plus one fp32 per 256 blocks
+    and the code book); 8 bits: one byte each and one fp32 scale per output row (``rows``)."""
+    if bits == 8:
+        return numel + 4 * rows
+    blocks = -(-numel // BLOCK)
+    constants = blocks + 4 * -(-blocks // NESTED_BLOCK) + CODE_BYTES if nested else 4 * blocks
+    return -(-numel // 2) + constants
+
+
+def quantized_layers(net) -> list[tuple[int, int]]:
+    """(weights, output rows) of each linear layer transformers quantizes in ``net`` (any device, meta included):
+    every ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head, tied weights and the last module
+    (transformers' ``get_keys_to_not_convert``, which its bitsandbytes loader applies)."""
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    skip = get_keys_to_not_convert(net)
+    out = []
+    for name, module in net.named_modules():
+        if (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and not any(
+                name == k or name.endswith("." + k) for k in skip):
+            w = module.weight
+            out.append((w.numel(), w.shape[0] if type(module) is torch.nn.Linear else w.shape[1]))
+    return out

@@ -63,13 +63,44 @@ def _assert_adapters_trained_base_frozen(watch, heads=()):
 
 
 @pytest.mark.slow
-def test_causal_lm_trains_adapters_on_a_4bit_base(tiny_llama, padded_data, tmp_path):
-    """Loss on the same 4 rows goes down, the adapters move, the 4-bit weights (Params4bit) stay bit for bit as loaded."""
+def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, padded_data, tmp_path):
+    """Loss on the same 4 rows goes down, the adapters move, the 4-bit weights (Params4bit) stay bit for bit as loaded.
+    The exports: the adapter loads onto the 4-bit base (the trained model's logits exactly) and onto the
+    full-precision base (off by the quantization's error); the merged model (the base dequantized in the compute
+    dtype, the adapters merged) loads with from_pretrained and gives the quantized model's logits up to float
+    rounding, far inside that error."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import ModelArguments
+    from toolkit.model import load_model
+
+    out = tmp_path / "lm"
     watch, summary, losses = _train({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
-                                     "output_dir": str(tmp_path / "lm"), "save_final_model": False})
+                                     "output_dir": str(out), "merge_lora": True})
     _assert_adapters_trained_base_frozen(watch)
     assert losses[-1] < losses[0], losses
     assert watch.model.is_loaded_in_4bit
+
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits
+
+    trained = logits(watch.model)
+    args = dict(model_name_or_path=tiny_llama, use_peft=True)
+    on_4bit = PeftModel.from_pretrained(load_model(ModelArguments(**args, load_in_4bit=True,
+                                                                  use_bnb_nested_quant=True)), str(out / "final"))
+    on_full = PeftModel.from_pretrained(load_model(ModelArguments(**args)), str(out / "final"))
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "final" / "merged"))
+    assert torch.equal(logits(on_4bit), trained)
+    quantization_error = float((logits(on_full) - trained).abs().max())
+    merge_error = float((logits(merged) - trained).abs().max())
+    print(f"logits max|d| from the trained 4-bit model: full-precision base + adapter {quantization_error:.2e}, "
+          f"merged {merge_error:.2e}")
+    assert merged.dtype == torch.float32 and not hasattr(merged.config, "quantization_config")
+    assert merge_error <= 1e-4 and merge_error < quantization_error / 100, (merge_error, quantization_error)
 
 
 def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
