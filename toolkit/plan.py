@@ -227,6 +227,7 @@ def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: i
 
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
+QUANTIZED_STRATEGIES = ("DDP", "ZeRO-2", "FSDP2")  # toolkit.quantization.PROVEN's, as the plan names them
 
 
 # accelerate's --mixed_precision for the plan's --precision: the configs ship with 'no', and the plan's bytes assume
@@ -273,6 +274,8 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
         why_not = None
         if name == "TP" and config:
             why_not = m.tp_problem(gpus)
+        if m.quantized and name not in QUANTIZED_STRATEGIES:
+            why_not = f"a 4-bit base is refused under {name} (checked: {', '.join(QUANTIZED_STRATEGIES)})"
         if reference:
             states["reference"] = reference_per_device(m, name, devices, gpus, precision)
             if name == "TP" and config and not why_not:  # a live reference is refused under TP
@@ -298,6 +301,15 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * {"gb": 1e9, "gib": 2**30, "tb": 1e12, "mb": 1e6}[unit]
 
 
+def quantized_line(m: ModelCount) -> list[str]:
+    """With --load-in-4bit: the base's quantized bytes per weight, constants included."""
+    if not m.quantized:
+        return []
+    return [f"4-bit base: {m.quantized / 1e9:.3f} B weights quantized at {m.quantized_bytes / m.quantized:.4f} bytes "
+            f"each (packed 0.5 + quantization constants); the other {(m.params - m.quantized) / 1e9:.3f} B (embeddings, "
+            "norms, head, adapters) in full precision"]
+
+
 def format_plan(m: ModelCount, rows: list[dict], args) -> str:
     ckpt, other = ("with", "without") if args.gradient_checkpointing else ("without", "with")
     lines = [
@@ -306,6 +318,7 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         f"micro batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}, {ckpt} gradient checkpointing",
         f"GB (10^9 bytes) per device. activations low / expected / high, {ckpt} and {other} gradient checkpointing; "
         "fits: high (maybe: expected) below 90% of the device",
+        *quantized_line(m),
         "",
         f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'ref':>8} {'states':>8} {'activations':>17} "
         f"{other + ' ckpt':>17} {'total (expected)':>17} {'fits':>5} {other + ' ckpt':>12}  launch",
@@ -369,6 +382,8 @@ def recipe_fields(args) -> str:
         fields += " --precompute_ref_log_probs true"
     if args.lora_r:
         fields += f" --use_peft true --lora_r {args.lora_r}"
+        if args.load_in_4bit:
+            fields += " --load_in_4bit true" + (" --use_bnb_nested_quant true" if args.use_bnb_nested_quant else "")
         if args.lora_target_modules:
             fields += " --lora_target_modules " + " ".join(args.lora_target_modules)
     return fields
@@ -386,6 +401,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-r", type=int, default=None, help="count LoRA adapters of this rank (use_peft)")
     parser.add_argument("--lora-target-modules", nargs="+", default=None,
                         help="the recipe's lora_target_modules (default: peft's for the model type, as the recipes)")
+    parser.add_argument("--load-in-4bit", action="store_true",
+                        help="the base in 4 bits (QLoRA, load_in_4bit: needs --lora-r), NF4 or FP4 alike")
+    parser.add_argument("--use-bnb-nested-quant", action="store_true",
+                        help="with --load-in-4bit: double quantization (use_bnb_nested_quant)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--recipe", choices=["gpt2", "sft", "classify", "dpo"], default="gpt2",
                         help="dpo: count the live reference model too (not with --lora-r: the adapter is disabled for "
@@ -397,7 +416,10 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
-        m = count_model(args.model, args.lora_r, args.lora_target_modules)
+        if args.load_in_4bit and not args.lora_r:
+            raise ConfigError("load_in_4bit", "a quantized base cannot be trained, only adapters on it: add --lora-r")
+        m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,
+                        nested=args.use_bnb_nested_quant)
     except ConfigError as e:  # the LoRA fields (the recipe's own checks, field names as the recipe spells them)
         print(f"plan error: {e}", file=sys.stderr)
         return 2
