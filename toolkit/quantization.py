@@ -145,3 +145,16 @@ def quantized_layers(net) -> list[tuple[int, int]]:
             w = module.weight
             out.append((w.numel(), w.shape[0] if type(module) is torch.nn.Linear else w.shape[1]))
     return out
+
+
+def optimizer_state_bytes(optimizer, params=None) -> int:
+    """Bytes of an optimizer's state tensors for ``params`` (all when None), each storage once (torch's AdamW:
+    exp_avg and exp_avg_sq, 8 bytes a parameter in fp32; bitsandbytes' 8-bit AdamW: state1 and state2 in uint8, an
+    fp32 absmax per block of 256 each, and its two 256-value maps shared by every parameter)."""
+    seen, total = set(), 0
+    for p in params if params is not None else optimizer.state:
+        for v in optimizer.state[p].values():
+            if torch.is_tensor(v) and v.dim() > 0 and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                total += v.untyped_storage().nbytes()
+    return total

@@ -158,3 +158,54 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
                                "save_final_model": False}, task=DPO())
     _assert_adapters_trained_base_frozen(watch)
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0], losses
+
+
+def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
+    """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, an 8-bit base on several ranks, a
+    stream, a chunked loss; one line naming the field."""
+    from toolkit.config import config_from_dict
+    from toolkit.quantization import check_run
+
+    cfg = config_from_dict({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
+                            "output_dir": str(tmp_path / "r")})
+    for strategy in ("single", "ddp", "deepspeed-zero2", "fsdp2"):
+        check_run(cfg, strategy)
+    for strategy in ("deepspeed-zero3", "fsdp1", "tp"):
+        with pytest.raises(ConfigError, match=f"load_in_4bit: a 4bit base is not supported under {strategy}"):
+            check_run(cfg, strategy)
+    cfg.train.loss_chunk_size = 16
+    with pytest.raises(ConfigError, match="load_in_4bit: loss_chunk_size with a quantized base"):
+        check_run(cfg, "ddp")
+    cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.train.loss_chunk_size = False, True, 0
+    check_run(cfg, "single")
+    with pytest.raises(ConfigError, match="load_in_8bit: a 8bit base is not supported under ddp"):
+        check_run(cfg, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_8bit_adamw_trains_with_8bit_state(tiny_llama, padded_data, tmp_path, optim):
+    """Full fine-tuning (adamw_bnb_8bit), and adapters on an 8-bit base with the embedding trained whole
+    (paged_adamw_8bit, lora_modules_to_save): the loss on the same rows goes down and the moments of every tensor of
+    at least 4096 elements (bitsandbytes' min_8bit_size; smaller ones, such as this tiny model's adapters, keep
+    32-bit state) are uint8: about 2 bytes a parameter instead of AdamW's 8."""
+    import bitsandbytes as bnb
+
+    from toolkit.quantization import optimizer_state_bytes
+
+    lora = {} if optim == "adamw_bnb_8bit" else {**QLORA, "load_in_4bit": False, "load_in_8bit": True,
+                                                   "lora_modules_to_save": "embed_tokens"}
+    watch, _, losses = _train({**RUN, **lora, **padded_data, "model_name_or_path": tiny_llama, "optim": optim,
+                               "learning_rate": 1e-2, "output_dir": str(tmp_path / optim), "save_final_model": False})
+    assert losses[-1] < losses[0], losses
+    inner = watch.optimizer.optimizer
+    assert isinstance(inner, bnb.optim.PagedAdamW8bit if optim.startswith("paged") else bnb.optim.AdamW8bit)
+    big = [p for g in inner.param_groups for p in g["params"] if p.numel() >= 4096]
+    assert big and all(inner.state[p]["state1"].dtype == torch.uint8 and inner.state[p]["state2"].dtype == torch.uint8
+                       for p in big)
+    per_param = optimizer_state_bytes(inner, big) / sum(p.numel() for p in big)
+    print(f"{optim}: {per_param:.3f} bytes of state a parameter (AdamW: 8)")
+    assert 2 <= per_param < 2.1
+    if optim.startswith("paged"):
+        assert [m for m in watch.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+        assert any("embed_tokens.modules_to_save" in n for n, p in watch.model.named_parameters() if p.requires_grad)
