@@ -1,8 +1,8 @@
 """``python -m toolkit plan``: which strategy fits, per device, before a GPU is paid for.
 
     python -m toolkit plan --model meta-llama/Llama-2-7b-hf --gpus 8 --gpu-memory 80GB [--nodes 2]
-        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]]
-        [--gradient-checkpointing]
+        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]
+        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing]
 
 The model is counted from its config on the meta device (no weights allocated). Per device and per strategy:
 
@@ -34,6 +34,10 @@ With LoRA (``--lora-r``, ``--lora-target-modules``) the base weights are frozen 
 weights); the adapters the recipes would train with the same fields (r x (in + out) per adapted layer: peft's default
 targets for the model type unless named, e.g. Llama's q_proj and v_proj; counted by peft on the meta model) carry the
 16 bytes.
+
+With ``--load-in-4bit`` (QLoRA) the base's linear layers (all but the head) are counted as bitsandbytes holds them:
+0.5 byte a weight plus the quantization constants (``toolkit.quantization.layer_bytes``); layouts a quantized base is
+refused under say so.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4,
 16-bit activations; x2 in fp32), per layer, for micro batch b, sequence s, width h, a heads:
