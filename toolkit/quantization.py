@@ -47,6 +47,10 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
                                 "false")
     if cfg.train.loss_chunk_size:
         raise ConfigError(name, "loss_chunk_size with a quantized base is not checked here; set loss_chunk_size: 0")
+    if cfg.model.ref_model_name_or_path or cfg.train.precompute_ref_log_probs:
+        field = "ref_model_name_or_path" if cfg.model.ref_model_name_or_path else "precompute_ref_log_probs"
+        raise ConfigError(field, f"DPO on a quantized base ({name}) takes the base with its adapter disabled as the "
+                                 "reference (no copy, no precomputed pass); unset it")
 
 
 def compute_dtype(args: ModelArguments, config) -> torch.dtype:
@@ -57,18 +61,17 @@ def compute_dtype(args: ModelArguments, config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def bnb_config(args: ModelArguments, config, skip_modules=None):
-    """transformers' ``BitsAndBytesConfig`` of the fields; ``skip_modules``: modules kept in full precision (a
-    classifier's head, trained whole)."""
+def bnb_config(args: ModelArguments, config):
+    """transformers' ``BitsAndBytesConfig`` of the fields. transformers keeps the output head (a causal LM's, a
+    classifier's new one: the last module) in full precision by itself."""
     from transformers import BitsAndBytesConfig
 
     dtype = compute_dtype(args, config)
-    kw = {"llm_int8_skip_modules": list(skip_modules)} if skip_modules else {}
     if args.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True, **kw)
+        return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=args.use_bnb_nested_quant,
-                              bnb_4bit_quant_storage=dtype, **kw)
+                              bnb_4bit_quant_storage=dtype)
 
 
 def no_cpu_repack(model) -> None:

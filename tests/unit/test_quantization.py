@@ -162,7 +162,8 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
 
 def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
     """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, an 8-bit base on several ranks, a
-    stream, a chunked loss; one line naming the field."""
+    chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
+    refuses); one line naming the field."""
     from toolkit.config import config_from_dict
     from toolkit.quantization import check_run
 
@@ -176,7 +177,10 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
     cfg.train.loss_chunk_size = 16
     with pytest.raises(ConfigError, match="load_in_4bit: loss_chunk_size with a quantized base"):
         check_run(cfg, "ddp")
-    cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.train.loss_chunk_size = False, True, 0
+    cfg.train.loss_chunk_size, cfg.train.precompute_ref_log_probs = 0, True
+    with pytest.raises(ConfigError, match="precompute_ref_log_probs: DPO on a quantized base .load_in_4bit. takes"):
+        check_run(cfg, "ddp")
+    cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.train.precompute_ref_log_probs = False, True, False
     check_run(cfg, "single")
     with pytest.raises(ConfigError, match="load_in_8bit: a 8bit base is not supported under ddp"):
         check_run(cfg, "ddp")
