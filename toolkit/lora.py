@@ -24,6 +24,9 @@ MERGED = "merged"  # final/merged/: base + adapter as one plain model (merge_lor
 
 
 def check_available() -> None:
+    from toolkit.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()  # peft imports bitsandbytes where it is installed
     try:
         import peft  # noqa: F401
     except ImportError:

@@ -29,6 +29,16 @@ QLORA_INSTALL = "pip install '.[qlora]'"
 PROVEN = {"load_in_4bit": ("single", "ddp", "deepspeed-zero2", "fsdp2"), "load_in_8bit": ("single",)}
 
 
+def quiet_cpu_kernel_notice() -> None:
+    """bitsandbytes 0.50, imported on a CPU with AVX512-BF16 (as peft imports it whenever it is installed), logs a
+    warning that an optional kernel package for its CPU inference repack is missing: in every LoRA run, quantized or
+    not, though that repack is off here (``no_cpu_repack``). Dropped before bitsandbytes is imported."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "gemm_4bit_forward from kernels-community" not in record.getMessage())
+
+
 def quantized_field(args: ModelArguments) -> str | None:
     """'load_in_4bit', 'load_in_8bit' or None."""
     return "load_in_4bit" if args.load_in_4bit else "load_in_8bit" if args.load_in_8bit else None

@@ -213,3 +213,19 @@ def test_8bit_adamw_trains_with_8bit_state(tiny_llama, padded_data, tmp_path, op
     if optim.startswith("paged"):
         assert [m for m in watch.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
         assert any("embed_tokens.modules_to_save" in n for n, p in watch.model.named_parameters() if p.requires_grad)
+
+
+def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
+    """bitsandbytes' CPU backend warns at import (as peft imports it, in every LoRA run) that an optional kernel for
+    the inference repack, which is off here, is missing; other warnings of that logger still pass."""
+    import logging
+
+    import bitsandbytes.backends.cpu.ops as ops
+
+    from toolkit.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()
+    with caplog.at_level(logging.WARNING, logger=ops.logger.name):
+        ops.logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "x")
+        ops.logger.warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
