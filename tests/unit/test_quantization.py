@@ -114,6 +114,20 @@ def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
         ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True, bnb_4bit_quant_type="int4")
 
 
+def test_without_bitsandbytes_the_fields_name_the_extra(tiny_llama, monkeypatch):
+    import importlib.util
+
+    from toolkit.config import ModelArguments, TrainingArguments
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
+                        find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"load_in_4bit: needs bitsandbytes: pip install '.\[qlora\]'"):
+        ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True)
+    with pytest.raises(ConfigError, match=r"optim: paged_adamw_8bit is bitsandbytes' 8-bit AdamW: pip install"):
+        TrainingArguments(output_dir="unused", optim="paged_adamw_8bit")
+
+
 @pytest.mark.slow
 def test_chat_sft_trains_adapters_on_a_4bit_base(tiny_llama, chats, tmp_path):
     from toolkit.chat import ChatSFT
