@@ -244,3 +244,19 @@ def test_load_in_4bit_counts_the_quantized_base_as_bitsandbytes_holds_it(llama7b
         assert held["params"] == planned.quantized
         measured = held["weights"] + held["constants"]
         assert abs(measured - planned.quantized_bytes) <= 0.03 * planned.quantized_bytes, (nested, measured, planned)
+
+
+def test_plan_load_in_4bit_command(llama7b, capsys):
+    """--load-in-4bit needs --lora-r (a quantized base trains adapters only); with it the plan prints the base's bytes
+    per quantized weight and the recommended command carries the fields (--load_in_4bit true ...)."""
+    pytest.importorskip("bitsandbytes")
+    from toolkit.plan import main
+
+    assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--load-in-4bit"]) == 2
+    assert "plan error: load_in_4bit: a quantized base cannot be trained, only adapters on it: add --lora-r" in (
+        capsys.readouterr().err)
+    assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--lora-r", "16", "--load-in-4bit",
+                 "--use-bnb-nested-quant", "--gradient-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "4-bit base: 6.476 B weights quantized at 0.5159 bytes each" in out
+    assert "--use_peft true --lora_r 16 --load_in_4bit true --use_bnb_nested_quant true" in out
