@@ -10,6 +10,8 @@
 # kernels-community/flash-attn in its cache: the device has no network), the same bfd run with it: each packed
 # micro-batch is one flattened row, so flash finds the documents (cu_seqlens) and the guard passes; its loss must match
 # the sdpa bfd run's.
+# Then QLoRA (docs/memory.md#qlora): SmolLM2-135M (offline, from its GGUF) in 4 bits (NF4, double quantization, bf16
+# compute and storage) under FSDP2, LoRA r=16 on every linear layer; tokens/s, peak memory and the loss it ends at.
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -107,4 +109,21 @@ if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   # train() in process on the GPU leaves glibc's allocator alone (cpu_memory_reuse is for CPU ranks), and on the CPU
   # gives glibc its settings back when it returns (docs/pitfalls.md#glibc-restore)
   python -m pytest -q -p no:cacheprovider tests/unit/test_host_memory.py
+fi
+if python -c "import sys, torch, importlib.util; sys.exit(not (torch.cuda.is_available() and importlib.util.find_spec('bitsandbytes')))"; then
+  python -m toolkit.offline smollm2 "$WORK/smollm2" >/dev/null
+  python -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 \
+    recipes/gpt2.py --model_name_or_path "$WORK/smollm2" --dataset_name pydoc --block_size 1024 \
+    --use_peft true --lora_r 16 --lora_target_modules all-linear --load_in_4bit true --use_bnb_nested_quant true \
+    --torch_dtype bfloat16 --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 \
+    --max_steps "$STEPS" --logging_steps 10 --learning_rate 2e-4 --warmup_steps 0 --eval_on_start false \
+    --save_final_model false --report_to none --output_dir "$WORK/run-qlora" --overwrite_output_dir true
+  python - "$WORK/run-qlora" <<'PY'
+import json, math, sys
+s = json.load(open(f"{sys.argv[1]}/summary.json"))
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl") if '"loss"' in line]
+assert math.isfinite(rows[-1]["loss"]) and rows[-1]["loss"] < rows[0]["loss"], (rows[0], rows[-1])
+print(f"gpu_check qlora fsdp2: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
+      f"{rows[-1]['tokens_per_s']:,.0f} tokens/s in the last window, peak memory {max(s['peak_memory_gb_per_rank']):.2f} GB")
+PY
 fi

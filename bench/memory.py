@@ -32,6 +32,10 @@ SETTINGS = {
     "both": {"gradient_checkpointing": True, "loss_chunk_size": True},
     "bf16 mixed precision": {"mixed_precision": "bf16"},
     "plain + cpu_memory_reuse": {"cpu_memory_reuse": True},
+    # bitsandbytes (pip install '.[qlora]'): adapters on a full-precision and on a 4-bit base, AdamW's state in 8 bits
+    "LoRA r=16": {"lora": True},
+    "LoRA r=16 on a 4-bit base": {"lora": True, "load_in_4bit": True},
+    "8-bit AdamW": {"optim": "adamw_bnb_8bit"},
 }
 
 
@@ -58,7 +62,8 @@ def run_one(name: str, opts) -> dict:
     if setting.get("loss_chunk_size"):
         enable_chunked_loss(model, opts.chunk)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=setting.get("mixed_precision", "no"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = _adapted(model, setting, accelerator.device)
+    optimizer = _optimizer(model, setting)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     collate = CausalLMCollator(0)
@@ -76,11 +81,53 @@ def run_one(name: str, opts) -> dict:
         peak = torch.cuda.max_memory_allocated() / 1e9
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    from toolkit.quantization import optimizer_state_bytes
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    state = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer), trained)  # accelerate's wrapper
+    weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
     return {"setting": name, "peak_gb": round(peak, 3), "step_s": round(statistics.median(times[1:]), 3),
-            "loss": float(result.loss_sum) / max(result.targets, 1)}
+            "loss": float(result.loss_sum) / max(result.targets, 1), "weights_gb": round(weights / 1e9, 4),
+            "trained_params": sum(p.numel() for p in trained),
+            "state_bytes_per_trained_param": round(state / sum(p.numel() for p in trained), 3)}
 
 
-def plot(rows: list[dict], job: dict) -> str:
+def _adapted(model, setting: dict, device):
+    """LoRA r=16 on every linear layer (``lora``), on the same weights loaded back in 4 bits (``load_in_4bit``, NF4,
+    double quantization, as toolkit.model loads them)."""
+    if not setting.get("lora"):
+        return model
+    import tempfile
+
+    from toolkit.config import ModelArguments
+    from toolkit.lora import apply_lora
+    from toolkit.model import load_model
+
+    folder = tempfile.mkdtemp()
+    args = ModelArguments(model_name_or_path=folder, use_peft=True, lora_r=16, lora_dropout=0.0,
+                          lora_target_modules=["all-linear"], load_in_4bit=bool(setting.get("load_in_4bit")),
+                          use_bnb_nested_quant=True)
+    if args.load_in_4bit:
+        model.save_pretrained(folder)
+        model = load_model(args, device=device)
+    return apply_lora(model, args, "CAUSAL_LM", log=lambda *_: None)
+
+
+def _optimizer(model, setting: dict):
+    import types
+
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if setting.get("optim") == "adamw_bnb_8bit":
+        from toolkit.quantization import eight_bit_adamw
+
+        args = types.SimpleNamespace(learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
+        return eight_bit_adamw([{"params": params, "weight_decay": 0.0}], args, paged=False)
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def plot(rows: list[dict], job: dict, name: str = "memory") -> str:
     """Peak memory and step time per setting, as bars beside each other: ``bench/results/memory.png``."""
     import matplotlib
 
@@ -101,7 +148,7 @@ def plot(rows: list[dict], job: dict) -> str:
     fig.suptitle(f"GPT-2 {job['layers']}x{job['width']}, vocab 50257, micro batch {job['micro']} x {job['seq']}, "
                  "AdamW, one process", fontsize=9)
     fig.tight_layout()
-    path = os.path.join(RESULTS, "memory.png")
+    path = os.path.join(RESULTS, f"{name}.png")
     fig.savefig(path, dpi=120)
     return path
 
@@ -116,12 +163,13 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--plot-only", action="store_true", help="redraw memory.png from bench/results/memory.json")
+    parser.add_argument("--name", default="memory", help="the results' file names: bench/results/NAME.json, .md, .png")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.plot_only:
-        with open(os.path.join(RESULTS, "memory.json")) as f:
+        with open(os.path.join(RESULTS, f"{opts.name}.json")) as f:
             saved = json.load(f)
-        print(plot(saved["rows"], saved["job"]))
+        print(plot(saved["rows"], saved["job"], opts.name))
         return
     if opts.one:
         print("RESULT " + json.dumps(run_one(opts.one, opts)))
@@ -135,17 +183,19 @@ def main() -> None:
         rows.append(json.loads(line[7:]))
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
-    table = ["| setting | peak memory | vs plain | step time | vs plain | last step loss |", "| --- | --- | --- | --- | --- | --- |"]
+    table = ["| setting | peak memory | vs plain | step time | vs plain | last step loss | weights | optimizer state "
+             "/ trained parameter |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         table.append(f"| {r['setting']} | {r['peak_gb']:.2f} GB | {r['peak_gb'] / base['peak_gb']:.2f}x | "
-                     f"{r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
+                     f"{r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} | "
+                     f"{r['weights_gb'] * 1000:.1f} MB | {r['state_bytes_per_trained_param']:.2f} B |")
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "memory.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{opts.name}.json"), "w") as f:
         json.dump({"job": {k: v for k, v in vars(opts).items() if k != "plot_only"}, "rows": rows}, f, indent=2)
-    with open(os.path.join(RESULTS, "memory.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{opts.name}.md"), "w") as f:
         f.write("\n".join(table) + "\n")
     print("\n".join(table))
-    plot(rows, vars(opts))
+    plot(rows, vars(opts), opts.name)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   order         the global sample order (independent of world size and accumulation)
   stream        the same order for a stream (streaming: true): shuffled windows, g % dp per rank, exact resume
   distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees
+  quantization  a frozen base in 4 or 8 bits (bitsandbytes: QLoRA), its checks and storage; 8-bit AdamW
   model         tokenizer and model loading (tensor-parallel too), disable_dropout
   lora          LoRA through peft: wrap, adapter and merged export, loading an export back
   builtin_data  offline sets: pydoc-chats (chat SFT), stdlib-docstrings (classification)

@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data, lora
+from toolkit import data, lora, quantization
 from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
 from toolkit.distributed import (
     data_parallel_rank,
     data_parallel_size,
     resolve_activation_checkpointing,
+    strategy_name,
     tensor_parallel_size,
 )
 from toolkit.errors import ConfigError
@@ -96,7 +97,9 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
                                      data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
         resume = plan_resume(cfg, accelerator, lm["train"])  # refuses a resume that cannot continue; carried to train
     tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
-    model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size)
+    quantization.check_run(cfg, strategy_name(accelerator) if accelerator is not None else "single")
+    model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size,
+                       device=accelerator.device if accelerator is not None else None)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")
     # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing

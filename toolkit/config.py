@@ -35,7 +35,7 @@ import yaml
 from toolkit import config_help, elastic, layout
 from toolkit.errors import ConfigError
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit")
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -48,6 +48,7 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.packing)
@@ -198,6 +199,16 @@ class ModelArguments:
     merge_lora: bool = field(
         default=False, metadata={"help": "Also export the merged full weights (base + adapter) to final/merged/."}
     )
+    # bitsandbytes quantization of the frozen base (QLoRA), TRL's names (ModelConfig); toolkit.quantization
+    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base in 4 bits (QLoRA; needs use_peft: true "
+                                                                "and pip install '.[qlora]'). Compute in torch_dtype."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (LLM.int8; needs use_peft: "
+                                                                "true and pip install '.[qlora]')."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "With load_in_4bit: nf4 (NormalFloat, QLoRA's) "
+                                                                      "or fp4."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "With load_in_4bit: quantize the quantization "
+                                                                        "constants too (double quantization: about "
+                                                                        "0.37 bits less a weight)."})
     ref_model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "DPO: the reference model (Hub id or local folder, the policy's tokenizer); "
                                         "default: the policy's starting weights (with use_peft: the base, adapter "
@@ -213,6 +224,7 @@ class ModelArguments:
         if self.use_peft and not self.model_name_or_path:
             raise ConfigError("use_peft", "LoRA adapts pretrained weights: set model_name_or_path (the adapter is "
                                           "exported without the base, which must be loadable again)")
+        self._check_quantization()
         if self.merge_lora and not self.use_peft:
             raise ConfigError("merge_lora", "merges LoRA adapters into the weights; set use_peft: true, or drop it")
         for name in ("model_name_or_path", "config_name", "tokenizer_name", "ref_model_name_or_path"):
@@ -223,6 +235,17 @@ class ModelArguments:
         for item in self.config_overrides.split(",") if self.config_overrides else []:
             if "=" not in item:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
+
+    def _check_quantization(self) -> None:
+        """A quantized base is frozen (only adapters train on it) and needs bitsandbytes: refused here, at once."""
+        _one_of(self, "bnb_4bit_quant_type", BNB_4BIT_QUANT_TYPES)
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("load_in_8bit", "choose one of load_in_4bit and load_in_8bit")
+        name = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        if name and not self.use_peft:
+            raise ConfigError(name, "a quantized base cannot be trained, only adapters on it: set use_peft: true")
+        if name and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(name, "needs bitsandbytes: pip install '.[qlora]' (or set it false)")
 
     def _check_attn_implementation(self) -> None:
         """A name transformers knows (or a Hub kernel, owner/name), at parse time; whether this machine can run it
@@ -675,6 +698,9 @@ class TrainingArguments:
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError("num_train_epochs", f"must be > 0 when max_steps is -1, got {self.num_train_epochs}")
         _one_of(self, "optim", OPTIMIZERS)
+        if self.optim.endswith("_8bit") and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("optim", f"{self.optim} is bitsandbytes' 8-bit AdamW: pip install '.[qlora]', or use "
+                                       "optim: adamw_torch")
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
         _check_report_to(self.report_to)

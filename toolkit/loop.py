@@ -85,6 +85,10 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
     ]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
+    if args.optim.endswith("_8bit"):
+        from toolkit.quantization import eight_bit_adamw
+
+        return eight_bit_adamw(groups, args, paged=args.optim.startswith("paged"))
     return torch.optim.AdamW(
         groups,
         lr=args.learning_rate,

@@ -24,6 +24,9 @@ MERGED = "merged"  # final/merged/: base + adapter as one plain model (merge_lor
 
 
 def check_available() -> None:
+    from toolkit.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()  # peft imports bitsandbytes where it is installed
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -100,7 +103,15 @@ def save_adapter(unwrapped, state_dict: dict, path: str) -> None:
     """``adapter_model.safetensors`` + ``adapter_config.json`` from the gathered full state dict (main process), and
     the base model's config as trained (``config.json``: a classifier's labels, dropout as set) for ``load_exported``."""
     unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
-    unwrapped.get_base_model().config.save_pretrained(path)
+    config = unwrapped.get_base_model().config
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:  # the base's own config: load_exported quantizes it again as the run's fields say
+        del config.quantization_config
+    try:
+        config.save_pretrained(path)
+    finally:
+        if quantized is not None:
+            config.quantization_config = quantized
 
 
 def save_merged(unwrapped, state_dict: dict, path: str) -> None:
@@ -111,17 +122,37 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
     import torch
 
     base = unwrapped.get_base_model()
-    with torch.device("cpu"):
-        fresh = type(base)._from_config(copy.deepcopy(base.config), dtype=next(iter(state_dict.values())).dtype)
-    fresh = wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
-    missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if not _is_tied_alias(fresh, k)]
+    if getattr(base, "hf_quantizer", None) is not None:
+        fresh = wrap(_dequantized_copy(base), copy.deepcopy(unwrapped.peft_config["default"]))
+        adapter = {k: v for k, v in state_dict.items() if "lora_" in k or "modules_to_save" in k}
+        missing, unexpected = fresh.load_state_dict(adapter, strict=False)
+        missing = [k for k in missing if "lora_" in k or "modules_to_save" in k]
+    else:
+        with torch.device("cpu"):
+            fresh = type(base)._from_config(copy.deepcopy(base.config), dtype=next(iter(state_dict.values())).dtype)
+        fresh = wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
+        missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
+        missing = [k for k in missing if not _is_tied_alias(fresh, k)]
     if missing or unexpected:
         raise RuntimeError(f"merging LoRA: the gathered weights do not fit the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     merged = fresh.merge_and_unload()
     os.makedirs(path, exist_ok=True)
     merged.save_pretrained(path, safe_serialization=True)
+
+
+def _dequantized_copy(base):
+    """A quantized base loaded again from its own folder on the CPU (the same deterministic quantization as the
+    frozen base trained on) and dequantized (transformers' ``dequantize``: every quantized layer back to a plain
+    ``nn.Linear``) in the dtype of its unquantized weights (the compute dtype): what adapters merge into."""
+    import copy
+
+    config = copy.deepcopy(base.config)
+    del config.quantization_config
+    dtype = base.get_input_embeddings().weight.dtype
+    fresh = type(base).from_pretrained(base.name_or_path, config=config, dtype=dtype, device_map={"": "cpu"},
+                                       quantization_config=copy.deepcopy(base.hf_quantizer.quantization_config))
+    return fresh.dequantize(dtype=dtype)
 
 
 def _is_tied_alias(model, name: str) -> bool:

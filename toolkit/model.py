@@ -115,7 +115,8 @@ def _load_report_for_stderr():
         loading_report.PALETTE = palette
 
 
-def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM", tp_size: int = 1):
+def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelForCausalLM", tp_size: int = 1,
+               device=None):
     """Pretrained weights when ``model_name_or_path`` is set, otherwise a fresh model from the config.
 
     In ``torch_dtype`` (float32 unless asked otherwise): transformers 5 loads a checkpoint in the dtype it was stored
@@ -123,12 +124,28 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     would round away (and ZeRO, which keeps fp32 shards, would disagree with DDP on the same model).
     ``auto_class``: the transformers Auto class of the task (``toolkit.tasks``). ``tp_size`` > 1: the weights load
     split over the tensor-parallel ranks by the model's own TP plan (transformers' ``DistributedConfig``).
+    ``load_in_4bit`` / ``load_in_8bit``: the base quantized by bitsandbytes on ``device`` (the rank's; CPU when None),
+    computing in ``torch_dtype`` (``toolkit.quantization``).
     """
     auto = getattr(transformers, auto_class)
     with _load_report_for_stderr():
         if tp_size > 1:
             return _load_tensor_parallel(args, config, auto, tp_size)
+        if args.load_in_4bit or args.load_in_8bit:
+            return _load_quantized(args, config, auto, device)
         return _load(args, config, auto)
+
+
+def _load_quantized(args: ModelArguments, config, auto, device):
+    from toolkit import quantization
+
+    config = config if config is not None else load_config(args)
+    model = auto.from_pretrained(args.model_name_or_path, config=config, dtype=quantization.compute_dtype(args, config),
+                                 quantization_config=quantization.bnb_config(args, config),
+                                 device_map={"": device if device is not None else "cpu"},
+                                 **args.pretrained_kwargs(), **args.model_kwargs())
+    quantization.no_cpu_repack(model)
+    return model
 
 
 def _load(args: ModelArguments, config, auto):

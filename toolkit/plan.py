@@ -1,8 +1,8 @@
 """``python -m toolkit plan``: which strategy fits, per device, before a GPU is paid for.
 
     python -m toolkit plan --model meta-llama/Llama-2-7b-hf --gpus 8 --gpu-memory 80GB [--nodes 2]
-        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]]
-        [--gradient-checkpointing]
+        [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]
+        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing]
 
 The model is counted from its config on the meta device (no weights allocated). Per device and per strategy:
 
@@ -34,6 +34,10 @@ With LoRA (``--lora-r``, ``--lora-target-modules``) the base weights are frozen 
 weights); the adapters the recipes would train with the same fields (r x (in + out) per adapted layer: peft's default
 targets for the model type unless named, e.g. Llama's q_proj and v_proj; counted by peft on the meta model) carry the
 16 bytes.
+
+With ``--load-in-4bit`` (QLoRA) the base's linear layers (all but the head) are counted as bitsandbytes holds them:
+0.5 byte a weight plus the quantization constants (``toolkit.quantization.layer_bytes``); layouts a quantized base is
+refused under say so.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4,
 16-bit activations; x2 in fp32), per layer, for micro batch b, sequence s, width h, a heads:
@@ -75,12 +79,21 @@ class ModelCount:
     vocab: int
     # why the model cannot be split over t ranks by its TP plan (toolkit.model.tensor_parallel_problem), or None
     tp_problem: Callable[[int], str | None] = lambda tp: None
+    quantized: int = 0  # of ``params``, the weights held quantized (--load-in-4bit / --load-in-8bit)
+    quantized_bytes: int = 0  # the bytes they take, quantization constants included
+
+    def weight_bytes(self, per_param: int) -> float:
+        """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
+        return per_param * (self.params - self.quantized) + self.quantized_bytes
 
 
-def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None) -> ModelCount:
+def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None,
+                quantize_bits: int | None = None, nested: bool = False) -> ModelCount:
     """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device. With ``lora_r``,
     the adapters the recipes would train with these fields (``lora_target_modules`` None: peft's default for the
-    model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model."""
+    model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model. ``quantize_bits`` 4 or 8:
+    the base's linear layers held as bitsandbytes holds them (``toolkit.quantization.layer_bytes``; ``nested``:
+    double quantization)."""
     import torch
     from transformers import AutoConfig
 
@@ -97,6 +110,13 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     with torch.device("meta"):
         net = _build(config)
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
+    quantized = quantized_bytes = 0
+    if quantize_bits:
+        from toolkit.quantization import layer_bytes, quantized_layers
+
+        layers = quantized_layers(net)
+        quantized = sum(n for n, _ in layers)
+        quantized_bytes = sum(layer_bytes(n, quantize_bits, nested, rows) for n, rows in layers)
     trainable = params
     if lora_r:
         trainable = _lora_trainable(net, lora_r, lora_target_modules)
@@ -109,7 +129,8 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     from toolkit.model import tensor_parallel_problem  # what the recipe refuses at load, said before launch
 
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
-                      tp_problem=lambda tp: tensor_parallel_problem(config, tp))
+                      tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
+                      quantized_bytes=quantized_bytes)
 
 
 def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
@@ -158,7 +179,7 @@ def state_bytes(m: ModelCount, precision: str, deepspeed_stage: int | None) -> d
             weight, grad, optim = 4, 4, 8 if deepspeed_stage == 3 else 12
     else:
         weight, grad, optim = 4, 4, 8
-    return {"weights": weight * m.params, "gradients": grad * m.trainable, "optimizer": optim * m.trainable}
+    return {"weights": m.weight_bytes(weight), "gradients": grad * m.trainable, "optimizer": optim * m.trainable}
 
 
 def model_states_per_device(m: ModelCount, strategy: str, devices: int, per_node: int, precision: str) -> dict:
@@ -204,11 +225,13 @@ def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: i
     """Bytes of DPO's live reference copy on one device (``toolkit.reference``): weights only, no gradients or
     optimizer state, sharded as the policy's weights are (ZeRO-3 and FSDP2: / D, HSDP: / devices per node), whole
     under DDP and ZeRO-1/2 (a stage-0 engine: 2-byte weights under DeepSpeed's bf16/fp16, as TRL prepares it)."""
-    return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab), strategy, devices,
-                                   per_node, precision)["weights"]
+    return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab,
+                                              quantized=m.quantized, quantized_bytes=m.quantized_bytes),
+                                   strategy, devices, per_node, precision)["weights"]
 
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
+QUANTIZED_STRATEGIES = ("DDP", "ZeRO-2", "FSDP2")  # toolkit.quantization.PROVEN's, as the plan names them
 
 
 # accelerate's --mixed_precision for the plan's --precision: the configs ship with 'no', and the plan's bytes assume
@@ -255,6 +278,8 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
         why_not = None
         if name == "TP" and config:
             why_not = m.tp_problem(gpus)
+        if m.quantized and name not in QUANTIZED_STRATEGIES:
+            why_not = f"a 4-bit base is refused under {name} (checked: {', '.join(QUANTIZED_STRATEGIES)})"
         if reference:
             states["reference"] = reference_per_device(m, name, devices, gpus, precision)
             if name == "TP" and config and not why_not:  # a live reference is refused under TP
@@ -280,6 +305,15 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * {"gb": 1e9, "gib": 2**30, "tb": 1e12, "mb": 1e6}[unit]
 
 
+def quantized_line(m: ModelCount) -> list[str]:
+    """With --load-in-4bit: the base's quantized bytes per weight, constants included."""
+    if not m.quantized:
+        return []
+    return [f"4-bit base: {m.quantized / 1e9:.3f} B weights quantized at {m.quantized_bytes / m.quantized:.4f} bytes "
+            f"each (packed 0.5 + quantization constants); the other {(m.params - m.quantized) / 1e9:.3f} B (embeddings, "
+            "norms, head, adapters) in full precision"]
+
+
 def format_plan(m: ModelCount, rows: list[dict], args) -> str:
     ckpt, other = ("with", "without") if args.gradient_checkpointing else ("without", "with")
     lines = [
@@ -288,6 +322,7 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         f"micro batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}, {ckpt} gradient checkpointing",
         f"GB (10^9 bytes) per device. activations low / expected / high, {ckpt} and {other} gradient checkpointing; "
         "fits: high (maybe: expected) below 90% of the device",
+        *quantized_line(m),
         "",
         f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'ref':>8} {'states':>8} {'activations':>17} "
         f"{other + ' ckpt':>17} {'total (expected)':>17} {'fits':>5} {other + ' ckpt':>12}  launch",
@@ -351,6 +386,8 @@ def recipe_fields(args) -> str:
         fields += " --precompute_ref_log_probs true"
     if args.lora_r:
         fields += f" --use_peft true --lora_r {args.lora_r}"
+        if args.load_in_4bit:
+            fields += " --load_in_4bit true" + (" --use_bnb_nested_quant true" if args.use_bnb_nested_quant else "")
         if args.lora_target_modules:
             fields += " --lora_target_modules " + " ".join(args.lora_target_modules)
     return fields
@@ -368,6 +405,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-r", type=int, default=None, help="count LoRA adapters of this rank (use_peft)")
     parser.add_argument("--lora-target-modules", nargs="+", default=None,
                         help="the recipe's lora_target_modules (default: peft's for the model type, as the recipes)")
+    parser.add_argument("--load-in-4bit", action="store_true",
+                        help="the base in 4 bits (QLoRA, load_in_4bit: needs --lora-r), NF4 or FP4 alike")
+    parser.add_argument("--use-bnb-nested-quant", action="store_true",
+                        help="with --load-in-4bit: double quantization (use_bnb_nested_quant)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--recipe", choices=["gpt2", "sft", "classify", "dpo"], default="gpt2",
                         help="dpo: count the live reference model too (not with --lora-r: the adapter is disabled for "
@@ -379,7 +420,10 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
-        m = count_model(args.model, args.lora_r, args.lora_target_modules)
+        if args.load_in_4bit and not args.lora_r:
+            raise ConfigError("load_in_4bit", "a quantized base cannot be trained, only adapters on it: add --lora-r")
+        m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,
+                        nested=args.use_bnb_nested_quant)
     except ConfigError as e:  # the LoRA fields (the recipe's own checks, field names as the recipe spells them)
         print(f"plan error: {e}", file=sys.stderr)
         return 2

@@ -107,12 +107,15 @@ def held_bytes(model, optimizer, deepspeed: bool) -> dict:
         seen.add(storage.data_ptr())
         return storage.nbytes()
 
+    # LoRA's adapted layers' own weights (peft's ``base_layer``): with load_in_4bit the packed 4-bit base
+    base_layers = sum(held(p) for n, p in model.named_parameters() if ".base_layer." in n)
+    seen.clear()
     weights = sum(held(p) for p in model.parameters())
     inner = torch_optimizer(optimizer)  # accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) torch's AdamW
     state = sum(held(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     if deepspeed:  # the fp32 master partitions DeepSpeed's AdamW steps on (its params, not the model's)
         state += sum(held(p) for g in inner.param_groups for p in g["params"])
-    return {"weights": weights, "optimizer": state}
+    return {"weights": weights, "optimizer": state, "base_layers": base_layers}
 
 
 def full_weights(accelerator, model) -> dict:

@@ -209,3 +209,54 @@ def test_the_plan_ends_with_one_runnable_command(llama7b, monkeypatch, capsys):
     assert cfg.model.model_name_or_path == llama7b and cfg.train.per_device_train_batch_size == 4
     assert cfg.data.block_size == 2048 and cfg.train.gradient_checkpointing is True
     assert command[script + 1:script + 3] == ["--config", "recipes/configs/sft_smollm2.yaml"]
+
+
+def test_load_in_4bit_counts_the_quantized_base_as_bitsandbytes_holds_it(llama7b, tmp_path):
+    """--load-in-4bit: the base's linear layers at 0.5 byte a weight plus one fp32 absmax per 64 (0.5625), with double
+    quantization one byte per 64 plus the second level (0.5159); the head, embeddings and norms as before; refused
+    outside DDP, ZeRO-2 and FSDP2. On CPU the storage of a model loaded in 4 bits (weights and constants, measured
+    tensor by tensor) is within 3% of the count, with and without double quantization."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config import ModelArguments
+    from toolkit.model import load_model
+    from toolkit.quantization import quantized_bytes
+
+    full = count_model(llama7b, lora_r=16)
+    for nested, per_weight in ((False, 0.5625), (True, 0.5159)):
+        m = count_model(llama7b, lora_r=16, quantize_bits=4, nested=nested)
+        assert m.quantized == 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # every linear layer but the head
+        assert m.quantized_bytes / m.quantized == pytest.approx(per_weight, abs=1e-4)
+        rows = {r["strategy"]: r for r in plan(m, 1, 24e9, precision="fp32")}
+        assert rows["DDP"]["weights"] == 4 * (full.params - m.quantized) + m.quantized_bytes
+        assert rows["ZeRO-3"]["config"] is None and "refused under ZeRO-3" in rows["ZeRO-3"]["why_not"]
+    folder = str(tmp_path / "llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    for nested in (False, True):
+        planned = count_model(folder, lora_r=4, quantize_bits=4, nested=nested)
+        model = load_model(ModelArguments(model_name_or_path=folder, use_peft=True, load_in_4bit=True,
+                                          use_bnb_nested_quant=nested))
+        held = quantized_bytes(model)
+        assert held["params"] == planned.quantized
+        measured = held["weights"] + held["constants"]
+        assert abs(measured - planned.quantized_bytes) <= 0.03 * planned.quantized_bytes, (nested, measured, planned)
+
+
+def test_plan_load_in_4bit_command(llama7b, capsys):
+    """--load-in-4bit needs --lora-r (a quantized base trains adapters only); with it the plan prints the base's bytes
+    per quantized weight and the recommended command carries the fields (--load_in_4bit true ...)."""
+    pytest.importorskip("bitsandbytes")
+    from toolkit.plan import main
+
+    assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--load-in-4bit"]) == 2
+    assert "plan error: load_in_4bit: a quantized base cannot be trained, only adapters on it: add --lora-r" in (
+        capsys.readouterr().err)
+    assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--lora-r", "16", "--load-in-4bit",
+                 "--use-bnb-nested-quant", "--gradient-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "4-bit base: 6.476 B weights quantized at 0.5159 bytes each" in out
+    assert "--use_peft true --lora_r 16 --load_in_4bit true --use_bnb_nested_quant true" in out

@@ -22,6 +22,7 @@ import shutil
 from contextlib import contextmanager
 
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from toolkit import layout
 from toolkit.distributed import deepspeed_out_of_sight, has_accelerator
@@ -83,6 +84,20 @@ def rotate_checkpoints(output_dir: str, limit: int | None, keep: set) -> None:
         excess -= 1
 
 
+def _quantized_base_kwargs(accelerator: Accelerator) -> dict:
+    """A quantized base (load_in_4bit/8bit) writes its quantization constants beside its packed weights
+    (bitsandbytes' ``_save_to_state_dict``) but does not read them back as keys of its own: non-strict. The base is
+    frozen and the run loads it again, quantized the same way, from model_name_or_path; the adapters and their
+    optimizer state load as always (tests/launch/test_qlora.py: a resume ends bit for bit as the straight run)."""
+    quantized = any(type(p).__name__ in ("Params4bit", "Int8Params") for m in accelerator._models
+                    for p in m.parameters())
+    if not quantized or accelerator.distributed_type == DistributedType.FSDP:  # FSDP2: DCP, by its own keys
+        return {}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {"load_module_strict": False}
+    return {"strict": False}
+
+
 def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=None, universal: bool = False) -> None:
     """``accelerator.load_state`` (collective), made exact under FSDP1 and for ZeRO-3 universal checkpoints; under
     tensor parallelism the weights and optimizer state come from DCP instead (``_load_tensor_parallel``).
@@ -105,7 +120,7 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
     if _is_fsdp1(accelerator):
         _materialise_optimizer_state(getattr(optimizer, "optimizer", optimizer))
     own = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-    accelerator.load_state(path)
+    accelerator.load_state(path, **_quantized_base_kwargs(accelerator))
     if universal:
         for group, values, lr in zip(optimizer.param_groups, own, scheduler.get_last_lr(), strict=True):
             group.update(values)

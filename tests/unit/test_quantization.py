@@ -1,0 +1,245 @@
+"""A frozen base in 4 bits (QLoRA) or 8 bits, in process: the fields' refusals, every recipe's task training adapters
+on a 4-bit base that stays bit for bit what it loaded as, the exports, the measured storage against ``toolkit plan``,
+and bitsandbytes' 8-bit AdamW."""
+
+import pytest
+import torch
+
+from toolkit.errors import ConfigError
+
+pytest.importorskip("bitsandbytes")
+
+QLORA = dict(use_peft=True, load_in_4bit=True, use_bnb_nested_quant=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+             lora_target_modules="all-linear")
+RUN = dict(optim="adamw_torch", learning_rate=5e-2, max_train_samples=4, max_eval_samples=4, lr_scheduler_type="constant", max_steps=4, logging_steps=1,
+           per_device_train_batch_size=4, gradient_accumulation_steps=1, report_to="none", packing=False,
+           block_size=64, plot=False, seed=3)
+
+
+class _Watch:
+    """The quantized base's stored weights and the trainable tensors, when the run starts and when it ends."""
+
+    def on_prepared(self, accelerator, model, optimizer):
+        self.model = accelerator.unwrap_model(model)
+        self.before = self._state()
+        self.optimizer = optimizer
+
+    def on_end(self, accelerator, model, summary):
+        self.after = self._state()
+
+    def _state(self):
+        # as bytes: 4-bit weights packed into float32 storage hold NaN patterns, which torch.equal calls unequal
+        frozen = {n: p.detach().view(torch.uint8).clone() for n, p in self.model.named_parameters()
+                  if not p.requires_grad}
+        trained = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return frozen, trained
+
+
+def _train(values, task=None):
+    from helpers import train_in_process
+
+    from toolkit.metrics import read_metrics
+
+    watch = _Watch()
+    summary = train_in_process(values, callbacks=[watch], task=task)
+    losses = [r["loss"] for r in read_metrics(values["output_dir"]) if "loss" in r]
+    return watch, summary, losses
+
+
+def _assert_adapters_trained_base_frozen(watch, heads=()):
+    import bitsandbytes as bnb
+
+    quantized = [m for m in watch.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert quantized and all(not m.weight.requires_grad for m in quantized)
+    frozen_before, trained_before = watch.before
+    frozen_after, trained_after = watch.after
+    changed = [n for n in frozen_before if not torch.equal(frozen_before[n], frozen_after[n])]
+    assert not changed, changed  # the base, bit for bit
+    assert trained_before and all("lora_" in n or any(h in n for h in heads) for n in trained_before), trained_before
+    moved = {n for n in trained_before if not torch.equal(trained_before[n], trained_after[n])}
+    assert any("lora_B" in n for n in moved) and all(any(h in n for h in heads) for h in heads for n in moved
+                                                       if h in n)
+    return moved
+
+
+@pytest.mark.slow
+def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, padded_data, tmp_path):
+    """Loss on the same 4 rows goes down, the adapters move, the 4-bit weights (Params4bit) stay bit for bit as loaded.
+    The exports: the adapter loads onto the 4-bit base (the trained model's logits exactly) and onto the
+    full-precision base (off by the quantization's error); the merged model (the base dequantized in the compute
+    dtype, the adapters merged) loads with from_pretrained and gives the quantized model's logits up to float
+    rounding, far inside that error."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import ModelArguments
+    from toolkit.model import load_model
+
+    out = tmp_path / "lm"
+    watch, summary, losses = _train({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
+                                     "output_dir": str(out), "merge_lora": True})
+    _assert_adapters_trained_base_frozen(watch)
+    assert losses[-1] < losses[0], losses
+    assert watch.model.is_loaded_in_4bit
+
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits
+
+    trained = logits(watch.model)
+    args = dict(model_name_or_path=tiny_llama, use_peft=True)
+    on_4bit = PeftModel.from_pretrained(load_model(ModelArguments(**args, load_in_4bit=True,
+                                                                  use_bnb_nested_quant=True)), str(out / "final"))
+    on_full = PeftModel.from_pretrained(load_model(ModelArguments(**args)), str(out / "final"))
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "final" / "merged"))
+    assert torch.equal(logits(on_4bit), trained)
+    quantization_error = float((logits(on_full) - trained).abs().max())
+    merge_error = float((logits(merged) - trained).abs().max())
+    print(f"logits max|d| from the trained 4-bit model: full-precision base + adapter {quantization_error:.2e}, "
+          f"merged {merge_error:.2e}")
+    assert merged.dtype == torch.float32 and not hasattr(merged.config, "quantization_config")
+    assert merge_error <= 1e-4 and merge_error < quantization_error / 100, (merge_error, quantization_error)
+
+
+def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
+    from toolkit.config import ModelArguments
+
+    with pytest.raises(ConfigError, match="load_in_4bit: a quantized base cannot be trained, only adapters"):
+        ModelArguments(model_name_or_path=tiny_llama, load_in_4bit=True)
+    with pytest.raises(ConfigError, match="load_in_8bit: choose one of load_in_4bit and load_in_8bit"):
+        ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True, load_in_8bit=True)
+    with pytest.raises(ConfigError, match="bnb_4bit_quant_type: "):
+        ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True, bnb_4bit_quant_type="int4")
+
+
+def test_without_bitsandbytes_the_fields_name_the_extra(tiny_llama, monkeypatch):
+    import importlib.util
+
+    from toolkit.config import ModelArguments, TrainingArguments
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
+                        find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"load_in_4bit: needs bitsandbytes: pip install '.\[qlora\]'"):
+        ModelArguments(model_name_or_path=tiny_llama, use_peft=True, load_in_4bit=True)
+    with pytest.raises(ConfigError, match=r"optim: paged_adamw_8bit is bitsandbytes' 8-bit AdamW: pip install"):
+        TrainingArguments(output_dir="unused", optim="paged_adamw_8bit")
+
+
+@pytest.mark.slow
+def test_chat_sft_trains_adapters_on_a_4bit_base(tiny_llama, chats, tmp_path):
+    from toolkit.chat import ChatSFT
+
+    watch, _, losses = _train({**RUN, **QLORA, **chats, "model_name_or_path": tiny_llama, "max_steps": 3,
+                               "learning_rate": 1e-2, "output_dir": str(tmp_path / "sft"), "save_final_model": False}, task=ChatSFT())
+    _assert_adapters_trained_base_frozen(watch)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_classifier_trains_adapters_and_a_full_precision_head_on_a_4bit_base(tiny_llama, classify_files, tmp_path):
+    """The new head (Llama's ``score``) is not quantized: peft trains it whole (modules_to_save) beside the adapters."""
+    import bitsandbytes as bnb
+
+    from toolkit.classification import SequenceClassification
+
+    watch, _, losses = _train({**RUN, **QLORA, **classify_files, "model_name_or_path": tiny_llama, "max_steps": 3,
+                               "max_train_samples": 12, "per_device_train_batch_size": 12, "learning_rate": 1e-2,
+                               "output_dir": str(tmp_path / "cls"), "save_final_model": False},
+                              task=SequenceClassification())
+    moved = _assert_adapters_trained_base_frozen(watch, heads=("score",))
+    assert any("score.modules_to_save" in n for n in moved), moved
+    heads = [m for n, m in watch.model.named_modules() if n.endswith("score.modules_to_save.default")]
+    assert heads and type(heads[0]) is torch.nn.Linear and heads[0].weight.dtype == torch.float32
+    assert not isinstance(heads[0], bnb.nn.Linear4bit)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_disabled(tiny_llama, pairs, tmp_path):
+    """The reference is the quantized base itself, adapter disabled: no second copy; the first step's loss is log 2
+    (policy = reference: the adapters' B starts at zero), then below it (the chosen answers gain on the rejected)."""
+    import math
+
+    from toolkit.preference import DPO
+
+    out = str(tmp_path / "dpo")
+    watch, _, losses = _train({**RUN, **QLORA, **pairs, "model_name_or_path": tiny_llama, "block_size": 256,
+                               "config_overrides": "max_position_embeddings=256", "max_steps": 3,
+                               "per_device_train_batch_size": 4, "learning_rate": 0.1, "output_dir": out,
+                               "save_final_model": False}, task=DPO())
+    _assert_adapters_trained_base_frozen(watch)
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0], losses
+
+
+def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
+    """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, an 8-bit base on several ranks, a
+    chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
+    refuses); one line naming the field."""
+    from toolkit.config import config_from_dict
+    from toolkit.quantization import check_run
+
+    cfg = config_from_dict({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
+                            "output_dir": str(tmp_path / "r")})
+    for strategy in ("single", "ddp", "deepspeed-zero2", "fsdp2"):
+        check_run(cfg, strategy)
+    for strategy in ("deepspeed-zero3", "fsdp1", "tp"):
+        with pytest.raises(ConfigError, match=f"load_in_4bit: a 4bit base is not supported under {strategy}"):
+            check_run(cfg, strategy)
+    cfg.train.loss_chunk_size = 16
+    with pytest.raises(ConfigError, match="load_in_4bit: loss_chunk_size with a quantized base"):
+        check_run(cfg, "ddp")
+    cfg.train.loss_chunk_size, cfg.train.precompute_ref_log_probs = 0, True
+    with pytest.raises(ConfigError, match="precompute_ref_log_probs: DPO on a quantized base .load_in_4bit. takes"):
+        check_run(cfg, "ddp")
+    cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.train.precompute_ref_log_probs = False, True, False
+    check_run(cfg, "single")
+    with pytest.raises(ConfigError, match="load_in_8bit: a 8bit base is not supported under ddp"):
+        check_run(cfg, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_8bit_adamw_trains_with_8bit_state(tiny_llama, padded_data, tmp_path, optim):
+    """Full fine-tuning (adamw_bnb_8bit), and adapters on an 8-bit base with the embedding trained whole
+    (paged_adamw_8bit, lora_modules_to_save): the loss on the same rows goes down and the moments of every tensor of
+    at least 4096 elements (bitsandbytes' min_8bit_size; smaller ones, such as this tiny model's adapters, keep
+    32-bit state) are uint8: about 2 bytes a parameter instead of AdamW's 8."""
+    import bitsandbytes as bnb
+
+    from toolkit.quantization import optimizer_state_bytes
+
+    lora = {} if optim == "adamw_bnb_8bit" else {**QLORA, "load_in_4bit": False, "load_in_8bit": True,
+                                                   "lora_modules_to_save": "embed_tokens"}
+    watch, _, losses = _train({**RUN, **lora, **padded_data, "model_name_or_path": tiny_llama, "optim": optim,
+                               "learning_rate": 1e-2, "output_dir": str(tmp_path / optim), "save_final_model": False})
+    assert losses[-1] < losses[0], losses
+    inner = watch.optimizer.optimizer
+    assert isinstance(inner, bnb.optim.PagedAdamW8bit if optim.startswith("paged") else bnb.optim.AdamW8bit)
+    big = [p for g in inner.param_groups for p in g["params"] if p.numel() >= 4096]
+    assert big and all(inner.state[p]["state1"].dtype == torch.uint8 and inner.state[p]["state2"].dtype == torch.uint8
+                       for p in big)
+    per_param = optimizer_state_bytes(inner, big) / sum(p.numel() for p in big)
+    print(f"{optim}: {per_param:.3f} bytes of state a parameter (AdamW: 8)")
+    assert 2 <= per_param < 2.1
+    if optim.startswith("paged"):
+        assert [m for m in watch.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+        assert any("embed_tokens.modules_to_save" in n for n, p in watch.model.named_parameters() if p.requires_grad)
+
+
+def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
+    """bitsandbytes' CPU backend warns at import (as peft imports it, in every LoRA run) that an optional kernel for
+    the inference repack, which is off here, is missing; other warnings of that logger still pass."""
+    import logging
+
+    import bitsandbytes.backends.cpu.ops as ops
+
+    from toolkit.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()
+    with caplog.at_level(logging.WARNING, logger=ops.logger.name):
+        ops.logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "x")
+        ops.logger.warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
