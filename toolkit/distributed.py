@@ -523,3 +523,23 @@ def plain_loading(accelerator: Accelerator):
         return
     with plugin.zero3_init_context_manager(enable=False):
         yield
+
+
+def notebook_launcher(function, args=(), num_processes=None, **kwargs):
+    """accelerate's ``notebook_launcher``, less one false refusal. accelerate refuses to fork while ``bitsandbytes`` is
+    imported, as a stand-in for "CUDA may be initialised in this process"; but transformers' schedulers import peft
+    (``transformers.trainer_utils``), which imports bitsandbytes wherever it is installed (the ``qlora`` extra), so any
+    run in the kernel before the launch trips it, on a CPU host too (docs/pitfalls.md#notebook-bitsandbytes). The
+    condition itself is checked instead: CUDA initialised in this process (a forked child cannot use its context)."""
+    import torch
+    from accelerate import launchers
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised in this kernel, and the launch forks it (a forked child cannot use "
+                           "the context): restart the kernel and keep device work inside the launched function")
+    check = launchers.are_libraries_initialized
+    launchers.are_libraries_initialized = lambda *names: [n for n in check(*names) if n != "bitsandbytes"]
+    try:
+        return launchers.notebook_launcher(function, args, num_processes, **kwargs)
+    finally:
+        launchers.are_libraries_initialized = check

@@ -224,10 +224,12 @@ def _config_written_by_this_job(cfg) -> bool:
     mine = cfg.as_dict()
     if not isinstance(written, dict):
         return False
-    # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal
+    # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal, but for the fields
+    # this command line leaves unset (None), which the earlier attempt's task resolved before it wrote its config
+    # (disable_dropout: DPO's true, the others' false; toolkit.tasks.Task.defaults)
     written.pop("resume_from_checkpoint", None)
     mine.pop("resume_from_checkpoint", None)
-    return written == mine
+    return set(written) == set(mine) and all(written[k] == v for k, v in mine.items() if v is not None)
 
 
 record_launcher()  # at import: the earliest point every recipe passes through

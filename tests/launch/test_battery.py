@@ -290,7 +290,7 @@ def test_bad_inputs_stop_early_with_one_message_and_touch_nothing(tmp_path, tmp_
             argv = ["--config", str(config), *extra]
         cases.append({"name": name, "argv": argv, "env": env, "recipe": recipe[0] if recipe else "gpt2"})
         expected[name] = (field, words)
-    assert len(cases) == 103  # README.md and docs/reliability.md give this number
+    assert len(cases) == 102  # README.md and docs/reliability.md give this number
     before = tree_hash(existing)
     cases_file, out_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(cases))

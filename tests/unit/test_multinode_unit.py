@@ -38,9 +38,14 @@ def _argv(tiny_model, padded_data, out, **extra) -> list[str]:
 
 
 def _first_attempt(argv, out, checkpoint: bool) -> None:
-    """What a first attempt leaves when it dies: config.yaml, metrics.jsonl and maybe a checkpoint."""
+    """What a first attempt leaves when it dies: config.yaml (as the run writes it: the task's defaults of the fields
+    left unset resolved, e.g. disable_dropout), metrics.jsonl and maybe a checkpoint."""
+    from toolkit.tasks import CausalLM
+
     os.makedirs(out, exist_ok=True)
-    write_config(parse_args(argv), layout.path(out, layout.CONFIG))
+    cfg = parse_args(argv)
+    CausalLM().apply_defaults(cfg)
+    write_config(cfg, layout.path(out, layout.CONFIG))
     with open(layout.path(out, layout.METRICS), "w") as f:
         f.write('{"step": 1}\n')
     if checkpoint:
