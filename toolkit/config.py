@@ -369,7 +369,8 @@ class DataArguments:
     drop_long_prompts: bool = field(
         default=True, metadata={"help": "DPO: drop a pair whose prompt leaves its completions no token within "
                                         "block_size (TRL drops them too), counted in the log and summary.json; "
-                                        "false: such a pair stops the run before any work, naming its row."}
+                                        "false: such a pair stops the run before any work, naming its row.",
+                                "tasks": DPO_ONLY}
     )
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
     dataset_format: Optional[str] = field(
@@ -379,7 +380,8 @@ class DataArguments:
     sharegpt_roles: Optional[str] = field(
         default=None, metadata={"help": "ShareGPT data: a mapping of its 'from' names to roles (system, user, "
                                         "assistant), beside the defaults human: user, gpt: assistant, e.g. {bot: "
-                                        "assistant}; a YAML mapping (on the command line, its YAML/JSON text)."}
+                                        "assistant}; a YAML mapping (on the command line, its YAML/JSON text).",
+                                "tasks": ("chat-sft",)}
     )
     dataset_mixture: Optional[str] = field(
         default=None, metadata={"help": "Several datasets, mixed (alignment-handbook's shape): {datasets: [{id, "
