@@ -1,0 +1,176 @@
+"""GRPO (toolkit.grpo_loss, toolkit.grpo, toolkit.rewards) against TRL 1.16's GRPOTrainer as the oracle.
+
+- The loss: for each loss_type, with and without beta, with num_iterations 1 (old log-probs: the policy's own) and 2
+  (old log-probs given), TRL's ``_compute_loss`` on a batch of fixed prompt/completion ids, advantages, old and
+  reference log-probs, against ours on the same tensors, as one batch and as two micro-batches normalised over the
+  whole batch: loss and gradients within 1e-6.
+- The advantages: TRL's group normalisation (std Bessel-corrected, + 1e-4), per group, per batch or none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.grpo_loss import LOSS_TYPES, completion_logps, group_advantages, per_token_losses, row_losses_and_targets
+
+PROMPT_LEN, COMPLETION_LEN, ROWS, GENERATIONS = 5, 6, 8, 4
+EPSILON = 0.2
+
+
+@pytest.fixture()
+def reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _fixed_batch(vocab: int) -> dict:
+    """Left-padded prompts, right-padded completions of different lengths (one as long as the maximum: truncated),
+    random advantages of both signs; seeded."""
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(0, vocab, (ROWS, PROMPT_LEN), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    for row, pad in enumerate([0, 1, 2, 0, 3, 0, 1, 0]):
+        prompt_mask[row, :pad] = 0
+    completion_ids = torch.randint(0, vocab, (ROWS, COMPLETION_LEN), generator=g)
+    completion_mask = torch.zeros_like(completion_ids)
+    for row, n in enumerate([6, 3, 1, 5, 6, 2, 4, 6]):
+        completion_mask[row, :n] = 1
+    advantages = torch.randn(ROWS, generator=g)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": advantages,
+            "noise": 0.3 * torch.randn(ROWS, COMPLETION_LEN, generator=g),
+            "ref_noise": 0.5 * torch.randn(ROWS, COMPLETION_LEN, generator=g)}
+
+
+def _our_logps(model, batch: dict, temperature: float = 1.0):
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=mask).logits[:, PROMPT_LEN - 1:-1]
+    return completion_logps(logits, batch["completion_ids"], temperature)
+
+
+def _olds(model, batch: dict, num_iterations: int, beta: float):
+    """Old log-probs (num_iterations 2: the policy's moved by seeded noise, so ratios leave 1 and some are clipped)
+    and reference log-probs (beta > 0), fixed tensors both sides take."""
+    with torch.no_grad():
+        logps, _ = _our_logps(model, batch)
+    old = logps + batch["noise"] if num_iterations > 1 else None
+    ref = logps + batch["ref_noise"] if beta else None
+    return old, ref
+
+
+def _ours(model, batch, loss_type, beta, old, ref, splits=(ROWS,)):
+    """Our loss over ``splits`` micro-batches, each micro-batch's row sum divided by the whole batch's targets (the
+    core's normalisation); returns (loss, grads)."""
+    model.zero_grad()
+    parts, start, total = [], 0, None
+    for n in splits:
+        rows = slice(start, start + n)
+        micro = {k: v[rows] for k, v in batch.items()}
+        logps, _ = _our_logps(model, micro)
+        tl, _, _ = per_token_losses(logps, None if old is None else old[rows], micro["advantages"],
+                                    None if ref is None else ref[rows], beta, EPSILON, EPSILON)
+        row_loss, targets = row_losses_and_targets(tl, micro["completion_mask"], loss_type, COMPLETION_LEN)
+        parts.append((row_loss.sum(), targets.sum()))
+        start += n
+    total = sum(t for _, t in parts)
+    loss = 0.0
+    for micro_sum, _ in parts:
+        part = micro_sum / total
+        part.backward()
+        loss += float(part)
+    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _trl(tiny_model, tokenizer, batch, loss_type, beta, num_iterations, old, ref, tmp_path):
+    """TRL's ``GRPOTrainer._compute_loss`` on the same tensors (one process, one micro-batch); returns (loss, grads,
+    its metrics)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = _model(tiny_model)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=ROWS,
+                      num_generations=GENERATIONS, max_completion_length=COMPLETION_LEN, loss_type=loss_type,
+                      beta=beta, num_iterations=num_iterations, epsilon=EPSILON, report_to="none", learning_rate=0.0)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["a"] * ROWS}), processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+    inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    return float(loss), grads, dict(trainer._metrics["train"])
+
+
+def _model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.model import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    disable_dropout(model)
+    return model
+
+
+def _tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_gradients_equal_trl(tiny_model, tmp_path, reset_accelerate, loss_type, beta, num_iterations):
+    tokenizer = _tokenizer(tiny_model)
+    model = _model(tiny_model)
+    model.train()
+    batch = _fixed_batch(model.config.vocab_size)
+    old, ref = _olds(model, batch, num_iterations, beta)
+    trl_loss, trl_grads, metrics = _trl(tiny_model, tokenizer, batch, loss_type, beta, num_iterations, old, ref,
+                                        tmp_path)
+    loss, grads = _ours(model, batch, loss_type, beta, old, ref)
+    assert loss == pytest.approx(trl_loss, abs=1e-6), (loss, trl_loss)
+    assert _max_diff(grads, trl_grads) <= 1e-6, _max_diff(grads, trl_grads)
+    # two micro-batches of 3 + 5 completions, normalised over the whole batch: the same step
+    split_loss, split_grads = _ours(model, batch, loss_type, beta, old, ref, splits=(3, 5))
+    assert split_loss == pytest.approx(trl_loss, abs=1e-6) and _max_diff(split_grads, trl_grads) <= 1e-6
+    if num_iterations == 2:  # the noise moved ratios outside [0.8, 1.2]: the clipped branch was exercised
+        assert metrics["clip_ratio/region_mean"][0] > 0
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale_rewards):
+    """TRL's sum_then_normalize on one process: the same advantages and group std (a group of equal rewards too)."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    ours, std = group_advantages(rewards, GENERATIONS, scale_rewards)
+    grouped = rewards.view(-1, GENERATIONS)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(GENERATIONS)
+    trl_std = (nanstd(grouped, dim=1).repeat_interleave(GENERATIONS) if scale_rewards != "batch"
+               else nanstd(rewards).expand_as(rewards))
+    expected = rewards - mean
+    if scale_rewards != "none":
+        expected = expected / (trl_std + 1e-4)
+    assert torch.allclose(ours, expected, atol=1e-7, rtol=0)
+    assert std[4:].eq(0).all() and std[:4].gt(0).all()
