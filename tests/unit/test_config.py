@@ -157,7 +157,7 @@ def test_a_runs_own_config_yaml_parses_again_under_its_recipe(base, tmp_path):
     write_config(parse_args(["--config", _yaml(tmp_path, **base)], task="causal-lm"), str(written))
     assert "beta" in yaml.safe_load(written.read_text())
     cfg = parse_args(["--config", str(written)], task="causal-lm")
-    assert cfg.train.beta == 0.1 and cfg.data.label_column_name is None
+    assert cfg.train.beta is None and cfg.data.label_column_name is None  # unset: the task gives its default
 
 
 def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(monkeypatch, tmp_path):

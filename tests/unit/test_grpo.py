@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.grpo_loss import LOSS_TYPES, completion_logps, group_advantages, per_token_losses, row_losses_and_targets
+from toolkit.grpo_loss import LOSS_TYPES, group_advantages, per_token_losses, row_losses_and_targets
 
 PROMPT_LEN, COMPLETION_LEN, ROWS, GENERATIONS = 5, 6, 8, 4
 EPSILON = 0.2
@@ -30,13 +30,12 @@ def reset_accelerate():
 
 
 def _fixed_batch(vocab: int) -> dict:
-    """Left-padded prompts, right-padded completions of different lengths (one as long as the maximum: truncated),
-    random advantages of both signs; seeded."""
+    """Prompts of one length (TRL's forward passes no positions, ours counts them from the mask: equal without left
+    padding), right-padded completions of different lengths (some as long as the maximum: truncated), random
+    advantages of both signs; seeded."""
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(0, vocab, (ROWS, PROMPT_LEN), generator=g)
     prompt_mask = torch.ones_like(prompt_ids)
-    for row, pad in enumerate([0, 1, 2, 0, 3, 0, 1, 0]):
-        prompt_mask[row, :pad] = 0
     completion_ids = torch.randint(0, vocab, (ROWS, COMPLETION_LEN), generator=g)
     completion_mask = torch.zeros_like(completion_ids)
     for row, n in enumerate([6, 3, 1, 5, 6, 2, 4, 6]):
@@ -49,10 +48,13 @@ def _fixed_batch(vocab: int) -> dict:
 
 
 def _our_logps(model, batch: dict, temperature: float = 1.0):
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=mask).logits[:, PROMPT_LEN - 1:-1]
-    return completion_logps(logits, batch["completion_ids"], temperature)
+    """The task's forward (``toolkit.grpo.policy_logps``) on the batch's prompt + completion."""
+    from toolkit.grpo import policy_logps
+
+    ours = {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+            "prompt_length": PROMPT_LEN, "completion_ids": batch["completion_ids"]}
+    return policy_logps(model, ours, temperature)
 
 
 def _olds(model, batch: dict, num_iterations: int, beta: float):
@@ -174,3 +176,72 @@ def test_advantages_equal_trl(scale_rewards):
         expected = expected / (trl_std + 1e-4)
     assert torch.allclose(ours, expected, atol=1e-7, rtol=0)
     assert std[4:].eq(0).all() and std[:4].gt(0).all()
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def test_a_rows_completion_does_not_depend_on_its_batch(tiny_model):
+    """Per-row seeded sampling: a prompt's completion drawn alone equals the one drawn in a batch beside longer and
+    shorter prompts (left padding), at another position; another seed draws another completion."""
+    from toolkit.grpo import left_pad
+    from toolkit.sampling import row_seed, sample
+
+    model, tokenizer = _model(tiny_model).eval(), _tokenizer(tiny_model)
+    prompts = [tokenizer(t)["input_ids"] for t in ("The sky is", "Once upon a time there was a", "Hello")]
+    seeds = [row_seed(42, 3, i, 0) for i in range(3)]
+    kwargs = {"max_new_tokens": 12, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+
+    def draw(rows, row_seeds):
+        ids, mask = left_pad(rows, tokenizer.pad_token_id)
+        return sample(model, ids, mask, row_seeds, **kwargs)
+
+    together = draw(prompts, seeds)
+    for i in range(3):
+        alone = draw([prompts[i]], [seeds[i]])
+        assert alone[0].tolist() == together[i, :alone.shape[1]].tolist()
+    reordered = draw([prompts[2], prompts[0]], [seeds[2], seeds[0]])
+    assert reordered[1, :together.shape[1]].tolist()[:5] == together[0].tolist()[:5]
+    other = draw([prompts[0]], [row_seed(42, 4, 0, 0)])
+    assert other[0].tolist() != together[0, :other.shape[1]].tolist()
+
+
+def test_sampling_draws_from_the_warped_distribution():
+    """RowSampler keeps one token per row, inside top_k."""
+    from toolkit.sampling import RowSampler
+
+    scores = torch.log_softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    out = RowSampler([1, 2, 3], temperature=0.7, top_k=5, top_p=1.0)(torch.zeros(3, 1, dtype=torch.long), scores)
+    top5 = scores.topk(5, dim=-1).indices
+    for row in range(3):
+        kept = (out[row] == 0).nonzero().flatten().tolist()
+        assert len(kept) == 1 and kept[0] in top5[row].tolist()
+
+
+# ------------------------------------------------------------------------------------------ a run
+def _values(tiny_model, tmp_path, **over) -> dict:
+    values = {"model_name_or_path": tiny_model, "dataset_name": "arithmetic", "output_dir": str(tmp_path / "run"),
+              "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+              "num_generations": 4, "max_completion_length": 6, "per_device_train_batch_size": 4,
+              "gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1, "report_to": "none",
+              "learning_rate": 1e-3, "plot": False, "save_final_model": False, "block_size": 64}
+    values.update(over)
+    return values
+
+
+def test_a_grpo_run_logs_trls_metrics_and_the_reward(tiny_model, tmp_path):
+    import json
+
+    from helpers import train_in_process
+
+    from toolkit.grpo import GRPO
+
+    summary = train_in_process(_values(tiny_model, tmp_path), task=GRPO())
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    logged = [r for r in rows if "reward" in r]
+    assert len(logged) == 2
+    for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/arithmetic_format/mean",
+                 "completions/mean_length", "completions/clipped_ratio", "entropy", "frac_reward_zero_std",
+                 "clip_ratio/region_mean", "time/generation_s"):
+        assert name in logged[0], (name, sorted(logged[0]))
+    assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0
+    assert summary["reward_start"] == logged[0]["reward"] and summary["reward_end"] == logged[1]["reward"]
