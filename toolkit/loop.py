@@ -452,8 +452,9 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
     global_batch, per_epoch = run.sampler.global_batch_size, run.steps_per_epoch
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing and not cfg.data.padding_free else None
     streaming = isinstance(train_dataset, TrainStream)
+    rows = None if streaming else len(train_dataset) * run.sampler.repeats  # GRPO: each prompt num_generations times
     length = ("a stream, one pass" if streaming else
-              f"{per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch)")
+              f"{per_epoch} steps/epoch ({rows - per_epoch * global_batch} rows left out per epoch)")
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
         f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
