@@ -31,6 +31,7 @@ Metrics, named as TRL logs them: ``reward``, ``reward_std``, ``rewards/<name>/me
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
@@ -39,7 +40,7 @@ import torch
 from toolkit import data
 from toolkit.chat import set_chat_template
 from toolkit.config import GRPO_LOSS_TYPES
-from toolkit.distributed import launched_parallel_sizes
+from toolkit.distributed import launched_parallel_sizes, launched_strategy
 from toolkit.errors import ConfigError
 from toolkit.grpo_loss import (
     clip_fractions,
@@ -89,6 +90,12 @@ class GRPO(CausalLM):
                 raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "
                                          "completions, there is no held-out evaluation): unset it")
         cfg.data.packing = False
+        if launched_strategy() == "fsdp" and (os.environ.get("FSDP_VERSION", "1") == "1" or cfg.model.use_peft):
+            why = ("FSDP1's wrapper has no generate" if os.environ.get("FSDP_VERSION", "1") == "1" else
+                   "peft's generate calls the inner model, around FSDP2's root module (torch refuses the forward)")
+            raise ConfigError("use_peft" if cfg.model.use_peft else "fsdp_version",
+                              f"GRPO generates with model.generate, which does not run here: {why}; launch with "
+                              "fsdp.yaml (FSDP2) without LoRA, or ddp.yaml / a ZeRO config")
         if launched_parallel_sizes().get("tp", 1) > 1:
             raise ConfigError("tp_size", "GRPO generates with model.generate per data-parallel rank; tensor "
                                          "parallelism is not supported: launch without it")
