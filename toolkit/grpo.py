@@ -102,6 +102,13 @@ class GRPO(CausalLM):
         if args.num_iterations > 1 and args.save_steps and args.save_steps % args.num_iterations:
             raise ConfigError("save_steps", f"a checkpoint must fall on a generation step: make save_steps a "
                                             f"multiple of num_iterations ({args.num_iterations})")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # the launch's ranks, before any process group
+        batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        if batch % args.num_generations:
+            raise ConfigError("num_generations", f"the global batch of {batch} completions ({world} ranks x "
+                                                 f"{args.per_device_train_batch_size} x "
+                                                 f"{args.gradient_accumulation_steps}) is not a multiple of "
+                                                 f"num_generations {args.num_generations}: change one of them")
         if args.beta > 0:
             check_reference(cfg)
         self.funcs = load_reward_funcs(args.reward_funcs, cfg.data.dataset_name)
@@ -152,13 +159,6 @@ class GRPO(CausalLM):
         args = self.cfg.train
         if args.beta > 0 and reference_kind(self.cfg) == "live":
             self.reference = load_live(self.cfg, accelerator, block_size=0)
-        world = accelerator.num_processes
-        batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
-        if batch % args.num_generations:
-            raise ConfigError("num_generations", f"the global batch of {batch} completions ({world} ranks x "
-                                                 f"{args.per_device_train_batch_size} x "
-                                                 f"{args.gradient_accumulation_steps}) is not a multiple of "
-                                                 f"num_generations {args.num_generations}: change one of them")
 
     def step_batches(self, accelerator, model, micro_batches: list[dict], step: int) -> list[dict]:
         """The step's prompt micro-batches -> completion micro-batches (module docstring, 1-4); with num_iterations

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -245,3 +247,61 @@ def test_a_grpo_run_logs_trls_metrics_and_the_reward(tiny_model, tmp_path):
         assert name in logged[0], (name, sorted(logged[0]))
     assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0
     assert summary["reward_start"] == logged[0]["reward"] and summary["reward_end"] == logged[1]["reward"]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("reward, message", [
+    ("grpo_rewards:raises", "reward function grpo_rewards:raises raised ValueError: no score for these"),
+    ("grpo_rewards:too_few", "reward function grpo_rewards:too_few returned 1 values for 4 completions"),
+])
+def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path, monkeypatch, reward, message):
+    import sys
+
+    from helpers import ROOT, train_in_process
+
+    from toolkit.errors import TrainingStopped
+    from toolkit.grpo import GRPO
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    with pytest.raises(TrainingStopped, match=message):
+        train_in_process(_values(tiny_model, tmp_path, reward_funcs=[reward], max_steps=1), task=GRPO())
+
+
+@pytest.mark.parametrize("values, field, message", [
+    ({"loss_type": "sigmoid"}, "loss_type", "GRPO's loss_type is one of dapo, grpo, bnpo, dr_grpo"),
+    ({"num_generations": 3}, "num_generations", "global batch of 8 completions"),
+    ({"reward_funcs": ["no_such_module:f"]}, "reward_funcs", "cannot import 'no_such_module:f'"),
+    ({"reward_funcs": ["arithmetic_correct"], "reward_weights": [1.0, 2.0]}, "reward_weights", "2 weights for 1"),
+    ({"num_iterations": 2, "save_steps": 3}, "save_steps", "multiple of num_iterations"),
+])
+def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, message):
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+    from toolkit.grpo import GRPO
+
+    cfg = config_from_dict(_values(tiny_model, tmp_path, **values))
+    with pytest.raises(ConfigError, match=message) as err:
+        GRPO().check(cfg)
+    assert err.value.field_name == field
+
+
+def test_beta_and_loss_type_take_each_tasks_default_and_values(tiny_model, tmp_path):
+    """One field each, unset by default: GRPO's beta 0 and dapo, DPO's 0.1 and sigmoid (TRL's); DPO refuses a GRPO
+    loss and beta 0."""
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+    from toolkit.grpo import GRPO
+    from toolkit.preference import DPO
+
+    cfg = config_from_dict(_values(tiny_model, tmp_path))
+    assert (cfg.train.beta, cfg.train.loss_type) == (None, None)
+    GRPO().check(cfg)
+    assert (cfg.train.beta, cfg.train.loss_type) == (0.0, "dapo")
+    dpo = {k: v for k, v in _values(tiny_model, tmp_path).items() if k not in ("dataset_name",)}
+    cfg = config_from_dict({**dpo, "dataset_name": "pydoc-preferences"})
+    DPO().check(cfg)
+    assert (cfg.train.beta, cfg.train.loss_type) == (0.1, "sigmoid")
+    for over, field in (({"loss_type": "dapo"}, "loss_type"), ({"beta": 0.0}, "beta")):
+        with pytest.raises(ConfigError) as err:
+            DPO().check(config_from_dict({**dpo, "dataset_name": "pydoc-preferences", **over}))
+        assert err.value.field_name == field
