@@ -64,7 +64,7 @@ class GRPO(CausalLM):
     name = "grpo"
     best_metric = ("reward", max)
     row_unit = "completions"
-    loss_unit = "reward"  # loss.png draws the mean reward
+    loss_unit = "GRPO objective"  # the clipped surrogate (near 0 by construction); loss.png draws the mean reward
     stream_refusal = "its sample order lists each prompt num_generations times in a row (toolkit.order)"
     defaults = {"disable_dropout": False, "beta": 0.0, "loss_type": "dapo"}  # TRL's GRPOConfig defaults
 

@@ -305,3 +305,16 @@ def test_beta_and_loss_type_take_each_tasks_default_and_values(tiny_model, tmp_p
         with pytest.raises(ConfigError) as err:
             DPO().check(config_from_dict({**dpo, "dataset_name": "pydoc-preferences", **over}))
         assert err.value.field_name == field
+
+
+def test_loss_png_draws_the_reward(tmp_path):
+    """A run whose rows log a reward (GRPO): loss.png's curve is the reward, on a 'mean reward' axis."""
+    import json
+
+    from toolkit import plots
+
+    rows = [{"step": s, "tokens_seen": 100 * s, "loss": 0.0, "reward": 0.1 * s, "loss_unit": "GRPO objective"}
+            for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plots.train_key(rows) == "reward" and plots.train_key([{"loss": 1.0}]) == "loss"
+    assert os.path.getsize(plots.plot_run(str(tmp_path))) > 0
