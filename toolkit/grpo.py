@@ -26,7 +26,8 @@ generation step (``save_steps`` a multiple of it).
 Metrics, named as TRL logs them: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length``, ``/min_length``, ``/max_length``, ``completions/clipped_ratio``,
 ``entropy``, ``kl`` (beta > 0), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; and the step's time split,
-``time/generation_s`` and ``time/training_s`` (seconds per step).
+``time/generation_s`` and ``time/training_s`` (seconds per step; this rank's, the main process's logged), and
+``completions/tokens_per_s`` (this rank's generated tokens over its generation time).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class GRPO(CausalLM):
         self.window = defaultdict(list)  # per-step metrics since the last log
         self.sums = defaultdict(float)  # masked token sums of the loss's metrics since the last log (this rank)
         self.rewards_seen: list[float] = []  # the mean reward of every generated batch, for the summary
+        self.generated_at = None  # when this step's completions were ready (the step's time split)
 
     # ------------------------------------------------------------------------------------------ checks, data
     def check(self, cfg) -> None:
@@ -164,6 +166,7 @@ class GRPO(CausalLM):
         """The step's prompt micro-batches -> completion micro-batches (module docstring, 1-4); with num_iterations
         > 1, the batch generated at the cycle's first step."""
         mu = self.cfg.train.num_iterations
+        self._training_time()  # the previous step's training part, if not yet counted
         if step % mu:
             if self.cached_step != step - step % mu:
                 raise ConfigError("resume_from_checkpoint", f"step {step} reuses the completions generated at step "
@@ -171,12 +174,23 @@ class GRPO(CausalLM):
                                                             "checkpoint does not hold: resume from a checkpoint at a "
                                                             "multiple of num_iterations")
             self.window["time/generation_s"].append(0.0)
+            self.generated_at = time.perf_counter()
             return self.cached
         started = time.perf_counter()
         batches = self._generate(accelerator, model, micro_batches, step)
         self.cached, self.cached_step = batches, step
-        self.window["time/generation_s"].append(time.perf_counter() - started)
+        self.generated_at = time.perf_counter()
+        self.window["time/generation_s"].append(self.generated_at - started)
+        self.window["completions/tokens_per_s"].append(sum(int(b["lengths"].sum()) for b in batches)
+                                                       / max(self.generated_at - started, 1e-9))
         return batches
+
+    def _training_time(self) -> None:
+        """The time from the end of the step's generation to now (its loss, backward and optimizer step: the core's
+        train_step), counted once per step into ``time/training_s``."""
+        if self.generated_at is not None:
+            self.window["time/training_s"].append(time.perf_counter() - self.generated_at)
+            self.generated_at = None
 
     def _slots(self, accelerator, micro: int, k: int) -> list[int]:
         """The positions in the global batch of micro-step k's rows on this rank (``toolkit.order``: micro-step
@@ -321,6 +335,7 @@ class GRPO(CausalLM):
     def log_metrics(self) -> dict:
         """Collective (every rank logs at the same steps): the window's metrics, each a mean over its steps; the loss
         metrics' token means over every rank's tokens."""
+        self._training_time()
         names = sorted(k for k in self.sums if k != "_tokens")
         totals = torch.tensor([self.sums[k] for k in names] + [self.sums["_tokens"]], dtype=torch.float64)
         if self.accelerator.num_processes > 1:

@@ -6,7 +6,8 @@ message each, TRL's convention), ``completion_ids`` and every other column of th
 returns one float per completion (TRL's signature; ``**kwargs`` takes the columns it does not use).
 
 ``arithmetic`` (``dataset_name: arithmetic``): questions "What is a + b?" (a, b < 50, seeded) as chat prompts with
-their ``answer`` column; ``arithmetic_correct`` rewards a completion whose first number is the answer,
+their ``answer`` column; ``arithmetic_correct`` rewards a completion whose last number is the answer ("12 + 7 =
+19" is right),
 ``arithmetic_format`` one that is a number alone (digits, nothing else but spaces and a final period).
 """
 
@@ -29,11 +30,11 @@ def _text(completion) -> str:
 
 
 def arithmetic_correct(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 where the completion's first number is the answer, else 0.0."""
+    """1.0 where the completion's last number is the answer, else 0.0."""
     out = []
     for completion, expected in zip(completions, answer):
-        found = NUMBER.search(_text(completion))
-        out.append(1.0 if found is not None and int(found.group()) == int(expected) else 0.0)
+        found = NUMBER.findall(_text(completion))
+        out.append(1.0 if found and int(found[-1]) == int(expected) else 0.0)
     return out
 
 

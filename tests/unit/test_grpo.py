@@ -243,7 +243,7 @@ def test_a_grpo_run_logs_trls_metrics_and_the_reward(tiny_model, tmp_path):
     assert len(logged) == 2
     for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/arithmetic_format/mean",
                  "completions/mean_length", "completions/clipped_ratio", "entropy", "frac_reward_zero_std",
-                 "clip_ratio/region_mean", "time/generation_s"):
+                 "clip_ratio/region_mean", "time/generation_s", "time/training_s"):
         assert name in logged[0], (name, sorted(logged[0]))
     assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0
     assert summary["reward_start"] == logged[0]["reward"] and summary["reward_end"] == logged[1]["reward"]
@@ -318,3 +318,15 @@ def test_loss_png_draws_the_reward(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plots.train_key(rows) == "reward" and plots.train_key([{"loss": 1.0}]) == "loss"
     assert os.path.getsize(plots.plot_run(str(tmp_path))) > 0
+
+
+def test_the_builtin_rewards():
+    from toolkit.rewards import arithmetic_correct, arithmetic_dataset, arithmetic_format
+
+    completions = ["12 + 7 = 19.", "19", " 18", "The answer is 19 apples", "none"]
+    assert arithmetic_correct(None, completions, answer=[19] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert arithmetic_format(None, completions) == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert arithmetic_correct(None, [[{"role": "assistant", "content": "19"}]], answer=[19]) == [1.0]
+    rows = arithmetic_dataset()["train"]
+    a, b = (int(x) for x in rows[0]["prompt"][0]["content"][len("What is "):].split("?")[0].split(" + "))
+    assert rows[0]["answer"] == a + b and len(rows) == 512
