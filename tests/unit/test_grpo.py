@@ -20,17 +20,6 @@ PROMPT_LEN, COMPLETION_LEN, ROWS, GENERATIONS = 5, 6, 8, 4
 EPSILON = 0.2
 
 
-@pytest.fixture()
-def reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _fixed_batch(vocab: int) -> dict:
     """Prompts of one length (TRL's forward passes no positions, ours counts them from the mask: equal without left
     padding), right-padded completions of different lengths (some as long as the maximum: truncated), random
@@ -92,20 +81,38 @@ def _ours(model, batch, loss_type, beta, old, ref, splits=(ROWS,)):
     return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _trl(tiny_model, tokenizer, batch, loss_type, beta, num_iterations, old, ref, tmp_path):
-    """TRL's ``GRPOTrainer._compute_loss`` on the same tensors (one process, one micro-batch); returns (loss, grads,
-    its metrics)."""
+@pytest.fixture(scope="module")
+def trl_trainer(tiny_model, tmp_path_factory):
+    """TRL's GRPOTrainer on the tiny model, built once (its ``_compute_loss`` reads ``loss_type`` and ``beta`` from
+    the trainer: each test sets them; the presence of old log-probs in the inputs is what num_iterations > 1 changes
+    there). Its model never steps: only gradients are read, and zeroed between tests."""
+    from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    model = _model(tiny_model)
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=ROWS,
-                      num_generations=GENERATIONS, max_completion_length=COMPLETION_LEN, loss_type=loss_type,
-                      beta=beta, num_iterations=num_iterations, epsilon=EPSILON, report_to="none", learning_rate=0.0)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a"] * ROWS}), processing_class=tokenizer)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), use_cpu=True, bf16=False,
+                      per_device_train_batch_size=ROWS, num_generations=GENERATIONS,
+                      max_completion_length=COMPLETION_LEN, epsilon=EPSILON, report_to="none", learning_rate=0.0)
+    trainer = GRPOTrainer(model=_model(tiny_model), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["a"] * ROWS}),
+                          processing_class=_tokenizer(tiny_model))
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
+    yield trainer
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _trl(trainer, batch, loss_type, beta, old, ref):
+    """TRL's ``GRPOTrainer._compute_loss`` on the same tensors (one process, one micro-batch); returns (loss, grads,
+    its metrics)."""
+    from collections import defaultdict
+
+    trainer.loss_type, trainer.beta = loss_type, beta
+    trainer._metrics["train"] = defaultdict(list)
+    trainer.model.zero_grad()
     inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
     inputs["num_items_in_batch"] = batch["completion_mask"].sum()
     if old is not None:
@@ -115,7 +122,7 @@ def _trl(tiny_model, tokenizer, batch, loss_type, beta, num_iterations, old, ref
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
-    return float(loss), grads, dict(trainer._metrics["train"])
+    return float(loss.detach()), grads, dict(trainer._metrics["train"])
 
 
 def _model(tiny_model):
@@ -144,14 +151,12 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("num_iterations", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_gradients_equal_trl(tiny_model, tmp_path, reset_accelerate, loss_type, beta, num_iterations):
-    tokenizer = _tokenizer(tiny_model)
+def test_loss_and_gradients_equal_trl(tiny_model, trl_trainer, loss_type, beta, num_iterations):
     model = _model(tiny_model)
     model.train()
     batch = _fixed_batch(model.config.vocab_size)
     old, ref = _olds(model, batch, num_iterations, beta)
-    trl_loss, trl_grads, metrics = _trl(tiny_model, tokenizer, batch, loss_type, beta, num_iterations, old, ref,
-                                        tmp_path)
+    trl_loss, trl_grads, metrics = _trl(trl_trainer, batch, loss_type, beta, old, ref)
     loss, grads = _ours(model, batch, loss_type, beta, old, ref)
     assert loss == pytest.approx(trl_loss, abs=1e-6), (loss, trl_loss)
     assert _max_diff(grads, trl_grads) <= 1e-6, _max_diff(grads, trl_grads)
