@@ -8,6 +8,8 @@ the accumulation. So:
     epoch e:  perm = randperm(N, seed + e)        (or arange(N) with shuffle off)
     step s:   global batch  G_s = perm[s*B : (s+1)*B],   B = world * micro * accum
     the tail  N mod B rows of the epoch are left out (every optimizer step sees exactly B rows)
+    repeats r: each row of perm listed r times in a row (GRPO: a prompt's group of num_generations completions; the
+              epoch is then N*r rows)
 
 Each global batch is cut into ``accum * world`` micro-batches of ``micro`` rows, emitted in the order
 (micro-step 0: rank 0, rank 1, ..., micro-step 1: rank 0, ...). accelerate's ``BatchSamplerShard`` (split_batches=False)
