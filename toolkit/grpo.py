@@ -265,6 +265,7 @@ class GRPO(CausalLM):
         w["reward_std"].append(float(rewards.std()))
         w["frac_reward_zero_std"].append(float(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()))
         for i, (name, _) in enumerate(self.funcs):
+            name = name.split(":")[-1]  # TRL's: the function's name (an import path's last part)
             w[f"rewards/{name}/mean"].append(float(per_func[:, i].mean()))
             w[f"rewards/{name}/std"].append(float(per_func[:, i].std()))
         w["completions/mean_length"].append(float(lengths.mean()))
