@@ -1,5 +1,5 @@
 """recipes/grpo.py launched: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 completions
-(SGD, 1e-6) under DDP, ZeRO-3 and FSDP2, sampling included (the same rewards at every step); with beta > 0 (a live
+(SGD, 1e-6) under DDP, ZeRO-2, ZeRO-3 and FSDP2, sampling included (the same rewards at every step); with beta > 0 (a live
 reference sharded like the policy) and num_iterations 2 under ZeRO-3; with LoRA (the adapter disabled as the
 reference) under DDP; and a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends. Every
 run joins the shared launch of its config and world size (helpers.Runs.plan): no launch of its own."""
@@ -32,7 +32,7 @@ def _lora(tiny_model) -> dict:
             "lora_target_modules": "c_attn"}
 
 
-STRATEGIES = ("ddp", "zero3", "fsdp")
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model):
