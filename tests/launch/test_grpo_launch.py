@@ -101,3 +101,25 @@ def test_resume_equals_the_straight_run(runs):
     straight, resumed = runs.get_planned("grpo_ddp"), runs.get_planned("grpo_resumed")
     assert _rewards(resumed)[-1] == _rewards(straight)[-1]
     assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch):
+    """SIGKILL to the whole 2-rank job while a checkpoint save is under way (test_reliability's), relaunched from
+    ``latest``: the completions drawn after the resume are those of the uninterrupted run (the sampling state is the
+    seed, the step and the prompt: nothing to save) and the weights end bit-identical."""
+    from helpers import ROOT, args_from, launch_runs
+    from test_reliability import _kill_inside_a_save, _saving, _steps_logged
+
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "scripts"))  # grpo_rewards, for the killed launch
+    cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2}
+    out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
+    straight = str(tmp_path / "straight")
+    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
+                            "recipe": "grpo", "probe": False},
+                           {"argv": args_from({**cfg, "output_dir": straight}), "recipe": "grpo", "probe": False}])
+    assert not _saving(out) and _steps_logged(out) == list(range(1, 7))
+    assert _rewards(out)[-1] == _rewards(straight)[-1]
+    diff = max_abs_diff(_final(out), _final(straight))
+    print(f"grpo: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
+    assert diff == 0.0
