@@ -112,6 +112,8 @@ RECIPE_HELP = {  # recipe: (fields its help lists, fields of other recipes it do
     "dpo": (["beta", "loss_type", "precompute_ref_log_probs", "ref_model_name_or_path", "chat_template"],
             ["text_column_name", "label_column_name", "class_weights"]),
     "classify": (["label_column_name", "class_weights"], ["beta", "chat_template", "ref_model_name_or_path"]),
+    "grpo": (["beta", "loss_type", "num_generations", "reward_funcs", "chat_template"],
+             ["text_column_name", "precompute_ref_log_probs", "label_column_name"]),
 }
 
 
