@@ -23,11 +23,15 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   model         tokenizer and model loading (tensor-parallel too), disable_dropout
   lora          LoRA through peft: wrap, adapter and merged export, loading an export back
   builtin_data  offline sets: pydoc-chats (chat SFT), stdlib-docstrings (classification)
+  sampling      per-row seeded sampling through model.generate: a completion depends on (seed, step, prompt, index)
+  grpo_loss     GRPO's arithmetic (TRL's): completion log-probs, group advantages, the clipped surrogate, loss_types
+  rewards       GRPO's reward functions (import paths, TRL's signature), the built-in arithmetic set and rewards
   tasks         what a recipe trains: the Task interface (data, model class, row loss, metrics) and CausalLM
   chat          chat data: the chat template, the assistant-only label mask; the ChatSFT task
   classification  labels, class weights, per-example loss, accuracy and macro-F1; the SequenceClassification task
   reference     DPO's reference model: a live frozen copy sharded like the policy, the adapter disabled, or a whole copy
   preference    preference pairs (prompt, chosen, rejected), the DPO loss against reference log-probs; the DPO task
+  grpo          GRPO: prompts -> sampled completions (the per-step hook), rewards, group advantages; the GRPO task
   checkpointing.convert  a checkpoint converted for a launch that cannot load it as written (DeepSpeed universal)
   checkpointing.resume  what a checkpoint records about the sample order; refuses a resume that would change it
   checkpointing.checkpoint  save_state checkpoints (atomic, rotated), their exact load, the final export

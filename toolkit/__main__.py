@@ -1,6 +1,6 @@
 """``python -m toolkit <command>`` (also the ``toolkit`` console script).
 
-  train    one command for a run: TASK (lm, sft, dpo, classify) checked here, then launched
+  train    one command for a run: TASK (lm, sft, dpo, classify, grpo) checked here, then launched
   verify   run a short job under a launch config and under one process; compare weights and losses
   report   redraw plots and the summary of one or more runs from their metrics.jsonl
   plan     per-device memory of each strategy for a model and a cluster, and which ones fit

@@ -47,6 +47,8 @@ SCHEDULERS = (
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's (toolkit.grpo_loss)
+SCALE_REWARDS = ("group", "batch", "none")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -64,8 +66,10 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
 # The tasks (Task.name) of a field that only some recipes use (metadata "tasks"; toolkit.config_help): --help lists
 # it for those recipes only, and the others refuse it.
 DPO_ONLY = ("dpo",)
+GRPO_ONLY = ("grpo",)
+PREFERENCE_TASKS = ("dpo", "grpo")  # beta and loss_type: one field each, the task's own values and default
 CLASSIFICATION_ONLY = ("sequence-classification",)
-CHAT_TASKS = ("chat-sft", "dpo")  # chat_template: chats, also as DPO's prompt/chosen/rejected messages
+CHAT_TASKS = ("chat-sft", "dpo", "grpo")  # chat_template: chats, DPO's and GRPO's prompts as messages
 TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
@@ -637,15 +641,71 @@ class TrainingArguments:
             "per_micro_batch: mean per micro-batch, the pre-2024 transformers bug; for comparison only."
         },
     )
-    beta: float = field(
-        default=0.1, metadata={"help": "DPO (TRL's name): how far the policy may move from the reference; the loss is "
-                                       "-logsigmoid(beta x the difference of the chosen and rejected log-ratios).",
-                               "tasks": DPO_ONLY}
+    beta: Optional[float] = field(
+        default=None, metadata={"help": "DPO and GRPO (TRL's name). DPO: how far the policy may move from the "
+                                        "reference; the loss is -logsigmoid(beta x the difference of the chosen and "
+                                        "rejected log-ratios); must be > 0. GRPO: the weight of the per-token KL to "
+                                        "the reference; 0 loads no reference. Unset: the task's default (DPO: 0.1, "
+                                        "GRPO: 0.0, TRL's).",
+                                "tasks": PREFERENCE_TASKS}
     )
-    loss_type: str = field(
-        default="sigmoid", metadata={"help": "DPO (TRL's name): 'sigmoid', the loss of the DPO paper, or 'ipo' (TRL's "
-                                             "IPO: the squared distance of the token-averaged log-ratio difference "
-                                             "from 1/(2 beta)).", "tasks": DPO_ONLY}
+    loss_type: Optional[str] = field(
+        default=None, metadata={"help": "DPO and GRPO (TRL's names). DPO: 'sigmoid', the loss of the DPO paper, or "
+                                        "'ipo' (TRL's IPO: the squared distance of the token-averaged log-ratio "
+                                        "difference from 1/(2 beta)). GRPO: 'dapo' (over the global batch's "
+                                        "completion tokens), 'grpo' (each completion's token mean, averaged), "
+                                        "'bnpo' (here the same as dapo: over the global batch's tokens) or "
+                                        "'dr_grpo' (over completions x max_completion_length). Unset: the task's "
+                                        "default (DPO: sigmoid, GRPO: dapo, TRL's).", "tasks": PREFERENCE_TASKS}
+    )
+    num_generations: int = field(
+        default=8, metadata={"help": "GRPO (TRL's name): completions sampled per prompt, a group; the global batch "
+                                     "(ranks x per_device_train_batch_size x gradient_accumulation_steps) counts "
+                                     "completions and must be a multiple of it.", "tasks": GRPO_ONLY}
+    )
+    max_prompt_length: Optional[int] = field(
+        default=512, metadata={"help": "GRPO: prompts longer than this many tokens keep their last tokens (TRL's "
+                                       "left truncation); null keeps them whole.", "tasks": GRPO_ONLY}
+    )
+    max_completion_length: int = field(
+        default=512, metadata={"help": "GRPO (TRL's name): tokens generated per completion at most; a completion "
+                                       "with no EOS within it is truncated.", "tasks": GRPO_ONLY}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "GRPO (TRL's name): the sampling temperature (the "
+                                                              "log-probs of the loss are taken at it too).",
+                                                      "tasks": GRPO_ONLY})
+    top_p: float = field(default=1.0, metadata={"help": "GRPO (TRL's name): nucleus sampling's probability mass; 1 "
+                                                        "turns it off.", "tasks": GRPO_ONLY})
+    top_k: int = field(default=0, metadata={"help": "GRPO (TRL's name): sample among the k likeliest tokens; 0 turns "
+                                                    "it off.", "tasks": GRPO_ONLY})
+    epsilon: float = field(default=0.2, metadata={"help": "GRPO (TRL's name): the ratio is clipped to [1 - epsilon, "
+                                                          "1 + epsilon_high].", "tasks": GRPO_ONLY})
+    epsilon_high: Optional[float] = field(default=None, metadata={"help": "GRPO (TRL's name): the upper clip; unset: "
+                                                                          "epsilon.", "tasks": GRPO_ONLY})
+    num_iterations: int = field(
+        default=1, metadata={"help": "GRPO (TRL's name): optimizer steps per generated batch; the steps after the "
+                                     "first reuse its completions with the old policy's log-probs (clipped ratio).",
+                             "tasks": GRPO_ONLY}
+    )
+    scale_rewards: str = field(
+        default="group", metadata={"help": "GRPO (TRL's name): divide each advantage by its group's reward std "
+                                           "('group'), the global batch's ('batch') or not ('none'), + 1e-4.",
+                                   "tasks": GRPO_ONLY}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "GRPO (TRL's name): completions with no EOS within max_completion_length "
+                                         "take no part in the loss.", "tasks": GRPO_ONLY}
+    )
+    reward_funcs: Optional[list[str]] = field(
+        default=None, metadata={"help": "GRPO: reward functions, import paths 'module:function' (TRL's signature: "
+                                        "prompts, completions, completion_ids and the dataset's other columns as "
+                                        "keyword arguments -> a list of floats) or a built-in's name "
+                                        "(arithmetic_correct, arithmetic_format). Unset: the built-in set's.",
+                                "nargs": "+", "tasks": GRPO_ONLY}
+    )
+    reward_weights: Optional[list[float]] = field(
+        default=None, metadata={"help": "GRPO (TRL's name): one weight per reward function; unset: 1 each.",
+                                "nargs": "+", "tasks": GRPO_ONLY}
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "
@@ -688,10 +748,12 @@ class TrainingArguments:
                   why=" (a moving average's decay: at 1 it never moves and its bias correction divides by zero)")
         _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
         _at_least_zero(self, "loss_chunk_size", why=" (0 turns it off)")
-        _finite(self, "beta")
-        if self.beta <= 0:  # beta 0 makes every pair's loss log 2 and its gradient 0: nothing would train
-            raise ConfigError("beta", f"must be > 0 (TRL's default is 0.1), got {self.beta}")
-        _one_of(self, "loss_type", LOSS_TYPES)
+        if self.beta is not None:
+            _finite(self, "beta")
+            _at_least_zero(self, "beta", why=" (DPO takes > 0, GRPO 0 for no reference)")
+        if self.loss_type is not None:  # which task takes which value: the task's check
+            _one_of(self, "loss_type", (*LOSS_TYPES, *GRPO_LOSS_TYPES))
+        self._check_grpo()
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError("peak_flops", f"must be a device's peak FLOP/s (> 0), e.g. 989e12; got {self.peak_flops}")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -710,6 +772,22 @@ class TrainingArguments:
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
         self._check_resume_folder()
+
+    def _check_grpo(self) -> None:
+        """GRPO's fields on their own (the global batch against num_generations needs the world size: the task's
+        check)."""
+        _positive(self, "max_completion_length", "num_iterations")
+        _positive(self, "max_prompt_length", allow_none=True)
+        _at_least_zero(self, "top_k", why=" (0 turns it off)")
+        _finite(self, "temperature", "top_p", "epsilon")
+        if self.num_generations < 2:
+            raise ConfigError("num_generations", f"must be >= 2 (a group's advantages are its rewards against the "
+                                                 f"group's mean), got {self.num_generations}")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            name = "temperature" if self.temperature <= 0 else "top_p"
+            raise ConfigError(name, f"must be {'> 0' if name == 'temperature' else 'in (0, 1]'}, got "
+                                    f"{getattr(self, name)}")
+        _one_of(self, "scale_rewards", SCALE_REWARDS)
 
     def _check_resume_folder(self) -> None:
         """A named checkpoint folder: one this toolkit wrote, and output_dir's own unless trust_checkpoint."""

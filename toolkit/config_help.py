@@ -17,7 +17,8 @@ import os
 import typing
 
 # Task.name -> the recipe that trains it (recipes/<name>.py)
-TASK_RECIPES = {"causal-lm": "gpt2.py", "chat-sft": "sft.py", "dpo": "dpo.py", "sequence-classification": "classify.py"}
+TASK_RECIPES = {"causal-lm": "gpt2.py", "chat-sft": "sft.py", "dpo": "dpo.py", "sequence-classification": "classify.py",
+                "grpo": "grpo.py"}
 GROUP_TITLES = {"ModelArguments": "model", "DataArguments": "data", "TrainingArguments": "training"}
 METAVARS = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}
 

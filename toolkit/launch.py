@@ -4,8 +4,8 @@
     toolkit train lm --config recipes/configs/smollm2_pydoc.yaml --strategy ddp --num_processes 2
     toolkit train dpo --help
 
-TASK is ``lm``, ``sft``, ``dpo`` or ``classify``: the recipe ``recipes/gpt2.py``, ``sft.py``, ``dpo.py`` or
-``classify.py``, found beside the package in a checkout and inside it in an installed wheel. ``--model`` names
+TASK is ``lm``, ``sft``, ``dpo``, ``classify`` or ``grpo``: the recipe ``recipes/gpt2.py``, ``sft.py``, ``dpo.py``,
+``classify.py`` or ``grpo.py``, found beside the package in a checkout and inside it in an installed wheel. ``--model`` names
 ``model_name_or_path``; ``--dataset`` a local file or glob (``train_file``) or a Hub dataset (``dataset_name``); every
 recipe field and ``--config`` are taken as the recipe takes them. ``--strategy`` is a shipped launch config (ddp,
 zero2, zero3, zero3_offload, fsdp, fsdp1, hsdp, tp) or a path to one; ``--num_processes`` defaults to the visible
@@ -32,16 +32,18 @@ from toolkit import config_help
 from toolkit.errors import ConfigError
 
 # toolkit train's TASK -> the task's name (Task.name; config_help.TASK_RECIPES has its recipe) and class
-TASKS = {"lm": "causal-lm", "sft": "chat-sft", "dpo": "dpo", "classify": "sequence-classification"}
+TASKS = {"lm": "causal-lm", "sft": "chat-sft", "dpo": "dpo", "classify": "sequence-classification", "grpo": "grpo"}
 TASK_CLASSES = {"causal-lm": "toolkit.tasks:CausalLM", "chat-sft": "toolkit.chat:ChatSFT",
-                "dpo": "toolkit.preference:DPO", "sequence-classification": "toolkit.classification:SequenceClassification"}
+                "dpo": "toolkit.preference:DPO", "sequence-classification": "toolkit.classification:SequenceClassification",
+                "grpo": "toolkit.grpo:GRPO"}
 # the data each task reads (docs/recipes.md#dataset-formats)
 TASK_DATA = {"causal-lm": "text (a 'text' column, or text_column_name); a .txt file: one document a line",
              "chat-sft": "messages, sharegpt (conversations of {from, value}), prompt_completion (text or messages), "
                          "alpaca (instruction, input, output)",
              "dpo": "preference (prompt, chosen, rejected: text or messages), implicit_preference (chosen and "
                     "rejected chats sharing their first turns)",
-             "sequence-classification": "a text column (text_column_name) and a label column (label_column_name)"}
+             "sequence-classification": "a text column (text_column_name) and a label column (label_column_name)",
+             "grpo": "prompt-only (prompt: text or messages); every other column reaches the reward functions"}
 STRATEGIES = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp", "fsdp1", "hsdp", "tp")
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".parquet")
 

@@ -406,17 +406,19 @@ def _model_flops_per_token(model, train_dataset, packing: bool) -> float:
 
 
 def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset=None, collator=None,
-                resume: ResumePlan | None = None) -> Run:
+                resume: ResumePlan | None = None, repeats: int = 1) -> Run:
     """The order, the loaders, the optimizer and the scheduler, prepared for the strategy; the resume plan (planned
-    here when ``build`` did not plan it) and the ``Checkpointer`` that carries it."""
+    here when ``build`` did not plan it) and the ``Checkpointer`` that carries it. ``repeats``: each row listed this
+    many times in a row in the order (``Task.sample_repeats``)."""
     args = cfg.train
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     dp = data_parallel_size(accelerator)
     if isinstance(train_dataset, TrainStream):  # its own order (toolkit.stream), read in this process: no loader
         sampler, loaders = train_dataset, [None]
     else:
-        require_one_global_batch(len(train_dataset), micro, dp, accumulation)
-        sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle)
+        require_one_global_batch(len(train_dataset) * repeats, micro, dp, accumulation)
+        sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle,
+                                     repeats=repeats)
         loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
                               num_workers=args.dataloader_num_workers)]
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * sampler.steps_per_epoch)
@@ -454,8 +456,9 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
     global_batch, per_epoch = run.sampler.global_batch_size, run.steps_per_epoch
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing and not cfg.data.padding_free else None
     streaming = isinstance(train_dataset, TrainStream)
+    rows = None if streaming else len(train_dataset) * run.sampler.repeats  # GRPO: each prompt num_generations times
     length = ("a stream, one pass" if streaming else
-              f"{per_epoch} steps/epoch ({len(train_dataset) - per_epoch * global_batch} rows left out per epoch)")
+              f"{per_epoch} steps/epoch ({rows - per_epoch * global_batch} rows left out per epoch)")
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
         f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
@@ -474,7 +477,8 @@ def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, las
     row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
     logged = state.step % args.logging_steps == 0 or last
     if logged:
-        row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush())
+        row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush(),
+                   **evaluation.task.log_metrics())
         if state.skipped_steps:
             row["skipped_steps"] = state.skipped_steps
     evaluated = evaluation.due(args, state.step, last)
@@ -527,7 +531,8 @@ def _check_packing(accelerator, model, strategy: str, train_dataset) -> None:
 def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
            resume: ResumePlan | None) -> dict:
     task, args, started = task or CausalLM(), cfg.train, time.time()
-    run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume)
+    run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume,
+                      repeats=task.sample_repeats(cfg))
     model = run.model
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:
@@ -607,6 +612,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             logger.close()
             _data_ran_out(accelerator, run, state)
             return ENDED_DATA_RAN_OUT
+        micro_batches = task.step_batches(accelerator, model, micro_batches, state.step)  # GRPO: its completions
         result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
                             data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
                             loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,

@@ -8,6 +8,8 @@ the accumulation. So:
     epoch e:  perm = randperm(N, seed + e)        (or arange(N) with shuffle off)
     step s:   global batch  G_s = perm[s*B : (s+1)*B],   B = world * micro * accum
     the tail  N mod B rows of the epoch are left out (every optimizer step sees exactly B rows)
+    repeats r: each row of perm listed r times in a row (GRPO: a prompt's group of num_generations completions; the
+              epoch is then N*r rows)
 
 Each global batch is cut into ``accum * world`` micro-batches of ``micro`` rows, emitted in the order
 (micro-step 0: rank 0, rank 1, ..., micro-step 1: rank 0, ...). accelerate's ``BatchSamplerShard`` (split_batches=False)
@@ -48,6 +50,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         gradient_accumulation_steps: int,
         seed: int,
         shuffle: bool = True,
+        repeats: int = 1,
     ):
         self.num_samples = num_samples
         self.batch_size = micro_batch_size  # accelerate reads .batch_size to know the per-rank batch
@@ -57,6 +60,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = True  # accelerate: no wrap-around padding; every rank gets full micro-batches
         self.epoch = 0
+        self.repeats = repeats  # each row listed this many times in a row (GRPO: a prompt's group of completions)
 
     @property
     def global_batch_size(self) -> int:
@@ -64,7 +68,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch_size
+        return self.num_samples * self.repeats // self.global_batch_size
 
     # Deliberately not called ``set_epoch``: accelerate's DataLoaderShard calls ``set_epoch(self.iteration)`` on
     # every ``__iter__`` with its own counter, which restarts at 0 on the loader ``skip_first_batches`` builds for a
@@ -74,10 +78,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
-            return torch.arange(self.num_samples)
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+            order = torch.arange(self.num_samples)
+        else:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        return order.repeat_interleave(self.repeats) if self.repeats > 1 else order
 
     def global_batch(self, epoch: int, step: int) -> list[int]:
         """The rows of optimizer step ``step`` (0-based, within ``epoch``), whatever the world size."""

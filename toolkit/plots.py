@@ -1,4 +1,5 @@
-"""``output_dir/loss.png``: train and eval loss against tokens seen, learning rate on a second axis.
+"""``output_dir/loss.png``: train and eval loss (GRPO: the mean reward) against tokens seen, learning rate on a second
+axis.
 
 Drawn from ``metrics.jsonl`` alone, so a finished (or interrupted) run can be re-drawn later by ``toolkit report``.
 
@@ -26,6 +27,12 @@ def loss_label(runs: dict[str, list[dict]]) -> str:
     return f"loss ({units.pop()})" if len(units) == 1 else "loss"
 
 
+def train_key(rows: list[dict]) -> str:
+    """The training curve: the mean reward where the rows log one (GRPO: a reward rises, its loss hovers near 0 by
+    construction), else the loss."""
+    return "reward" if any("reward" in r for r in rows) else "loss"
+
+
 def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) -> str:
     """One figure with every run's curves (one run: train/eval loss + lr; several: loss curves side by side)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -44,9 +51,10 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) 
         # wider and translucent so every curve stays visible.
         width = 1.5 if single else max(4.0 - 1.25 * i, 1.2)
         alpha = 1.0 if single else (0.45 if i < len(runs) - 1 else 1.0)
-        train, evals = _points(rows, "loss"), _points(rows, "eval_loss")
+        key = train_key(rows)
+        train, evals = _points(rows, key), _points(rows, "eval_loss")
         if train:
-            ax.plot(*zip(*train), color=train_color, linewidth=width, alpha=alpha, label=f"{label}train loss")
+            ax.plot(*zip(*train), color=train_color, linewidth=width, alpha=alpha, label=f"{label}train {key}")
         if evals:
             ax.plot(*zip(*evals), color=eval_color, linewidth=width, alpha=alpha, linestyle="--", marker="o",
                     markersize=3 + width, label=f"{label}eval loss")
@@ -57,7 +65,8 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str | None = None) 
                 lr_ax.set_ylabel("learning rate")
                 lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax.set_xlabel("tokens seen (all ranks)")
-    ax.set_ylabel(loss_label(runs))
+    rewards = all(train_key(rows) == "reward" for rows in runs.values())
+    ax.set_ylabel("mean reward" if rewards else loss_label(runs))
     ax.set_title(title or ", ".join(runs))
     handles, labels = ax.get_legend_handles_labels()
     if lr_ax is not None:

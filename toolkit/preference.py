@@ -52,7 +52,7 @@ from datasets import DatasetDict
 
 from toolkit import data, layout
 from toolkit.chat import set_chat_template, tokenize_completion  # noqa: F401 (tokenize_completion: its old home)
-from toolkit.config import DataArguments
+from toolkit.config import LOSS_TYPES, DataArguments
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
 from toolkit.mixture import load_task_splits
@@ -192,7 +192,8 @@ class DPO(CausalLM):
     loss_unit = "per pair"  # the DPO loss of a pair (sigmoid: nats; ipo: a squared log-ratio gap), not per token
     stream_refusal = ("it computes every training pair's reference log-probs before step 1 (TRL's "
                       "precompute_ref_log_probs)")
-    defaults = {"disable_dropout": True}  # TRL's: the policy's log-ratios without dropout noise, as the reference's
+    # TRL's: the policy's log-ratios without dropout noise, as the reference's; TRL's beta and loss
+    defaults = {"disable_dropout": True, "beta": 0.1, "loss_type": "sigmoid"}
 
     def __init__(self):
         self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check
@@ -205,6 +206,12 @@ class DPO(CausalLM):
             raise ConfigError("packing", "DPO takes one pair per row (its two sequences in one micro-batch); set "
                                          "packing: false and unset packing_strategy")
         cfg.data.packing = False
+        self.apply_defaults(cfg)  # beta and loss_type, unset: DPO's (the fields are GRPO's too, with other values)
+        if cfg.train.beta <= 0:  # beta 0 makes every pair's loss log 2 and its gradient 0: nothing would train
+            raise ConfigError("beta", f"must be > 0 for DPO (TRL's default is 0.1), got {cfg.train.beta}")
+        if cfg.train.loss_type not in LOSS_TYPES:
+            raise ConfigError("loss_type", f"DPO's loss_type is one of {', '.join(LOSS_TYPES)}, got "
+                                           f"{cfg.train.loss_type!r} (a GRPO loss: recipes/grpo.py)")
         check_reference(cfg)
         self.beta, self.loss_type, self.cfg = cfg.train.beta, cfg.train.loss_type, cfg
 

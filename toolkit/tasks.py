@@ -14,6 +14,9 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     row_losses(model, batch, chunked)   per-row *summed* loss: the loop divides by the global batch's targets
     eval_rows(model, batch, chunked)    per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
     prepared(accelerator, model)        after the strategy prepared the model (DPO: its live reference, sharded alike)
+    sample_repeats(cfg)                 each row listed this many times in a row in the sample order (GRPO's groups)
+    step_batches(accelerator, model, micro_batches, step)   before each step: the micro-batches it trains on
+    log_metrics()                       at each logged step: the task's own metrics (GRPO: rewards, lengths, KL)
     summary(accelerator, model)         collective, at the end: entries the task adds to summary.json
 
 and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's),
@@ -123,6 +126,19 @@ class Task(ABC):
 
     def prepared(self, accelerator, model) -> None:  # noqa: B027 (a hook that does nothing unless a task needs it)
         """Called on every rank once the strategy has prepared ``model``, before any step."""
+
+    def sample_repeats(self, cfg) -> int:
+        """How many times in a row the sample order lists each dataset row (GRPO: num_generations, a group)."""
+        return 1
+
+    def step_batches(self, accelerator, model, micro_batches: list[dict], step: int) -> list[dict]:
+        """Collective, every rank, before each optimizer step: the micro-batches the step trains on, made from the
+        ones the order gave (GRPO: prompts -> sampled completions). ``step``: optimizer steps done before it."""
+        return micro_batches
+
+    def log_metrics(self) -> dict:
+        """Collective, at each logged step: the task's metrics since the last log (GRPO: rewards, lengths, KL)."""
+        return {}
 
     def summary(self, accelerator, model) -> dict:
         """Collective (every rank calls it, before the process group ends): entries for the run's summary (by

@@ -231,7 +231,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
                              "streaming": True}, [], {}, "streaming", "the dpo task cannot train on a stream", "dpo"),
         # a field of another recipe's task: gpt2.py refuses DPO's beta, dpo.py a classifier's label column
         ("another recipe's field", {"beta": 0.2}, [], {}, "beta",
-         "is a field of recipes/dpo.py; recipes/gpt2.py does not use it"),
+         "is a field of recipes/dpo.py, recipes/grpo.py; recipes/gpt2.py does not use it"),
         ("another recipe's field in dpo", {"train_file": files["pairs.jsonl"], "validation_file": None,
                                            "label_column_name": "topic"}, [], {}, "label_column_name",
          "is a field of recipes/classify.py; recipes/dpo.py does not use it", "dpo"),

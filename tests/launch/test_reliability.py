@@ -225,9 +225,9 @@ def _saving(out) -> list[str]:
     return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
 
 
-def _kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int) -> tuple[str, int]:
-    """A 2-rank recipes/gpt2.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is under
-    way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
+def _kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int, recipe: str = "gpt2") -> tuple[str, int]:
+    """A 2-rank recipes/<recipe>.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is
+    under way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
     checkpoint and ``latest`` stay loadable."""
     # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
     # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
@@ -235,7 +235,7 @@ def _kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int) -> t
         out = str(tmp_path / f"killed-{attempt}")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
                "--num_processes", "2", "--main_process_port", str(free_port()),
-               os.path.join(ROOT, "recipes", "gpt2.py"), *args_from({**cfg, "output_dir": out})]
+               os.path.join(ROOT, "recipes", f"{recipe}.py"), *args_from({**cfg, "output_dir": out})]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         deadline = time.time() + 120

@@ -112,6 +112,8 @@ RECIPE_HELP = {  # recipe: (fields its help lists, fields of other recipes it do
     "dpo": (["beta", "loss_type", "precompute_ref_log_probs", "ref_model_name_or_path", "chat_template"],
             ["text_column_name", "label_column_name", "class_weights"]),
     "classify": (["label_column_name", "class_weights"], ["beta", "chat_template", "ref_model_name_or_path"]),
+    "grpo": (["beta", "loss_type", "num_generations", "reward_funcs", "chat_template"],
+             ["text_column_name", "precompute_ref_log_probs", "label_column_name"]),
 }
 
 
@@ -157,7 +159,7 @@ def test_a_runs_own_config_yaml_parses_again_under_its_recipe(base, tmp_path):
     write_config(parse_args(["--config", _yaml(tmp_path, **base)], task="causal-lm"), str(written))
     assert "beta" in yaml.safe_load(written.read_text())
     cfg = parse_args(["--config", str(written)], task="causal-lm")
-    assert cfg.train.beta == 0.1 and cfg.data.label_column_name is None
+    assert cfg.train.beta is None and cfg.data.label_column_name is None  # unset: the task gives its default
 
 
 def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(monkeypatch, tmp_path):

@@ -73,7 +73,7 @@ def test_a_tasks_help_describes_it_its_data_and_only_its_fields(capsys):
     assert launch.main(["classify", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--label_column_name" in text and "--beta" not in text
-    assert launch.main(["nope"]) == 2 and "TASK: lm, sft, dpo, classify" in capsys.readouterr().err
+    assert launch.main(["nope"]) == 2 and "TASK: lm, sft, dpo, classify, grpo" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("short", sorted(launch.TASKS))

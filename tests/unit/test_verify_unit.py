@@ -59,5 +59,5 @@ def test_a_field_of_another_recipe_stops_verify_before_any_launch(tiny_model, pa
                  "--train_file", padded_data["train_file"], "--block_size", "32", "--beta", "0.2",
                  "--work_dir", str(tmp_path)])
     assert code == 2
-    assert capsys.readouterr().err == "config error: beta: is a field of recipes/dpo.py; recipes/gpt2.py does not " \
-                                      "use it: delete it\n"
+    assert capsys.readouterr().err == "config error: beta: is a field of recipes/dpo.py, recipes/grpo.py; " \
+                                      "recipes/gpt2.py does not use it: delete it\n"

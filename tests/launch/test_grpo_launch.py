@@ -1,0 +1,125 @@
+"""recipes/grpo.py launched: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 completions
+(SGD, 1e-6) under DDP, ZeRO-2, ZeRO-3 and FSDP2, sampling included (the same rewards at every step); with beta > 0 (a live
+reference sharded like the policy) and num_iterations 2 under ZeRO-3; with LoRA (the adapter disabled as the
+reference) under DDP; and a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends. Every
+run joins the shared launch of its config and world size (helpers.Runs.plan): no launch of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers import Runs, load_weights, max_abs_diff
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def _grpo(tiny_model) -> dict:
+    # rewards a random tiny model's completions earn unequally (tests/scripts/grpo_rewards.py): non-zero advantages
+    return dict(model_name_or_path=tiny_model, dataset_name="arithmetic", chat_template=CHAT_TEMPLATE, block_size=64,
+                num_generations=4, max_completion_length=6, max_prompt_length=32, max_steps=3, logging_steps=1,
+                report_to="none", optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant",
+                weight_decay=0, seed=7, save_steps=2, reward_funcs="grpo_rewards:vowels")
+
+
+def _kl(tiny_model) -> dict:
+    return {**_grpo(tiny_model), "beta": 0.04, "num_iterations": 2, "loss_type": "grpo", "max_steps": 4}
+
+
+def _lora(tiny_model) -> dict:
+    return {**_grpo(tiny_model), "beta": 0.04, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+            "lora_target_modules": "c_attn"}
+
+
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
+
+
+def plan_runs(pool, tmp_path_factory, tiny_model):
+    r = Runs(tmp_path_factory.mktemp("grpo"), None, {}, {}, pool=pool)
+    for name, cfg in (("grpo", _grpo(tiny_model)), ("kl", _kl(tiny_model)), ("lora", _lora(tiny_model))):
+        r.plan(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg, recipe="grpo", probe=False)
+    for strategy in STRATEGIES:
+        r.plan(f"grpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _grpo(tiny_model), recipe="grpo", probe=False)
+    r.plan("kl_zero3", "zero3.yaml", 2, 2, 2, _kl(tiny_model), recipe="grpo", probe=False)
+    r.plan("lora_ddp", "ddp.yaml", 2, 2, 2, _lora(tiny_model), recipe="grpo", probe=False)
+    r.plan("grpo_resumed", "ddp.yaml", 2, 2, 2, {**_grpo(tiny_model), "resume_from_checkpoint": "latest"},
+           copy_from=("grpo_ddp", 2), recipe="grpo", probe=False)
+    return {"runs": r}
+
+
+@pytest.fixture(scope="module")
+def runs(run_pool):
+    return run_pool.modules[(__name__, "runs")]
+
+
+def _rows(run: str) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def _rewards(run: str) -> list[float]:
+    return [r["reward"] for r in _rows(run) if "reward" in r]
+
+
+def _final(run: str) -> dict:
+    final = os.path.join(run, "final")
+    if os.path.exists(os.path.join(final, "adapter_model.safetensors")):
+        from safetensors.torch import load_file
+
+        return {k: v.double() for k, v in load_file(os.path.join(final, "adapter_model.safetensors")).items()}
+    return load_weights(final)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_equal_one_process_sampling_included(runs, strategy, tiny_model):
+    """The same rewards at each step (the same completions drawn on 1 and 2 ranks, whichever rank and micro-batch a
+    completion lands on), the same final weights within 1e-6; the weights moved."""
+    one, two = runs.get_planned("grpo_one"), runs.get_planned(f"grpo_{strategy}")
+    assert _rewards(two) == pytest.approx(_rewards(one), abs=1e-6) and len(_rewards(one)) == 3
+    assert len(set(_rewards(one))) == 3  # each step drew other completions
+    diff = max_abs_diff(_final(one), _final(two))
+    assert diff <= 1e-6, diff
+    assert max_abs_diff(_final(one), load_weights(tiny_model)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["kl_zero3", "lora_ddp"])
+def test_reference_and_reused_batches_equal_one_process(runs, name):
+    """beta > 0 and num_iterations 2 under ZeRO-3 (the live reference sharded like the policy; the second step of
+    each batch against the old log-probs): kl logged, the same rewards, 1e-6 apart. LoRA with beta > 0 under DDP (the
+    adapter disabled as the reference): the adapters 1e-6 apart."""
+    one, two = runs.get_planned(f"{name.split('_')[0]}_one"), runs.get_planned(name)
+    assert _rewards(two) == pytest.approx(_rewards(one), abs=1e-6)
+    kls = [r["kl"] for r in _rows(two) if "kl" in r]
+    assert kls and kls[-1] > 0
+    diff = max_abs_diff(_final(one), _final(two))
+    assert diff <= 1e-6, diff
+
+
+def test_resume_equals_the_straight_run(runs):
+    """Resumed from the 2-rank run's step-2 checkpoint: step 3 draws the same completions (the sampling state is
+    (seed, step, prompt, generation index), in no checkpoint) and ends with the same weights."""
+    straight, resumed = runs.get_planned("grpo_ddp"), runs.get_planned("grpo_resumed")
+    assert _rewards(resumed)[-1] == _rewards(straight)[-1]
+    assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch):
+    """SIGKILL to the whole 2-rank job while a checkpoint save is under way (test_reliability's), relaunched from
+    ``latest``: the completions drawn after the resume are those of the uninterrupted run (the sampling state is the
+    seed, the step and the prompt: nothing to save) and the weights end bit-identical."""
+    from helpers import ROOT, args_from, launch_runs
+    from test_reliability import _kill_inside_a_save, _saving, _steps_logged
+
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "scripts"))  # grpo_rewards, for the killed launch
+    cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2}
+    out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
+    straight = str(tmp_path / "straight")
+    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
+                            "recipe": "grpo", "probe": False},
+                           {"argv": args_from({**cfg, "output_dir": straight}), "recipe": "grpo", "probe": False}])
+    assert not _saving(out) and _steps_logged(out) == list(range(1, 7))
+    assert _rewards(out)[-1] == _rewards(straight)[-1]
+    diff = max_abs_diff(_final(out), _final(straight))
+    print(f"grpo: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
+    assert diff == 0.0

@@ -1,0 +1,25 @@
+"""Reward functions for GRPO's launched tests (TRL's signature, named by import path ``grpo_rewards:NAME``; this
+folder is on the launched processes' path): rewards a random tiny model's completions earn unequally, so that the
+advantages, and the gradients, are not zero."""
+
+
+def characters(prompts, completions, **kwargs) -> list[float]:
+    """The completion's length in characters, over 10."""
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 10 for c in completions]
+
+
+def vowels(prompts, completions, answer, **kwargs) -> list[float]:
+    """The share of vowels in the completion, plus whether it names the answer's last digit (a column by name)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else c[0]["content"]
+        out.append(sum(ch in "aeiou" for ch in text) / max(len(text), 1) + float(str(a)[-1] in text))
+    return out
+
+
+def raises(prompts, completions, **kwargs) -> list[float]:
+    raise ValueError("no score for these")
+
+
+def too_few(prompts, completions, **kwargs) -> list[float]:
+    return [0.0]

@@ -1,0 +1,384 @@
+"""Group relative policy optimisation (GRPO, TRL's ``GRPOTrainer``): sample a group of completions per prompt, score
+them with reward functions, and push each completion's log-probabilities by its reward against its group's.
+
+Data: TRL's prompt-only format, a ``prompt`` column as text or as messages (rendered with the chat template and its
+generation prompt); every other column goes to the reward functions by name (``toolkit.rewards``). Prompts keep their
+last ``max_prompt_length`` tokens.
+
+A step (``step_batches``, the core's per-step hook, then the core's ``train_step``):
+
+1. The global batch counts *completions*: the sample order (``toolkit.order``, ``repeats: num_generations``) lists
+   each prompt ``num_generations`` times in a row, so a global batch of B completions holds B / num_generations whole
+   groups, split over ranks and micro-batches like any other rows (a group may span them).
+2. Each completion slot is sampled with its own generator seeded from (seed, step, prompt index, generation index)
+   (``toolkit.sampling``): the same completions on any world size, micro-batch or rank, and after a resume.
+3. Rewards are computed where the completion is, gathered (every rank the whole global batch's, in slot order), and
+   each completion's advantage is its reward against its whole group (``toolkit.grpo_loss.group_advantages``).
+4. With ``beta`` > 0 the reference's log-probs (``toolkit.reference``, as DPO's: a live frozen copy sharded like the
+   policy, or with LoRA the adapter disabled), and with ``num_iterations`` > 1 the policy's own (the old policy), are
+   taken without grad before the first optimizer step on the batch.
+
+The loss of each ``loss_type`` is TRL's (``toolkit.grpo_loss``), a row sum over the global batch's targets, so N ranks
+x micro b x accumulation k train as one process with N*b*k completions. ``num_iterations`` > 1: the next
+``num_iterations - 1`` optimizer steps reuse the batch (their own prompts are not used); a checkpoint must fall on a
+generation step (``save_steps`` a multiple of it).
+
+Metrics, named as TRL logs them: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and ``/std``,
+``frac_reward_zero_std``, ``completions/mean_length``, ``/min_length``, ``/max_length``, ``completions/clipped_ratio``,
+``entropy``, ``kl`` (beta > 0), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; and the step's time split,
+``time/generation_s`` and ``time/training_s`` (seconds per step; this rank's, the main process's logged), and
+``completions/tokens_per_s`` (this rank's generated tokens over its generation time).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+from toolkit import data
+from toolkit.chat import set_chat_template
+from toolkit.config import GRPO_LOSS_TYPES
+from toolkit.distributed import launched_parallel_sizes, launched_strategy
+from toolkit.errors import ConfigError
+from toolkit.grpo_loss import (
+    clip_fractions,
+    completion_logps,
+    group_advantages,
+    per_token_losses,
+    row_losses_and_targets,
+)
+from toolkit.preference import unwrap
+from toolkit.reference import check_reference, load_live, reference_kind, reshard
+from toolkit.rewards import ARITHMETIC, arithmetic_dataset, check_weights, load_reward_funcs, score, stop
+from toolkit.sampling import completion_mask, row_seed, sample
+from toolkit.tasks import CausalLM
+
+INDEX = "prompt_index"  # a prompt's row in the training set: part of each of its completions' seeds
+
+
+class GRPO(CausalLM):
+    """GRPO on a causal LM (module docstring)."""
+
+    name = "grpo"
+    best_metric = ("reward", max)
+    row_unit = "completions"
+    loss_unit = "GRPO objective"  # the clipped surrogate (near 0 by construction); loss.png draws the mean reward
+    stream_refusal = "its sample order lists each prompt num_generations times in a row (toolkit.order)"
+    defaults = {"disable_dropout": False, "beta": 0.0, "loss_type": "dapo"}  # TRL's GRPOConfig defaults
+
+    def __init__(self):
+        self.cfg, self.funcs, self.weights, self.reference = None, [], [], None
+        self.cached, self.cached_step = None, None  # the generated batch num_iterations steps reuse
+        self.window = defaultdict(list)  # per-step metrics since the last log
+        self.sums = defaultdict(float)  # masked token sums of the loss's metrics since the last log (this rank)
+        self.rewards_seen: list[float] = []  # the mean reward of every generated batch, for the summary
+        self.generated_at = None  # when this step's completions were ready (the step's time split)
+
+    # ------------------------------------------------------------------------------------------ checks, data
+    def check(self, cfg) -> None:
+        self.apply_defaults(cfg)
+        args, self.cfg = cfg.train, cfg
+        if args.loss_type not in GRPO_LOSS_TYPES:
+            raise ConfigError("loss_type", f"GRPO's loss_type is one of {', '.join(GRPO_LOSS_TYPES)}, got "
+                                           f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
+        refusals = {"packing": cfg.data.packing, "loss_chunk_size": args.loss_chunk_size,
+                    "precompute_ref_log_probs": args.precompute_ref_log_probs,
+                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file}
+        for field, value in refusals.items():
+            if value:
+                raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "
+                                         "completions, there is no held-out evaluation): unset it")
+        cfg.data.packing = False
+        if launched_strategy() == "fsdp" and (os.environ.get("FSDP_VERSION", "1") == "1" or cfg.model.use_peft):
+            why = ("FSDP1's wrapper has no generate" if os.environ.get("FSDP_VERSION", "1") == "1" else
+                   "peft's generate calls the inner model, around FSDP2's root module (torch refuses the forward)")
+            raise ConfigError("use_peft" if cfg.model.use_peft else "fsdp_version",
+                              f"GRPO generates with model.generate, which does not run here: {why}; launch with "
+                              "fsdp.yaml (FSDP2) without LoRA, or ddp.yaml / a ZeRO config")
+        if launched_parallel_sizes().get("tp", 1) > 1:
+            raise ConfigError("tp_size", "GRPO generates with model.generate per data-parallel rank; tensor "
+                                         "parallelism is not supported: launch without it")
+        if args.num_iterations > 1 and args.save_steps and args.save_steps % args.num_iterations:
+            raise ConfigError("save_steps", f"a checkpoint must fall on a generation step: make save_steps a "
+                                            f"multiple of num_iterations ({args.num_iterations})")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # the launch's ranks, before any process group
+        batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        if batch % args.num_generations:
+            raise ConfigError("num_generations", f"the global batch of {batch} completions ({world} ranks x "
+                                                 f"{args.per_device_train_batch_size} x "
+                                                 f"{args.gradient_accumulation_steps}) is not a multiple of "
+                                                 f"num_generations {args.num_generations}: change one of them")
+        if args.beta > 0:
+            check_reference(cfg)
+        self.funcs = load_reward_funcs(args.reward_funcs, cfg.data.dataset_name)
+        self.weights = check_weights(args.reward_weights, self.funcs)
+
+    def sample_repeats(self, cfg) -> int:
+        return cfg.train.num_generations
+
+    def load_raw(self, args):
+        raw = data.load_splits(args, {ARITHMETIC: arithmetic_dataset})
+        if "prompt" not in raw["train"].column_names:
+            raise ConfigError("dataset_name", f"GRPO reads a 'prompt' column (text or messages); the data has "
+                                              f"{raw['train'].column_names}")
+        self.conversational = len(raw["train"]) > 0 and isinstance(raw["train"][0]["prompt"], list)
+        return {"train": raw["train"]}
+
+    def prepare_tokenizer(self, tokenizer, cfg) -> None:
+        if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
+            set_chat_template(tokenizer, cfg.data.chat_template)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.tokenizer = tokenizer
+
+    def tokenize(self, raw, tokenizer, args, block_size: int):
+        if self.conversational and not getattr(tokenizer, "chat_template", None):
+            set_chat_template(tokenizer, None)  # refuses: conversational prompts need a template
+        keep = self.cfg.train.max_prompt_length if self.cfg is not None else None
+
+        def encode(batch, indices):
+            ids = []
+            for prompt in batch["prompt"]:
+                if isinstance(prompt, list):
+                    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                    row = tokenizer(text, add_special_tokens=False)["input_ids"]
+                else:
+                    row = tokenizer(prompt)["input_ids"]
+                ids.append(row[-keep:] if keep else row)  # TRL's left truncation: the prompt's end stays
+            return {"input_ids": ids, INDEX: indices}
+
+        return {"train": raw["train"].map(encode, batched=True, with_indices=True, desc="tokenize prompts")}
+
+    def collator(self, tokenizer):
+        return PromptCollator()
+
+    # ------------------------------------------------------------------------------------------ the step hook
+    def prepared(self, accelerator, model) -> None:
+        self.accelerator = accelerator
+        args = self.cfg.train
+        if args.beta > 0 and reference_kind(self.cfg) == "live":
+            self.reference = load_live(self.cfg, accelerator, block_size=0)
+
+    def step_batches(self, accelerator, model, micro_batches: list[dict], step: int) -> list[dict]:
+        """The step's prompt micro-batches -> completion micro-batches (module docstring, 1-4); with num_iterations
+        > 1, the batch generated at the cycle's first step."""
+        mu = self.cfg.train.num_iterations
+        self._training_time()  # the previous step's training part, if not yet counted
+        if step % mu:
+            if self.cached_step != step - step % mu:
+                raise ConfigError("resume_from_checkpoint", f"step {step} reuses the completions generated at step "
+                                                            f"{step - step % mu} (num_iterations {mu}), which a "
+                                                            "checkpoint does not hold: resume from a checkpoint at a "
+                                                            "multiple of num_iterations")
+            self.window["time/generation_s"].append(0.0)
+            self.generated_at = time.perf_counter()
+            return self.cached
+        started = time.perf_counter()
+        batches = self._generate(accelerator, model, micro_batches, step)
+        self.cached, self.cached_step = batches, step
+        self.generated_at = time.perf_counter()
+        self.window["time/generation_s"].append(self.generated_at - started)
+        self.window["completions/tokens_per_s"].append(sum(int(b["lengths"].sum()) for b in batches)
+                                                       / max(self.generated_at - started, 1e-9))
+        return batches
+
+    def _training_time(self) -> None:
+        """The time from the end of the step's generation to now (its loss, backward and optimizer step: the core's
+        train_step), counted once per step into ``time/training_s``."""
+        if self.generated_at is not None:
+            self.window["time/training_s"].append(time.perf_counter() - self.generated_at)
+            self.generated_at = None
+
+    def _slots(self, accelerator, micro: int, k: int) -> list[int]:
+        """The positions in the global batch of micro-step k's rows on this rank (``toolkit.order``: micro-step
+        major, rank minor)."""
+        start = (k * accelerator.num_processes + accelerator.process_index) * micro
+        return list(range(start, start + micro))
+
+    def _generate(self, accelerator, model, micro_batches, step) -> list[dict]:
+        args, tokenizer = self.cfg.train, self.tokenizer
+        generator = unwrap(model)
+        was_training = generator.training
+        generator.eval()  # no dropout in sampling: the completions are the sample order's
+        sharded = accelerator.num_processes > 1 and (accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"))
+        out, local = [], []
+        try:
+            for k, batch in enumerate(micro_batches):
+                slots = self._slots(accelerator, len(batch["rows"]), k)
+                seeds = [row_seed(args.seed, step, r[INDEX], s % args.num_generations)
+                         for r, s in zip(batch["rows"], slots)]
+                ids, mask = left_pad([r["input_ids"] for r in batch["rows"]], tokenizer.pad_token_id)
+                ids, mask = ids.to(accelerator.device), mask.to(accelerator.device)
+                completions = sample(generator, ids, mask, seeds, max_new_tokens=args.max_completion_length,
+                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     synced_gpus=sharded)
+                out.append(self._completion_batch(batch, ids, mask, completions))
+                local.append(self._score(batch, out[-1], slots))
+        finally:
+            generator.train(was_training)
+        self._advantages(accelerator, out, local)
+        self._extra_logps(model, out)
+        return out
+
+    def _completion_batch(self, batch, prompt_ids, prompt_mask, completions) -> dict:
+        cmask, truncated = completion_mask(completions, self.tokenizer.eos_token_id)
+        lengths = cmask.sum(1)
+        loss_mask = cmask * (~truncated).long().unsqueeze(1) if self.cfg.train.mask_truncated_completions else cmask
+        return {"input_ids": torch.cat([prompt_ids, completions], 1), "attention_mask": torch.cat([prompt_mask, cmask], 1),
+                "completion_ids": completions, "completion_mask": loss_mask, "prompt_length": prompt_ids.shape[1],
+                "lengths": lengths, "truncated": truncated, "rows": batch["rows"]}
+
+    def _score(self, batch, completion_batch, slots) -> tuple:
+        """(slots, rewards per function per completion or None, error, lengths, truncated) of one micro-batch."""
+        tokenizer, rows = self.tokenizer, batch["rows"]
+        ids = [c[:n].tolist() for c, n in zip(completion_batch["completion_ids"].cpu(), completion_batch["lengths"])]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        columns = {c: [r[c] for r in rows] for c in rows[0] if c not in ("input_ids", INDEX, "prompt")}
+        rewards, error = score(self.funcs, [r["prompt"] for r in rows], completions, ids, columns)
+        return (slots, rewards, error, completion_batch["lengths"].tolist(), completion_batch["truncated"].tolist())
+
+    def _advantages(self, accelerator, out: list[dict], local: list[tuple]) -> None:
+        """Every rank's scores gathered (the whole global batch, in slot order), each group's advantages, and the
+        generation metrics; a reward function's failure stops the run on every rank."""
+        from accelerate.utils import gather_object
+
+        parts = gather_object([local]) if accelerator.num_processes > 1 else [local]
+        stop([p[2] for rank in parts for p in rank])
+        flat = sorted(((slot, [f[i] for f in p[1]], p[3][i], p[4][i]) for rank in parts for p in rank
+                       for i, slot in enumerate(p[0])), key=lambda x: x[0])
+        per_func = torch.tensor([x[1] for x in flat], dtype=torch.float32)
+        rewards = (per_func * torch.tensor(self.weights).unsqueeze(0)).sum(1)
+        advantages, group_std = group_advantages(rewards, self.cfg.train.num_generations, self.cfg.train.scale_rewards)
+        for batch, mine in zip(out, local):
+            positions = torch.tensor(mine[0])
+            batch["advantages"] = advantages[positions].to(batch["input_ids"].device)
+        self._generation_metrics(per_func, rewards, group_std, flat)
+
+    def _generation_metrics(self, per_func, rewards, group_std, flat) -> None:
+        w, lengths = self.window, torch.tensor([x[2] for x in flat], dtype=torch.float32)
+        w["reward"].append(float(rewards.mean()))
+        w["reward_std"].append(float(rewards.std()))
+        w["frac_reward_zero_std"].append(float(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()))
+        for i, (name, _) in enumerate(self.funcs):
+            name = name.split(":")[-1]  # TRL's: the function's name (an import path's last part)
+            w[f"rewards/{name}/mean"].append(float(per_func[:, i].mean()))
+            w[f"rewards/{name}/std"].append(float(per_func[:, i].std()))
+        w["completions/mean_length"].append(float(lengths.mean()))
+        w["completions/min_length"].append(float(lengths.min()))
+        w["completions/max_length"].append(float(lengths.max()))
+        w["completions/clipped_ratio"].append(sum(bool(x[3]) for x in flat) / len(flat))
+        self.rewards_seen.append(float(rewards.mean()))
+
+    @torch.no_grad()
+    def _extra_logps(self, model, out: list[dict]) -> None:
+        """Targets per row; the reference's log-probs (beta > 0) and the old policy's (num_iterations > 1), without
+        grad, before the batch's first optimizer step."""
+        args = self.cfg.train
+        for batch in out:
+            _, targets = row_losses_and_targets(torch.zeros(batch["completion_mask"].shape),
+                                                batch["completion_mask"], args.loss_type, args.max_completion_length)
+            batch["num_targets"] = int(targets.sum())
+            batch["num_tokens"] = int(batch["attention_mask"].sum())
+            batch["num_slots"] = batch["input_ids"].numel()
+            if args.num_iterations > 1:
+                batch["old_logps"] = self._logps(model, batch)[0].detach()
+            if args.beta > 0:
+                batch["ref_logps"] = self._reference_logps(model, batch)
+
+    def _reference_logps(self, model, batch) -> torch.Tensor:
+        if self.reference is not None:
+            logps = self._logps(self.reference, batch)[0]
+            reshard(self.reference)
+            return logps
+        base = unwrap(model)
+        with base.disable_adapter():
+            return self._logps(model, batch)[0]
+
+    # ------------------------------------------------------------------------------------------ the loss
+    def _logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_logps(model, batch, self.cfg.train.temperature)
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return torch.tensor(batch["num_targets"])
+
+    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
+        args = self.cfg.train
+        logps, entropy = self._logps(model, batch)
+        eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        token_loss, kl, ratio = per_token_losses(logps, batch.get("old_logps"), batch["advantages"],
+                                                 batch.get("ref_logps"), args.beta, args.epsilon, eps_high)
+        mask = batch["completion_mask"]
+        rows, _ = row_losses_and_targets(token_loss, mask, args.loss_type, args.max_completion_length)
+        self._loss_metrics(mask, entropy, kl, ratio, batch["advantages"], args.epsilon, eps_high)
+        return rows
+
+    def _loss_metrics(self, mask, entropy, kl, ratio, advantages, eps_low, eps_high) -> None:
+        m = mask.float()
+        values = {"entropy": entropy, **clip_fractions(ratio, advantages, eps_low, eps_high)}
+        if kl is not None:
+            values["kl"] = kl * ratio  # as TRL logs it: the bias-corrected KL
+        for name, v in values.items():
+            self.sums[name] += float((v.detach() * m).sum())
+        self.sums["_tokens"] += float(m.sum())
+
+    def eval_rows(self, model, batch: dict, chunked: bool = False):
+        raise NotImplementedError("GRPO has no held-out evaluation")
+
+    def eval_metrics(self, rows):
+        raise NotImplementedError("GRPO has no held-out evaluation")
+
+    # ------------------------------------------------------------------------------------------ records
+    def log_metrics(self) -> dict:
+        """Collective (every rank logs at the same steps): the window's metrics, each a mean over its steps; the loss
+        metrics' token means over every rank's tokens."""
+        self._training_time()
+        names = sorted(k for k in self.sums if k != "_tokens")
+        totals = torch.tensor([self.sums[k] for k in names] + [self.sums["_tokens"]], dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
+        row = {name: float(totals[i] / max(float(totals[-1]), 1.0)) for i, name in enumerate(names)}
+        row.update({k: sum(v) / len(v) for k, v in self.window.items() if v})
+        self.window.clear()
+        self.sums.clear()
+        return row
+
+    def summary(self, accelerator, model) -> dict:
+        seen = self.rewards_seen
+        return {"reward_start": seen[0] if seen else None, "reward_end": seen[-1] if seen else None,
+                "reward_funcs": [name for name, _ in self.funcs], **self.data_record}
+
+
+def policy_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token log-probs, entropies) of a batch's completions under ``model``. Positions count a row's own tokens
+    (from its mask), as generation counts them: TRL passes none, so a left-padded prompt's positions there depend on
+    the longest prompt of its micro-batch (measured on GPT-2: logits 0.54 apart), which would tie a completion's loss
+    to the rows it is batched with."""
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions, use_cache=False).logits
+    p = batch["prompt_length"]
+    return completion_logps(logits[:, p - 1:-1], batch["completion_ids"], temperature)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest (generation continues them on the right), and their mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+class PromptCollator:
+    """A micro-batch of prompt rows as they are (``GRPO.step_batches`` turns them into completions); the counts the
+    core reads come with the completions."""
+
+    def __call__(self, rows: list[dict]) -> dict:
+        return {"rows": rows}
