@@ -180,6 +180,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     _check_mixed_precision(kwargs.get("mixed_precision"))
     _check_skip_nonfinite(args, strategy)
     _check_parallel_sizes()
+    _check_pipeline_launch(args, strategy)
     if strategy == "deepspeed":
         _quiet_deprecated_collectives()
     if not has_accelerator():
@@ -208,6 +209,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     )
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
+    accelerator.pipeline_parallel_size = args.pipeline_parallel_size  # read by data_parallel_size
     atexit.register(_destroy_process_group)
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
@@ -217,6 +219,23 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _check_pipeline_launch(args: TrainingArguments, strategy: str) -> None:
+    """Pipeline parallelism runs on a DDP launch (ddp.yaml: the stages' replicas sum their gradients), its world a
+    multiple of the stages; the other launch configs are refused before any work."""
+    pp, world = args.pipeline_parallel_size, launched_world_size()
+    if pp == 1:
+        return
+    if strategy != "ddp" or launched_parallel_sizes():
+        raise ConfigError("pipeline_parallel_size", f"pipeline parallelism runs on ddp.yaml (data-parallel replicas "
+                                                    f"of each stage); this launch is {strategy}"
+                                                    f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
+                                                    ": launch with accelerate_configs/ddp.yaml, or set "
+                                                    "pipeline_parallel_size 1")
+    if world % pp:
+        raise ConfigError("pipeline_parallel_size", f"{pp} stages do not divide the {world} launched processes: "
+                                                    f"launch a multiple of {pp} (--num_processes {pp} or {2 * pp})")
 
 
 def _quiet_deprecated_collectives() -> None:
@@ -418,8 +437,8 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     """Ranks that take different rows of a global batch: dp_replicate x dp_shard under a ParallelismConfig (the
     ranks of one tensor-parallel group take the same rows), otherwise every process."""
     config = getattr(accelerator, "parallelism_config", None)
-    if config is None:
-        return accelerator.num_processes
+    if config is None:  # the stages of one pipeline take the same rows
+        return accelerator.num_processes // getattr(accelerator, "pipeline_parallel_size", 1)
     return config.dp_replicate_size * config.dp_shard_size
 
 

@@ -1,0 +1,83 @@
+"""Pipeline parallelism without a process group: the cut, the stages chained by hand against the whole model, and the
+refusals of the config. The launched runs (2 gloo ranks against one process) are in tests/launch/test_pipeline.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def _chained(model, bounds, ids, mask):
+    from toolkit.pipeline import Stage, family
+
+    h = ids
+    for s, layers in enumerate(bounds):
+        h = Stage(model, family(model), layers, s == 0, s == len(bounds) - 1)(h, mask)
+    return h
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_stages_chained_give_the_whole_models_logits_on_padded_rows(fixture, request):
+    """GPT-2 (tied head, learned positions, dropout) and Llama (rotary): each stage builds the causal mask from the
+    padded rows' attention mask as the model does; the real tokens' logits equal the whole model's."""
+    from toolkit.pipeline import cut
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture)).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:], mask[2, 3:] = 0, 0  # right padding, as the collator pads
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        staged = _chained(model, cut(model, 2), ids, mask)
+    real = mask.bool()
+    assert staged.shape == whole.shape
+    assert (staged[real] - whole[real]).abs().max() < 1e-5
+
+
+def test_cut_balances_whole_layers_by_parameters(tiny_llama):
+    """Whole layers, every stage at least one, the embedding counted on the first stage and the head on the last;
+    more stages than layers is refused naming the field."""
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline import cut
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert cut(model, 2) == [range(0, 1), range(1, 2)]
+    with pytest.raises(ConfigError) as e:
+        cut(model, 3)
+    assert e.value.field_name == "pipeline_parallel_size" and "the model has 2" in str(e.value)
+    # 8 equal layers behind a large embedding: the first stage takes fewer layers than the last
+    layers = torch.nn.ModuleList([torch.nn.Linear(10, 10) for _ in range(8)])
+    model.model.layers = layers
+    bounds = cut(model, 2)
+    assert sum(len(b) for b in bounds) == 8 and bounds[0].start == 0 and bounds[-1].stop == 8
+    assert all(len(b) >= 1 for b in bounds)
+
+
+def test_other_architectures_are_refused_naming_what_is_supported():
+    from transformers import BertConfig, BertForMaskedLM
+
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline import family
+
+    model = BertForMaskedLM(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=8, vocab_size=32))
+    with pytest.raises(ConfigError) as e:
+        family(model)
+    assert "Llama" in str(e.value) and "GPT-2" in str(e.value) and "'bert'" in str(e.value)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"pipeline_schedule": "zb"}, "pipeline_schedule"),
+    ({"pipeline_schedule": "interleaved_1f1b"}, "pipeline_stages_per_rank"),
+    ({"pipeline_stages_per_rank": 2}, "pipeline_stages_per_rank"),
+    ({"save_steps": 2}, "save_steps"),
+    ({"loss_chunk_size": 16}, "loss_chunk_size"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+])
+def test_pipeline_fields_refused_before_work(tmp_path, fields, field):
+    from toolkit.config import TrainingArguments
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(output_dir=str(tmp_path / "out"), **{"pipeline_parallel_size": 2, **fields})
+    assert e.value.field_name == field
