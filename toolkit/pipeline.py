@@ -84,6 +84,16 @@ def cut(model, stages: int) -> list[range]:
     return bounds
 
 
+def stage_parameters(model, stages: int) -> list[int]:
+    """Parameters each stage holds under ``cut`` (a tied head counted again on the last stage: it is a copy there);
+    ``toolkit plan`` reads it from a model on the meta device."""
+    embed, layers, final = _parts(model, family(model))
+    held = [sum(_size([layers[i]]) for i in bounds) for bounds in cut(model, stages)]
+    held[0] += _size(embed)
+    held[-1] += sum(p.numel() for m in final for p in m.parameters())
+    return held
+
+
 class Stage(nn.Module):
     """One stage: forward(ids or hidden states, attention_mask) -> hidden states (the last stage: logits)."""
 
@@ -307,7 +317,7 @@ def check_task(task, model) -> None:
     from toolkit import lora
 
     if lora.is_peft_model(model):
-        raise ConfigError("use_lora", "LoRA under pipeline parallelism is not supported yet: train the adapter with "
+        raise ConfigError("use_peft", "LoRA under pipeline parallelism is not supported yet: train the adapter with "
                                       "pipeline_parallel_size 1 (DDP, FSDP or ZeRO shard what LoRA leaves)")
     if task.name not in ("causal-lm", "chat-sft"):
         raise ConfigError("pipeline_parallel_size", f"the {task.name} task is not supported under pipeline "

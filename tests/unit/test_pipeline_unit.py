@@ -81,3 +81,50 @@ def test_pipeline_fields_refused_before_work(tmp_path, fields, field):
     with pytest.raises(ConfigError) as e:
         TrainingArguments(output_dir=str(tmp_path / "out"), **{"pipeline_parallel_size": 2, **fields})
     assert e.value.field_name == field
+
+
+def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
+    """One line each, before any stage is built: what does not run under pipeline parallelism yet."""
+    from toolkit.chat import ChatSFT
+    from toolkit.classification import SequenceClassification
+    from toolkit.errors import ConfigError
+    from toolkit.lora import is_peft_model
+    from toolkit.pipeline import check_task
+    from toolkit.preference import DPO
+    from toolkit.tasks import CausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    check_task(CausalLM(), model)
+    check_task(ChatSFT(), model)
+    for task in (SequenceClassification(), DPO()):
+        with pytest.raises(ConfigError) as e:
+            check_task(task, model)
+        assert e.value.field_name == "pipeline_parallel_size" and task.name in str(e.value)
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"]))
+    assert is_peft_model(peft_model)
+    with pytest.raises(ConfigError) as e:
+        check_task(CausalLM(), peft_model)
+    assert e.value.field_name == "use_peft"
+
+
+@pytest.mark.parametrize("env, world, message", [
+    ({"ACCELERATE_USE_FSDP": "true"}, "4", "fsdp"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "4", "deepspeed"),
+    ({}, "3", "do not divide the 3 launched processes"),
+])
+def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world, message):
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import _check_pipeline_launch, launched_strategy
+    from toolkit.errors import ConfigError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2)
+    with pytest.raises(ConfigError) as e:
+        _check_pipeline_launch(args, launched_strategy())
+    assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
