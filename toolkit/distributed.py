@@ -222,16 +222,20 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
 
 
 def _check_pipeline_launch(args: TrainingArguments, strategy: str) -> None:
-    """Pipeline parallelism runs on a DDP launch (ddp.yaml: the stages' replicas sum their gradients), its world a
-    multiple of the stages; the other launch configs are refused before any work."""
+    """Pipeline parallelism runs on a DDP launch (ddp.yaml: the stages' replicas sum their gradients) or an FSDP2 one
+    (fsdp.yaml: each stage sharded over its replicas), its world a multiple of the stages; the other launch configs
+    (ZeRO, FSDP1, a parallelism_config) are refused before any work."""
     pp, world = args.pipeline_parallel_size, launched_world_size()
     if pp == 1:
         return
-    if strategy != "ddp" or launched_parallel_sizes():
-        raise ConfigError("pipeline_parallel_size", f"pipeline parallelism runs on ddp.yaml (data-parallel replicas "
-                                                    f"of each stage); this launch is {strategy}"
+    fsdp2 = strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") == "2"
+    if strategy not in ("ddp", "fsdp") or (strategy == "fsdp" and not fsdp2) or launched_parallel_sizes():
+        raise ConfigError("pipeline_parallel_size", f"pipeline parallelism runs on ddp.yaml or fsdp.yaml (each "
+                                                    "stage replicated, or sharded by FSDP2, over its data-parallel "
+                                                    f"ranks); this launch is {strategy}"
                                                     f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
-                                                    ": launch with accelerate_configs/ddp.yaml, or set "
+                                                    f"{'' if strategy != 'fsdp' else ' (FSDP1)'}: launch with "
+                                                    "accelerate_configs/ddp.yaml or fsdp.yaml, or set "
                                                     "pipeline_parallel_size 1")
     if world % pp:
         raise ConfigError("pipeline_parallel_size", f"{pp} stages do not divide the {world} launched processes: "

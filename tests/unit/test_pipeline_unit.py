@@ -110,7 +110,7 @@ def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
 
 
 @pytest.mark.parametrize("env, world, message", [
-    ({"ACCELERATE_USE_FSDP": "true"}, "4", "fsdp"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "4", "(FSDP1)"),
     ({"ACCELERATE_USE_DEEPSPEED": "true"}, "4", "deepspeed"),
     ({}, "3", "do not divide the 3 launched processes"),
 ])
@@ -119,7 +119,7 @@ def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world,
     from toolkit.distributed import _check_pipeline_launch, launched_strategy
     from toolkit.errors import ConfigError
 
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG", "FSDP_VERSION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
