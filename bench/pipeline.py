@@ -105,7 +105,7 @@ def measure(args, schedule: str, m: int, port: int) -> dict:
     procs = [ctx.Process(target=_rank, args=(r, args, schedule, m, port, queue)) for r in range(args.stages)]
     for p in procs:
         p.start()
-    results = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
+    results = sorted((queue.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join()
     step = sum(w for w, _ in results[0]["steps"]) / len(results[0]["steps"])
@@ -132,6 +132,8 @@ def main(argv=None) -> int:
           f"{'grown MB/rank':>18}")
     for m in args.micro_batches:
         for schedule in ("gpipe", "1f1b"):
+            if schedule == "1f1b" and m < args.stages:  # torch's 1F1B needs a micro-batch per stage at least
+                continue
             port += 1
             r = measure(args, schedule, m, port)
             rows.append(r)

@@ -709,6 +709,13 @@ class TrainingArguments:
                               f"{self.pipeline_stages_per_rank} with {self.pipeline_schedule}")
         if self.pipeline_parallel_size == 1:
             return
+        m, stages = self.gradient_accumulation_steps, self.pipeline_parallel_size
+        if (self.pipeline_schedule == "1f1b" and m < stages) or (interleaved and m % stages):
+            need = f"at least {stages}" if self.pipeline_schedule == "1f1b" else f"a multiple of {stages}"
+            raise ConfigError("gradient_accumulation_steps",
+                              f"is the pipeline's micro-batches: {self.pipeline_schedule} with {stages} stages needs "
+                              f"{need} (torch's schedule), got {m}; raise it (fewer rows per micro-batch keep the "
+                              "global batch) or use gpipe")
         for name, off in (("save_steps", None), ("resume_from_checkpoint", None), ("loss_chunk_size", 0)):
             if getattr(self, name) != off:
                 raise ConfigError(name, f"is not supported with pipeline_parallel_size {self.pipeline_parallel_size} "

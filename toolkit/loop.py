@@ -655,10 +655,12 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             logger.close()
         if ran_out:
             _data_ran_out(accelerator, run, state)
-        run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ at the end
+        written = run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ last
         if preempted:
             accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
-                              "resume_from_checkpoint: latest to continue", flush=True)
+                              "resume_from_checkpoint: latest to continue" if written else
+                              f"{preemption.reason()}: stopped after step {state.step} without a checkpoint "
+                              "(pipeline_parallel_size > 1 writes none yet)", flush=True)
             return ENDED_PREEMPTED
         if ran_out:
             return ENDED_DATA_RAN_OUT

@@ -73,13 +73,17 @@ def test_other_architectures_are_refused_naming_what_is_supported():
     ({"save_steps": 2}, "save_steps"),
     ({"loss_chunk_size": 16}, "loss_chunk_size"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),  # 1F1B: at least one per stage
+    ({"pipeline_parallel_size": 4, "gradient_accumulation_steps": 6, "pipeline_schedule": "interleaved_1f1b",
+      "pipeline_stages_per_rank": 2}, "gradient_accumulation_steps"),
 ])
 def test_pipeline_fields_refused_before_work(tmp_path, fields, field):
     from toolkit.config import TrainingArguments
     from toolkit.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        TrainingArguments(output_dir=str(tmp_path / "out"), **{"pipeline_parallel_size": 2, **fields})
+        TrainingArguments(output_dir=str(tmp_path / "out"),
+                          **{"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
     assert e.value.field_name == field
 
 
