@@ -132,3 +132,23 @@ def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world,
     with pytest.raises(ConfigError) as e:
         _check_pipeline_launch(args, launched_strategy())
     assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
+
+
+def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama, capsys):
+    """``toolkit plan --pipeline-parallel-size``: the stages' parameters are the cut's (adding up to the model's, the
+    head once more where tied), GPipe keeps m micro-batches in flight and 1F1B at most P - i, so 1F1B is never
+    above GPipe and equal on the last stage; the bubble is (P - 1) / (m + P - 1); the launch line names the fields."""
+    from toolkit.plan import count_model, main, pipeline_plan
+
+    m = count_model(tiny_llama)
+    rows = pipeline_plan(m, 2, 8, 2, 48, "fp32", False)
+    assert sum(r["params"] for r in rows) == m.params
+    assert all(r["states"] == 16 * r["params"] for r in rows)
+    assert rows[0]["1f1b"]["expected"] < rows[0]["gpipe"]["expected"]
+    for r in rows:
+        assert r["states"] < r["1f1b"]["expected"] <= r["gpipe"]["expected"]
+    assert main(["--model", tiny_llama, "--gpus", "4", "--gpu-memory", "1GB", "--seq-len", "48",
+                 "--pipeline-parallel-size", "2", "--accumulation", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages x 2 replicas, 8 micro-batches" in out and f"= {1 / 9:.1%} of a step" in out
+    assert "--pipeline_parallel_size 2 --pipeline_schedule 1f1b --gradient_accumulation_steps 8" in out
