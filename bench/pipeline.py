@@ -9,8 +9,9 @@ A Llama of ``--layers`` x ``--width`` (random weights, a 2048-token vocabulary) 
 and torch's schedules, ``--rows`` rows of ``--seq`` tokens per micro-batch. Each (schedule, m) runs in fresh
 processes, so that each peak is its own: ``ru_maxrss`` after the steps minus after the first step's setup is what the
 schedule's in-flight activations added (GPipe: m micro-batches' activations until their backward; 1F1B: at most p).
-The bubble: each rank's time inside its stage's forward and backward (hooks) against the step's wall time,
-1 - busy / step, the mean over the steps after the first (which sets the stages up) and over the ranks.
+The bubble: 1 - m x (one micro-batch's forward and backward through the rank's stage alone) / the step's wall time,
+the mean over the steps after the first (which sets the stages up) and over the ranks: what a step spends beyond
+its rank's own work (waiting for the other stage, and sending).
 """
 
 from __future__ import annotations
@@ -40,20 +41,21 @@ def _model(layers: int, width: int):
     return LlamaForCausalLM(config)
 
 
-def _timed(module, busy: list) -> None:
-    """Add each forward's and backward's time on this rank to busy[0]."""
-    state = {}
-
-    def pre(*_):
-        state["t"] = time.perf_counter()
-
-    def post(*_):
-        busy[0] += time.perf_counter() - state.pop("t")
-
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
-    module.register_full_backward_pre_hook(pre)
-    module.register_full_backward_hook(post)
+def _alone(stage_module, rank: int, args, width: int) -> float:
+    """Seconds of one micro-batch's forward and backward through this rank's stage alone (no pipeline, no wait): the
+    work a rank does per micro-batch, m of them per step."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 2048, (args.rows, args.seq), generator=g)
+    x = ids if rank == 0 else torch.randn(args.rows, args.seq, width, generator=g, requires_grad=True)
+    mask = torch.ones_like(ids)
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        stage_module(x, mask).float().sum().backward()
+        times.append(time.perf_counter() - started)
+    for p in stage_module.parameters():
+        p.grad = None
+    return min(times[1:])
 
 
 def _rank(rank: int, args, schedule: str, m: int, port: int, out) -> None:
@@ -67,8 +69,7 @@ def _rank(rank: int, args, schedule: str, m: int, port: int, out) -> None:
     model = _model(args.layers, args.width)
     bounds = cut(model, args.stages)
     stage_module = Stage(model, family(model), bounds[rank], rank == 0, rank == args.stages - 1)
-    busy = [0.0]
-    _timed(stage_module, busy)
+    per_micro = _alone(stage_module, rank, args, args.width)
     stage = pipelining.PipelineStage(stage_module, rank, args.stages, torch.device("cpu"))
     tokens = args.rows * args.seq * m
 
@@ -82,7 +83,6 @@ def _rank(rank: int, args, schedule: str, m: int, port: int, out) -> None:
     mask = torch.ones_like(ids)
     steps, base = [], None
     for step in range(args.steps + 1):
-        busy[0] = 0.0
         dist.barrier()
         started = time.perf_counter()
         sched.step(*([ids] if rank == 0 else []), target=ids, attention_mask=mask)
@@ -91,7 +91,7 @@ def _rank(rank: int, args, schedule: str, m: int, port: int, out) -> None:
         if step == 0:  # the stages' setup (shape inference) and the first allocation of everything kept
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             continue
-        steps.append((wall, busy[0]))
+        steps.append((wall, per_micro * m))
         for p in stage_module.parameters():
             p.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -146,6 +146,10 @@ class PipelineModel(nn.Module):
         bounds = cut(model, self.n_stages)
         self.stage_modules = nn.ModuleList(Stage(model, kind, bounds[s], s == 0, s == self.n_stages - 1)
                                            for s in self.stage_ids)
+        kept = {id(p) for p in self.stage_modules.parameters()}
+        for p in model.parameters():  # the other stages' weights are not this rank's to hold (their names stay)
+            if id(p) not in kept:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.fsdp = fsdp
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight  # before any sharding
         modules = {id(m): n for n, m in model.named_modules()}
