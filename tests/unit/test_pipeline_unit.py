@@ -128,7 +128,7 @@ def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("WORLD_SIZE", world)
-    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2)
+    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2, gradient_accumulation_steps=2)
     with pytest.raises(ConfigError) as e:
         _check_pipeline_launch(args, launched_strategy())
     assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
