@@ -293,8 +293,8 @@ class PipelineModel(nn.Module):
         full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for name, p in self.named_by_model()}
         mine = full if self.mesh_dp_rank() == 0 else {}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)  # to the first rank only: one copy of the model in flight
         if dist.get_rank() != 0:
             return {}
         state = {}
