@@ -32,6 +32,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   reference     DPO's reference model: a live frozen copy sharded like the policy, the adapter disabled, or a whole copy
   preference    preference pairs (prompt, chosen, rejected), the DPO loss against reference log-probs; the DPO task
   grpo          GRPO: prompts -> sampled completions (the per-step hook), rewards, group advantages; the GRPO task
+  pipeline      pipeline parallelism: a causal LM cut into stages, torch's schedules, the pp x dp step
   checkpointing.convert  a checkpoint converted for a launch that cannot load it as written (DeepSpeed universal)
   checkpointing.resume  what a checkpoint records about the sample order; refuses a resume that would change it
   checkpointing.checkpoint  save_state checkpoints (atomic, rotated), their exact load, the final export

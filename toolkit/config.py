@@ -46,6 +46,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # torch.distributed.pipelining's schedules
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's (toolkit.grpo_loss)
 SCALE_REWARDS = ("group", "batch", "none")
@@ -737,6 +738,18 @@ class TrainingArguments:
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "Pipeline stages: the model's decoder layers cut into this many stages, one per "
+                                     "rank of a pipeline; ranks = pipeline_parallel_size x data-parallel replicas "
+                                     "(ddp.yaml; docs/strategies.md#pipeline-parallelism). 1 = off."}
+    )
+    pipeline_schedule: str = field(
+        default="1f1b", metadata={"help": "The pipeline's schedule (torch.distributed.pipelining's): gpipe, 1f1b or "
+                                          "interleaved_1f1b; its micro-batches are the gradient_accumulation_steps."}
+    )
+    pipeline_stages_per_rank: int = field(
+        default=1, metadata={"help": "Stages each rank holds (interleaved_1f1b only: 2 or more; the others take 1)."}
+    )
 
     def __post_init__(self):
         _positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -768,6 +781,7 @@ class TrainingArguments:
         _one_of(self, "lr_scheduler_type", SCHEDULERS)
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
         _check_report_to(self.report_to)
+        self._check_pipeline()
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
@@ -788,6 +802,33 @@ class TrainingArguments:
             raise ConfigError(name, f"must be {'> 0' if name == 'temperature' else 'in (0, 1]'}, got "
                                     f"{getattr(self, name)}")
         _one_of(self, "scale_rewards", SCALE_REWARDS)
+
+    def _check_pipeline(self) -> None:
+        """Pipeline parallelism's fields, and what it does not run yet, refused before any work."""
+        _positive(self, "pipeline_parallel_size", "pipeline_stages_per_rank")
+        _one_of(self, "pipeline_schedule", PIPELINE_SCHEDULES)
+        interleaved = self.pipeline_schedule == "interleaved_1f1b"
+        if self.pipeline_parallel_size > 1 and interleaved != (self.pipeline_stages_per_rank > 1):
+            raise ConfigError("pipeline_stages_per_rank",
+                              "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1; got "
+                              f"{self.pipeline_stages_per_rank} with {self.pipeline_schedule}")
+        if self.pipeline_parallel_size == 1:
+            return
+        m, stages = self.gradient_accumulation_steps, self.pipeline_parallel_size
+        if (self.pipeline_schedule == "1f1b" and m < stages) or (interleaved and m % stages):
+            need = f"at least {stages}" if self.pipeline_schedule == "1f1b" else f"a multiple of {stages}"
+            raise ConfigError("gradient_accumulation_steps",
+                              f"is the pipeline's micro-batches: {self.pipeline_schedule} with {stages} stages needs "
+                              f"{need} (torch's schedule), got {m}; raise it (fewer rows per micro-batch keep the "
+                              "global batch) or use gpipe")
+        for name, off in (("save_steps", None), ("resume_from_checkpoint", None), ("loss_chunk_size", 0)):
+            if getattr(self, name) != off:
+                raise ConfigError(name, f"is not supported with pipeline_parallel_size {self.pipeline_parallel_size} "
+                                        "yet (checkpoints of a pipeline and the chunked loss are not implemented): "
+                                        f"leave {name} unset, or train with pipeline_parallel_size 1")
+        if self.loss_normalization != "global_tokens":
+            raise ConfigError("loss_normalization", "a pipeline normalises by the global batch's target tokens only: "
+                                                    "use global_tokens")
 
     def _check_resume_folder(self) -> None:
         """A named checkpoint folder: one this toolkit wrote, and output_dir's own unless trust_checkpoint."""
@@ -832,6 +873,11 @@ class RunConfig:
         self.data.sample_seed = self.train.seed  # max_*_samples draw their rows with the run's seed
         if self.data.streaming:
             self._check_stream()
+        if self.train.pipeline_parallel_size > 1 and (self.data.padding_free or self.data.streaming):
+            raise ConfigError("packing_strategy" if self.data.padding_free else "streaming",
+                              "padding-free packing and streaming are not supported under pipeline parallelism (a "
+                              "pipeline passes each row's attention mask): use packing_strategy wrapped or padded "
+                              "rows, streaming false")
         # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         elastic.check_machines()  # a scheduler's N machines, one process group each: refused before any work

@@ -178,6 +178,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     _check_mixed_precision(mixed_precision)
     _check_skip_nonfinite(args, launched_strategy())
     _check_parallel_sizes()
+    _check_pipeline_launch(args, launched_strategy())
 
 
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
@@ -214,6 +215,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     )
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
+    accelerator.pipeline_parallel_size = args.pipeline_parallel_size  # read by data_parallel_size
     atexit.register(_destroy_process_group)
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
@@ -223,6 +225,27 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _check_pipeline_launch(args: TrainingArguments, strategy: str) -> None:
+    """Pipeline parallelism runs on a DDP launch (ddp.yaml: the stages' replicas sum their gradients) or an FSDP2 one
+    (fsdp.yaml: each stage sharded over its replicas), its world a multiple of the stages; the other launch configs
+    (ZeRO, FSDP1, a parallelism_config) are refused before any work."""
+    pp, world = args.pipeline_parallel_size, launched_world_size()
+    if pp == 1:
+        return
+    fsdp2 = strategy == "fsdp" and os.environ.get("FSDP_VERSION", "1") == "2"
+    if strategy not in ("ddp", "fsdp") or (strategy == "fsdp" and not fsdp2) or launched_parallel_sizes():
+        raise ConfigError("pipeline_parallel_size", f"pipeline parallelism runs on ddp.yaml or fsdp.yaml (each "
+                                                    "stage replicated, or sharded by FSDP2, over its data-parallel "
+                                                    f"ranks); this launch is {strategy}"
+                                                    f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
+                                                    f"{'' if strategy != 'fsdp' else ' (FSDP1)'}: launch with "
+                                                    "accelerate_configs/ddp.yaml or fsdp.yaml, or set "
+                                                    "pipeline_parallel_size 1")
+    if world % pp:
+        raise ConfigError("pipeline_parallel_size", f"{pp} stages do not divide the {world} launched processes: "
+                                                    f"launch a multiple of {pp} (--num_processes {pp} or {2 * pp})")
 
 
 def _quiet_deprecated_collectives() -> None:
@@ -424,8 +447,8 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     """Ranks that take different rows of a global batch: dp_replicate x dp_shard under a ParallelismConfig (the
     ranks of one tensor-parallel group take the same rows), otherwise every process."""
     config = getattr(accelerator, "parallelism_config", None)
-    if config is None:
-        return accelerator.num_processes
+    if config is None:  # the stages of one pipeline take the same rows
+        return accelerator.num_processes // getattr(accelerator, "pipeline_parallel_size", 1)
     return config.dp_replicate_size * config.dp_shard_size
 
 

@@ -61,6 +61,8 @@ from toolkit.metrics import (
 )
 from toolkit.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
+from toolkit.pipeline import PipelineModel, check_task
+from toolkit.pipeline import build as build_pipeline
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
@@ -108,6 +110,8 @@ def evaluate(accelerator, model, eval_dataloader, task=None, chunked: bool = Fal
     (``loss_chunk_size``), in evaluation as in training.
     """
     task = task or CausalLM()
+    if isinstance(model, PipelineModel):  # the pipeline's forward, each replica its share of the rows
+        return task.eval_metrics(model.evaluate_rows(eval_dataloader, task))
     model.eval()
     rows = [gather_for_metrics(accelerator, task.eval_rows(model, batch, chunked)) for batch in eval_dataloader]
     model.train()
@@ -246,6 +250,9 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     accumulation = len(micro_batches)
     engine = model if _is_deepspeed(accelerator) else None
     counts = _global_counts(accelerator, micro_batches, task, data_parallel_size, stop_flag)
+    if isinstance(model, PipelineModel):
+        return _pipeline_step(accelerator, model, optimizer, scheduler, micro_batches, counts, step, max_grad_norm,
+                              skip_nonfinite, overflows, max_consecutive_overflows)
     global_targets = counts[0]
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm, skipped, overflow = None, False, False
@@ -279,6 +286,21 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
         skipped = skipped or overflow
     streak = _overflow_streak(overflow, overflows, max_consecutive_overflows, step + 1)
     return StepResult(loss_sum=loss_sum, targets=targets, tokens=global_tokens, grad_norm=grad_norm, skipped=skipped,
+                      overflows=streak, stop_requested=stopping > 0, slots=slots)
+
+
+def _pipeline_step(accelerator, model: PipelineModel, optimizer, scheduler, micro_batches: list[dict],
+                   counts: torch.Tensor, step: int, max_grad_norm: float, skip_nonfinite: bool, overflows: int,
+                   max_consecutive_overflows: int) -> StepResult:
+    """``train_step`` under pipeline parallelism: the schedule runs every micro-batch's forward and backward
+    (``toolkit.pipeline``), then the same norm check and optimizer step as any other strategy."""
+    with accelerator.autocast():  # mixed precision as accelerate's prepared model would run it
+        loss_sum = model.forward_backward(micro_batches, counts[0])
+    grad_norm, targets, tokens, slots, stopping = _to_host(model.reduce_and_clip(max_grad_norm), counts)
+    skipped, overflow = _apply_step(accelerator, optimizer, scheduler, grad_norm, step=step + 1,
+                                    skip_nonfinite=skip_nonfinite)
+    streak = _overflow_streak(overflow, overflows, max_consecutive_overflows, step + 1)
+    return StepResult(loss_sum=loss_sum, targets=targets, tokens=tokens, grad_norm=grad_norm, skipped=skipped,
                       overflows=streak, stop_requested=stopping > 0, slots=slots)
 
 
@@ -426,6 +448,9 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
         loaders.append(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, shuffle=False,
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
     per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
+    pipelined = args.pipeline_parallel_size > 1
+    if pipelined:  # this rank's stages and its replica's rows (toolkit.pipeline), not wrapped by accelerate
+        model, *loaders = build_pipeline(accelerator, args, model, train_dataset, eval_dataset, sampler, collator)
     optimizer = build_optimizer(model, args)
     from transformers import get_scheduler
 
@@ -433,9 +458,11 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                               num_training_steps=total_steps)
     resume = resume or plan_resume(cfg, accelerator, train_dataset)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
-    keep_embeddings_out_of_fsdp_units(accelerator, model)
-    model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders), scheduler)
-    loaders = prepared if loaders[0] is not None else [None, *prepared]
+    if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.pipeline itself
+        keep_embeddings_out_of_fsdp_units(accelerator, model)
+        model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders),
+                                                                     scheduler)
+        loaders = prepared if loaders[0] is not None else [None, *prepared]
     return Run(model=model, optimizer=optimizer, scheduler=scheduler, train_dl=loaders[0],
                eval_dl=loaders[1] if len(loaders) > 1 else None, sampler=sampler, total_steps=total_steps,
                data_parallel_size=dp,
@@ -531,6 +558,8 @@ def _check_packing(accelerator, model, strategy: str, train_dataset) -> None:
 def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
            resume: ResumePlan | None) -> dict:
     task, args, started = task or CausalLM(), cfg.train, time.time()
+    if args.pipeline_parallel_size > 1:
+        check_task(task, model)
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume,
                       repeats=task.sample_repeats(cfg))
     model = run.model
@@ -642,7 +671,9 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             _call(callbacks, "on_save", accelerator=accelerator, state=state, checkpoint=saved)
         if preempted:
             accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
-                              "resume_from_checkpoint: latest to continue", flush=True)
+                              "resume_from_checkpoint: latest to continue" if saved else
+                              f"{preemption.reason()}: stopped after step {state.step} without a checkpoint "
+                              "(pipeline_parallel_size > 1 writes none yet)", flush=True)
             return ENDED_PREEMPTED
         if ran_out:
             return ENDED_DATA_RAN_OUT

@@ -85,6 +85,8 @@ class ModelCount:
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
         return per_param * (self.params - self.quantized) + self.quantized_bytes
+    # parameters per pipeline stage for P stages (toolkit.pipeline.stage_parameters), or None where no cut is known
+    stage_params: Callable[[int], list[int] | None] = lambda stages: None
 
 
 def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None,
@@ -130,7 +132,56 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
 
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
                       tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
-                      quantized_bytes=quantized_bytes)
+                      quantized_bytes=quantized_bytes, stage_params=lambda stages: _stage_params(net, stages))
+
+
+def _stage_params(net, stages: int) -> list[int] | None:
+    from toolkit.pipeline import stage_parameters
+
+    try:
+        return stage_parameters(net, stages)
+    except ConfigError:  # not a family the pipeline cuts, or fewer layers than stages
+        return None
+
+
+def pipeline_plan(m: ModelCount, stages: int, micro_batches: int, micro: int, seq: int, precision: str,
+                  checkpointing: bool) -> list[dict] | None:
+    """Per stage of a pipeline (``toolkit.pipeline``, torch AdamW: 16 bytes a parameter, whole on each replica): the
+    model states, and the activations each schedule keeps in flight (GPipe: all m micro-batches until their
+    backward; 1F1B: stage i at most P - i); the logits on the last stage only. None when the model has no cut."""
+    held = m.stage_params(stages)
+    if held is None:
+        return None
+    per_layer = activation_bytes(ModelCount(0, 0, 1, m.width, m.heads, 0), micro, seq, precision, checkpointing)
+    logits = activation_bytes(ModelCount(0, 0, 0, m.width, m.heads, m.vocab), micro, seq, precision, False)
+    layers = [max(1, round(m.layers * h / sum(held))) for h in held]  # layers of the stage, by its share
+    rows = []
+    for i, params in enumerate(held):
+        act = {case: per_layer[case] * layers[i] + (logits[case] if i == stages - 1 else 0) for case in per_layer}
+        states = 16 * params
+        rows.append({"stage": i, "params": params, "states": states,
+                     "gpipe": {k: states + v * micro_batches for k, v in act.items()},
+                     "1f1b": {k: states + v * min(micro_batches, stages - i) for k, v in act.items()}})
+    return rows
+
+
+def format_pipeline(rows: list[dict] | None, stages: int, micro_batches: int, args) -> list[str]:
+    """The per-stage table, the bubble and the launch command of a pipeline of ``stages``."""
+    if rows is None:
+        return ["", f"pipeline parallel {stages}: no cut for this model (Llama-family and GPT-2 causal LMs with at "
+                    f"least {stages} layers)"]
+    bubble = (stages - 1) / (micro_batches + stages - 1)
+    lines = ["", f"pipeline parallel {stages} stages x {args.gpus * args.nodes // stages} replicas, {micro_batches} "
+                 f"micro-batches (gradient_accumulation_steps): bubble (P - 1) / (m + P - 1) = {bubble:.1%} of a step",
+             f"{'stage':<6} {'params':>9} {'states':>8} {'GPipe total (exp.)':>19} {'1F1B total (exp.)':>18}"]
+    for r in rows:
+        lines.append(f"{r['stage']:<6} {r['params'] / 1e6:>8.1f}M {r['states'] / GB:>8.2f} "
+                     f"{r['gpipe']['expected'] / GB:>19.2f} {r['1f1b']['expected'] / GB:>18.2f}")
+    lines.append(f"  accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes "
+                 f"{args.gpus * args.nodes} recipes/{args.recipe}.py --config recipes/configs/"
+                 f"{RECIPE_CONFIGS[args.recipe]} {recipe_fields(args)} --pipeline_parallel_size {stages} "
+                 f"--pipeline_schedule 1f1b --gradient_accumulation_steps {micro_batches}")
+    return lines
 
 
 def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
@@ -413,6 +464,10 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", choices=["gpt2", "sft", "classify", "dpo"], default="gpt2",
                         help="dpo: count the live reference model too (not with --lora-r: the adapter is disabled for "
                              "it; not with --precompute-ref-log-probs)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="also plan a pipeline of this many stages (per stage: states, activations in flight)")
+    parser.add_argument("--accumulation", type=int, default=8,
+                        help="the pipeline's micro-batches (gradient_accumulation_steps)")
     parser.add_argument("--precompute-ref-log-probs", action="store_true",
                         help="DPO's precompute_ref_log_probs: no reference in memory while training")
     args = parser.parse_args(argv)
@@ -435,4 +490,11 @@ def main(argv=None) -> int:
     rows = plan(m, args.gpus, args.gpu_memory, args.nodes, args.micro_batch, args.seq_len, args.precision,
                 args.gradient_checkpointing, reference=reference)
     print(format_plan(m, rows, args))
+    stages = args.pipeline_parallel_size
+    if stages > 1:
+        if (args.gpus * args.nodes) % stages:
+            parser.error(f"--pipeline-parallel-size {stages} must divide the {args.gpus * args.nodes} devices")
+        staged = pipeline_plan(m, stages, args.accumulation, args.micro_batch, args.seq_len, args.precision,
+                               args.gradient_checkpointing)
+        print("\n".join(format_pipeline(staged, stages, args.accumulation, args)))
     return 0

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--main_process_port", str(_free_port()), args.recipe, *common, "--output_dir", out]
             else:
                 cmd = [sys.executable, args.recipe, *common, "--per_device_train_batch_size", str(plan["global"]),
-                       "--gradient_accumulation_steps", "1", "--output_dir", out]
+                       "--gradient_accumulation_steps", "1", "--pipeline_parallel_size", "1", "--output_dir", out]
             started = time.time()
             log = out + ".log"
             rc = _run(cmd, log, single=label == "reference")
@@ -157,10 +157,11 @@ def _plan(args, recipe_args: list[str]) -> dict:
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
     # match is micro x accumulation x the data-parallel degree, not x the process count.
-    model_parallel = _config_model_parallel(args.config_file)
+    # A pipeline's stages (pipeline_parallel_size) take the same rows as well.
+    model_parallel = _config_model_parallel(args.config_file) * cfg.train.pipeline_parallel_size
     if world % model_parallel:
-        raise ConfigError("num_processes", f"is {world}, not a multiple of the config's tp_size x cp_size "
-                                           f"({model_parallel})")
+        raise ConfigError("num_processes", f"is {world}, not a multiple of the config's tp_size x cp_size x "
+                                           f"pipeline_parallel_size ({model_parallel})")
     dp = world // model_parallel
     return {"world": world, "dp": dp, "micro": micro, "accum": accum, "global": dp * micro * accum}
 

@@ -235,6 +235,8 @@ def full_state_dict(accelerator: Accelerator, model):
     weights already live on the CPU (measured, torch 2.13); DCP's full state dict without the offload gathers the
     same weights (diff 0 to the unsharded model) on every rank.
     """
+    if hasattr(model, "gather_state_dict"):  # a pipeline's stages (toolkit.pipeline), gathered on the first rank
+        return model.gather_state_dict()
     if _is_fsdp1(accelerator) and not has_accelerator():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -287,7 +289,7 @@ def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lor
     from toolkit import lora
 
     state_dict = full_state_dict(accelerator, model)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = getattr(model, "whole_model", None) or accelerator.unwrap_model(model)  # a pipeline's: the model's
     if accelerator.is_main_process:
         if not state_dict:
             raise RuntimeError("the final export gathered no weights on the main process; nothing written")

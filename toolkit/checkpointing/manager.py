@@ -92,6 +92,8 @@ class Checkpointer:
         ``save_steps`` and when the run was preempted; after the last step, the final export (a preempted run is
         not finished: no export). Returns the checkpoint written, if any."""
         args, written = self.args, None
+        if preempted and args.pipeline_parallel_size > 1:  # its stages' states are not checkpointed yet: none
+            return None
         if (args.save_steps and state.step % args.save_steps == 0) or preempted:
             written = checkpoint.save_checkpoint(self.accelerator, args.output_dir, state.step, args.save_total_limit,
                                                  record=self.record(state), protect=self.plan.checkpoint)

@@ -1,0 +1,154 @@
+"""Pipeline parallelism without a process group: the cut, the stages chained by hand against the whole model, and the
+refusals of the config. The launched runs (2 gloo ranks against one process) are in tests/launch/test_pipeline.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def _chained(model, bounds, ids, mask):
+    from toolkit.pipeline import Stage, family
+
+    h = ids
+    for s, layers in enumerate(bounds):
+        h = Stage(model, family(model), layers, s == 0, s == len(bounds) - 1)(h, mask)
+    return h
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_stages_chained_give_the_whole_models_logits_on_padded_rows(fixture, request):
+    """GPT-2 (tied head, learned positions, dropout) and Llama (rotary): each stage builds the causal mask from the
+    padded rows' attention mask as the model does; the real tokens' logits equal the whole model's."""
+    from toolkit.pipeline import cut
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture)).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:], mask[2, 3:] = 0, 0  # right padding, as the collator pads
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        staged = _chained(model, cut(model, 2), ids, mask)
+    real = mask.bool()
+    assert staged.shape == whole.shape
+    assert (staged[real] - whole[real]).abs().max() < 1e-5
+
+
+def test_cut_balances_whole_layers_by_parameters(tiny_llama):
+    """Whole layers, every stage at least one, the embedding counted on the first stage and the head on the last;
+    more stages than layers is refused naming the field."""
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline import cut
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert cut(model, 2) == [range(0, 1), range(1, 2)]
+    with pytest.raises(ConfigError) as e:
+        cut(model, 3)
+    assert e.value.field_name == "pipeline_parallel_size" and "the model has 2" in str(e.value)
+    # 8 equal layers behind a large embedding: the first stage takes fewer layers than the last
+    layers = torch.nn.ModuleList([torch.nn.Linear(10, 10) for _ in range(8)])
+    model.model.layers = layers
+    bounds = cut(model, 2)
+    assert sum(len(b) for b in bounds) == 8 and bounds[0].start == 0 and bounds[-1].stop == 8
+    assert all(len(b) >= 1 for b in bounds)
+
+
+def test_other_architectures_are_refused_naming_what_is_supported():
+    from transformers import BertConfig, BertForMaskedLM
+
+    from toolkit.errors import ConfigError
+    from toolkit.pipeline import family
+
+    model = BertForMaskedLM(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=8, vocab_size=32))
+    with pytest.raises(ConfigError) as e:
+        family(model)
+    assert "Llama" in str(e.value) and "GPT-2" in str(e.value) and "'bert'" in str(e.value)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"pipeline_schedule": "zb"}, "pipeline_schedule"),
+    ({"pipeline_schedule": "interleaved_1f1b"}, "pipeline_stages_per_rank"),
+    ({"pipeline_stages_per_rank": 2}, "pipeline_stages_per_rank"),
+    ({"save_steps": 2}, "save_steps"),
+    ({"loss_chunk_size": 16}, "loss_chunk_size"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),  # 1F1B: at least one per stage
+    ({"pipeline_parallel_size": 4, "gradient_accumulation_steps": 6, "pipeline_schedule": "interleaved_1f1b",
+      "pipeline_stages_per_rank": 2}, "gradient_accumulation_steps"),
+])
+def test_pipeline_fields_refused_before_work(tmp_path, fields, field):
+    from toolkit.config import TrainingArguments
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(output_dir=str(tmp_path / "out"),
+                          **{"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
+    assert e.value.field_name == field
+
+
+def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
+    """One line each, before any stage is built: what does not run under pipeline parallelism yet."""
+    from toolkit.chat import ChatSFT
+    from toolkit.classification import SequenceClassification
+    from toolkit.errors import ConfigError
+    from toolkit.lora import is_peft_model
+    from toolkit.pipeline import check_task
+    from toolkit.preference import DPO
+    from toolkit.tasks import CausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    check_task(CausalLM(), model)
+    check_task(ChatSFT(), model)
+    for task in (SequenceClassification(), DPO()):
+        with pytest.raises(ConfigError) as e:
+            check_task(task, model)
+        assert e.value.field_name == "pipeline_parallel_size" and task.name in str(e.value)
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"]))
+    assert is_peft_model(peft_model)
+    with pytest.raises(ConfigError) as e:
+        check_task(CausalLM(), peft_model)
+    assert e.value.field_name == "use_peft"
+
+
+@pytest.mark.parametrize("env, world, message", [
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "4", "(FSDP1)"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "4", "deepspeed"),
+    ({}, "3", "do not divide the 3 launched processes"),
+])
+def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world, message):
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import _check_pipeline_launch, launched_strategy
+    from toolkit.errors import ConfigError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError) as e:
+        _check_pipeline_launch(args, launched_strategy())
+    assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
+
+
+def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama, capsys):
+    """``toolkit plan --pipeline-parallel-size``: the stages' parameters are the cut's (adding up to the model's, the
+    head once more where tied), GPipe keeps m micro-batches in flight and 1F1B at most P - i, so 1F1B is never
+    above GPipe and equal on the last stage; the bubble is (P - 1) / (m + P - 1); the launch line names the fields."""
+    from toolkit.plan import count_model, main, pipeline_plan
+
+    m = count_model(tiny_llama)
+    rows = pipeline_plan(m, 2, 8, 2, 48, "fp32", False)
+    assert sum(r["params"] for r in rows) == m.params
+    assert all(r["states"] == 16 * r["params"] for r in rows)
+    assert rows[0]["1f1b"]["expected"] < rows[0]["gpipe"]["expected"]
+    for r in rows:
+        assert r["states"] < r["1f1b"]["expected"] <= r["gpipe"]["expected"]
+    assert main(["--model", tiny_llama, "--gpus", "4", "--gpu-memory", "1GB", "--seq-len", "48",
+                 "--pipeline-parallel-size", "2", "--accumulation", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages x 2 replicas, 8 micro-batches" in out and f"= {1 / 9:.1%} of a step" in out
+    assert "--pipeline_parallel_size 2 --pipeline_schedule 1f1b --gradient_accumulation_steps 8" in out
