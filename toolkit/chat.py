@@ -263,11 +263,19 @@ class ChatSFT(CausalLM):
         def chat_row(row) -> dict:
             return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
 
-        def keep(row) -> bool:
-            converted = chat_row(row)
-            if converted["prompt"] is None and not converted["prompt_turns"]:
-                check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
+        def keep(row) -> bool | None:
+            # Mid-run, a row that fits no chat format is dropped and counted (None), as a text stream drops a null
+            # text: stopping there would end the run without its summary, evaluation or export, and a resume would
+            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.)
+            try:
+                converted = chat_row(row)
+                if converted["prompt"] is None and not converted["prompt_turns"]:
+                    check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
+            except ConfigError:
+                return None
             return True  # a chat with no assistant token within block_size stays: a row without targets
+
+        keep.drops = "rows that fit no chat format (null or malformed messages, prompt or completion)"
 
         limit = stream_limit(args, block_size)
 

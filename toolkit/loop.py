@@ -499,10 +499,12 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
 
 
 def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
-              evaluation: Evaluation, logger: MetricsLogger) -> dict | None:
-    """Collective when it logs or evaluates (every rank decides alike): the step's metrics row, or None."""
+              evaluation: Evaluation, logger: MetricsLogger, stopping: bool = False) -> dict | None:
+    """Collective when it logs or evaluates (every rank decides alike): the step's metrics row, or None.
+    ``stopping``: the run stops after this step (preempted): the row is written whatever logging_steps says, or the
+    steps since the last row would never be logged (a resume starts after them)."""
     row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
-    logged = state.step % args.logging_steps == 0 or last
+    logged = state.step % args.logging_steps == 0 or last or stopping
     if logged:
         row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush(),
                    **evaluation.task.log_metrics())
@@ -657,11 +659,11 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
         window.add(result)
         logger.advance()
         last = state.step == run.total_steps or ran_out
-        row = _log_step(args, state, result, last, run, window, evaluation, logger)
-        _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
         # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
         # after the next one (the flag is sent with the counts, before the step's first backward).
         preempted = not last and result.stop_requested
+        row = _log_step(args, state, result, last, run, window, evaluation, logger, stopping=preempted)
+        _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
         if last or preempted:  # the bar ends with training: the lines and the export's own bars below it
             logger.close()
         if ran_out:

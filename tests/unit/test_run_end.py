@@ -131,9 +131,11 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     assert [r["epoch"] for r in rows if r["step"] in (6, 9)] == [1.0, 1.5] and rows[-1]["step"] == 9
     reference = _weights(out / "final")
 
-    preempted = train_in_process({**values, "resume_from_checkpoint": str(out / "checkpoints" / "step-3")},
-                                 callbacks=[_SigtermAt(4)])
+    preempted = train_in_process({**values, "resume_from_checkpoint": str(out / "checkpoints" / "step-3"),
+                                  "logging_steps": 2}, callbacks=[_SigtermAt(4)])
     assert preempted["ended"] == "preempted" and preempted["preempted"] and preempted["steps"] == 5
+    # its last step is logged though 5 is no multiple of logging_steps (a resume starts after it: never logged else)
+    assert [r["step"] for r in _on_disk(out)[1] if "loss" in r and r["step"] > 3] == [4, 5]
     assert preempted["final_model"] is None and os.path.isdir(out / "final")  # the first run's, not this one's
     assert "SIGTERM: saved checkpoint step-5" in capsys.readouterr().out
 

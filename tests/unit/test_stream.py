@@ -284,3 +284,17 @@ def test_a_run_that_raises_mid_stream_leaves_no_read_ahead_thread(tiny_model, tm
                           "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
                           "optim": "sgd"}, callbacks=[Fail()])
     assert err.value.__traceback__ is not None and not _read_ahead_threads()
+
+
+def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_stopping_mid_run(bpe_2048):
+    """Mid-run, a chat row with null messages (or no chat format at all) is dropped and counted like a text stream's
+    null text: a ConfigError there ended the run without its summary, evaluation or export, and a resume stopped at
+    the same row again."""
+    from toolkit.chat import ChatSFT
+    from toolkit.config import DataArguments
+
+    keep, _ = ChatSFT().stream_rows(bpe_2048, DataArguments(), 64)
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert keep(good) is True
+    assert keep({"messages": None}) is None and keep({"other": 1}) is None
+    assert "fit no chat format" in keep.drops
