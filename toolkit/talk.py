@@ -87,22 +87,12 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(messages[-1]["content"])["input_ids"]
 
 
-def answer(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float = 0.0) -> str:
+def answer(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float = 0.0) -> str | None:
     """The model's answer to the chat so far (greedy at temperature 0), without its end-of-turn token; None when the
     chat leaves no room in the model's context for a new token."""
-    import torch
+    from toolkit.generation import continuation
 
-    ids = torch.tensor([prompt_ids(tokenizer, messages)])
-    positions = context_length(model)
-    if positions is not None:  # a small model's context may end before max_new_tokens
-        max_new_tokens = min(max_new_tokens, positions - ids.shape[1])
-    if max_new_tokens <= 0:
-        return None
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return continuation(model, tokenizer, prompt_ids(tokenizer, messages), max_new_tokens, temperature)
 
 
 def context_length(model) -> int | None:
