@@ -8,7 +8,15 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   state         LoopState (the loop's position, saved in every checkpoint) and StepResult (no imports)
   elastic       torch elastic restarts: the launcher's environment, and a restart continuing its run (errors, layout)
   config_help   a recipe's --help (its fields grouped) and which recipe takes a field (standard library only)
-  config        dataclasses, YAML + CLI parsing, each check beside its field (errors, layout, elastic, config_help)
+  config_checks  the small checks the argument classes share (_positive, _one_of, ...), a field's task tuples
+  config_mixture  dataset_mixture's check (alignment-handbook's shape), the local files a mixture id names
+  config_quantization  quantization's fields (load_in_4bit, ...) and checks, a part of ModelArguments
+  config_grpo   GRPO's fields (sampling, clipping, rewards) and checks, a part of TrainingArguments
+  config_preference  beta and loss_type (DPO and GRPO), DPO's precompute_ref_log_probs, a part of TrainingArguments
+  config_pipeline  pipeline parallelism's fields and checks, a part of TrainingArguments
+  config_classification  label_column_name and class_weights, a part of DataArguments
+  config_parsing  YAML + command line -> argument dataclasses through HfArgumentParser; one error per mistake
+  config        the argument dataclasses (every field, each class naming its parts), RunConfig's checks of the whole
   hub           whether the Hugging Face Hub answers (once per process); offline, Hub names fail at once
   upstream      import costs of the libraries underneath, avoided: transformers' losses without scipy.optimize
   loss          token-sum loss normalised over the accumulated global batch

@@ -10,30 +10,50 @@ dataclass checks its own fields in ``__post_init__`` (so a value is checked wher
 needs two groups or the file system (is there a model and data, does ``output_dir`` hold a finished run, does
 ``block_size`` fit the model) is ``RunConfig``'s.
 
-This module imports no toolkit module but ``errors``, ``layout``, ``elastic`` and ``config_help`` (standard library
-and yaml only), and neither torch nor accelerate: parsing a config stays cheap. What a torch elastic restart does to a
-config is ``toolkit.elastic``'s; a recipe's ``--help`` and which recipe takes a field are ``toolkit.config_help``'s;
-the process exit of a recipe is ``toolkit.cli``'s.
+This module lists every field: its classes name their parts, each a small module with its fields and their checks
+(``config_quantization``, ``config_grpo``, ``config_pipeline``; the dataset mixture's check is ``config_mixture``'s),
+on the shared small checks of ``config_checks``. Parsing YAML and the command line is ``config_parsing``'s (bound
+here to these classes: ``parse_args``, ``config_from_dict``). It imports no other toolkit module but ``errors``,
+``layout``, ``elastic`` (standard library and yaml only), and neither torch nor accelerate: parsing a config stays
+cheap. What a torch elastic restart does to a config is ``toolkit.elastic``'s; a recipe's ``--help`` and which
+recipe takes a field are ``toolkit.config_help``'s; the process exit of a recipe is ``toolkit.cli``'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import glob
 import importlib.util
-import math
 import os
-import sys
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import yaml
-
-from toolkit import config_help, elastic, layout
+from toolkit import config_parsing, elastic, layout
+from toolkit.config_checks import (
+    CHAT_TASKS,
+    DATA_EXTENSIONS,
+    DPO_ONLY,
+    TEXT_TASKS,
+    _at_least_zero,
+    _finite,
+    _fraction,
+    _mapping,
+    _one_of,
+    _positive,
+    _suggest,
+)
+from toolkit.config_classification import ClassificationArguments
+from toolkit.config_grpo import GRPO_LOSS_TYPES, GRPOArguments
+from toolkit.config_mixture import _check_mixture, mixture_files
+from toolkit.config_pipeline import PipelineArguments
+from toolkit.config_preference import LOSS_TYPES, PreferenceArguments
+from toolkit.config_quantization import QuantizationArguments
 from toolkit.errors import ConfigError
+
+# Names other modules import from here, as before the parts had modules of their own.
+__all__ = ["ARGUMENT_CLASSES", "DATA_EXTENSIONS", "GRPO_LOSS_TYPES", "LOSS_TYPES", "TRACKERS",
+           "ConfigError", "DataArguments", "ModelArguments", "RunConfig", "TrainingArguments", "config_from_dict",
+           "field_names", "max_positions", "mixture_files", "parse_args", "write_config"]
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit")
 SCHEDULERS = (
@@ -46,91 +66,19 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # torch.distributed.pipelining's schedules
-LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's (toolkit.grpo_loss)
-SCALE_REWARDS = ("group", "batch", "none")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
-BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd", "bfd_split")
-# the dataset formats (TRL's, toolkit.formats converts them), and the fields that take a YAML mapping
+# the dataset formats (TRL's, toolkit.formats converts them)
 DATASET_FORMATS = ("text", "messages", "prompt_completion", "alpaca", "sharegpt", "preference", "implicit_preference")
-MAPPING_FIELDS = ("sharegpt_roles", "dataset_mixture")
 ROLE_NAMES = ("system", "user", "assistant")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",),
             "aim": ("aim",), "comet_ml": ("comet_ml",), "mlflow": ("mlflow",), "clearml": ("clearml",),
             "dvclive": ("dvclive",), "swanlab": ("swanlab",)}
-# The tasks (Task.name) of a field that only some recipes use (metadata "tasks"; toolkit.config_help): --help lists
-# it for those recipes only, and the others refuse it.
-DPO_ONLY = ("dpo",)
-GRPO_ONLY = ("grpo",)
-PREFERENCE_TASKS = ("dpo", "grpo")  # beta and loss_type: one field each, the task's own values and default
-CLASSIFICATION_ONLY = ("sequence-classification",)
-CHAT_TASKS = ("chat-sft", "dpo", "grpo")  # chat_template: chats, DPO's and GRPO's prompts as messages
-TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
-
-
-# ----------------------------------------------------------------------------------------------- small checks
-def _closest(name: str, choices) -> str | None:
-    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
-    if not close:
-        return None
-    # A name that drops the train/eval part (per_device_batch_size) is nearer the eval twin by difflib's ratio only
-    # because "eval_" is one letter shorter than "train_"; the train-side field is what such a name means far more
-    # often, so when both twins are close matches, the train one is preferred.
-    twin = close[0].replace("eval", "train")
-    if "eval" in close[0] and "eval" not in name and twin in close:
-        return twin
-    return close[0]
-
-
-def _suggest(name: str, choices) -> str:
-    close = _closest(name, choices)
-    return f" Did you mean '{close}'?" if close else ""
-
-
-def _positive(obj, *names, allow_none=False) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None and allow_none:
-            continue
-        if value is None or value <= 0:
-            raise ConfigError(name, f"must be a positive integer, got {value!r}")
-
-
-def _at_least_zero(obj, *names, why: str = "") -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 0:
-            raise ConfigError(name, f"must be >= 0{why}, got {value}")
-
-
-def _finite(obj, *names) -> None:
-    # NaN passes every comparison check (nan < 0 is False) and a NaN max_grad_norm silently makes the weights NaN.
-    for name in names:
-        value = getattr(obj, name)
-        if not math.isfinite(value):
-            raise ConfigError(name, f"must be a finite number, got {value}")
-
-
-def _fraction(obj, *names, why: str = "") -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not 0 <= value < 1:  # also refuses NaN
-            raise ConfigError(name, f"must be in [0, 1){why}, got {value}")
-
-
-def _one_of(obj, name: str, choices) -> None:
-    value = getattr(obj, name)
-    if value not in choices:
-        raise ConfigError(name, f"unknown value {value!r}; choose one of {', '.join(choices)}."
-                                f"{_suggest(value, choices)}")
 
 
 def _check_report_to(value: str) -> None:
@@ -159,7 +107,10 @@ def max_positions(model_config) -> int | None:
 
 # --------------------------------------------------------------------------------------------------- dataclasses
 @dataclass
-class ModelArguments:
+class _ModelFields:
+    """ModelArguments' own fields (run_clm.py's names, LoRA's TRL ones) and checks; a base of ``ModelArguments``
+    so that its parts' fields follow these in --help and config.yaml (a dataclass lists a base's fields first)."""
+
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Pretrained model: a Hub id or a local folder. Leave unset to train from scratch."}
     )
@@ -204,16 +155,6 @@ class ModelArguments:
     merge_lora: bool = field(
         default=False, metadata={"help": "Also export the merged full weights (base + adapter) to final/merged/."}
     )
-    # bitsandbytes quantization of the frozen base (QLoRA), TRL's names (ModelConfig); toolkit.quantization
-    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base in 4 bits (QLoRA; needs use_peft: true "
-                                                                "and pip install '.[qlora]'). Compute in torch_dtype."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (LLM.int8; needs use_peft: "
-                                                                "true and pip install '.[qlora]')."})
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "With load_in_4bit: nf4 (NormalFloat, QLoRA's) "
-                                                                      "or fp4."})
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "With load_in_4bit: quantize the quantization "
-                                                                        "constants too (double quantization: about "
-                                                                        "0.37 bits less a weight)."})
     ref_model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "DPO: the reference model (Hub id or local folder, the policy's tokenizer); "
                                         "default: the policy's starting weights (with use_peft: the base, adapter "
@@ -240,17 +181,6 @@ class ModelArguments:
         for item in self.config_overrides.split(",") if self.config_overrides else []:
             if "=" not in item:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")
-
-    def _check_quantization(self) -> None:
-        """A quantized base is frozen (only adapters train on it) and needs bitsandbytes: refused here, at once."""
-        _one_of(self, "bnb_4bit_quant_type", BNB_4BIT_QUANT_TYPES)
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ConfigError("load_in_8bit", "choose one of load_in_4bit and load_in_8bit")
-        name = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
-        if name and not self.use_peft:
-            raise ConfigError(name, "a quantized base cannot be trained, only adapters on it: set use_peft: true")
-        if name and importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError(name, "needs bitsandbytes: pip install '.[qlora]' (or set it false)")
 
     def _check_attn_implementation(self) -> None:
         """A name transformers knows (or a Hub kernel, owner/name), at parse time; whether this machine can run it
@@ -303,7 +233,10 @@ class ModelArguments:
 
 
 @dataclass
-class DataArguments:
+class _DataFields:
+    """DataArguments' own fields and checks; a base of ``DataArguments`` so that its parts' fields follow these in
+    --help and config.yaml (a dataclass lists a base's fields first)."""
+
     dataset_name: Optional[str] = field(
         default=None, metadata={"help": "Hub dataset, or 'pydoc' (CPython's reference docs, no download)."}
     )
@@ -319,15 +252,6 @@ class DataArguments:
     text_column_name: Optional[str] = field(
         default=None, metadata={"help": "Text column (default: 'text'; chat SFT: 'messages', a list of {role, "
                                         "content}).", "tasks": TEXT_TASKS}
-    )
-    label_column_name: Optional[str] = field(
-        default=None, metadata={"help": "Classification: the label column, class names or ids (default: 'label').",
-                                "tasks": CLASSIFICATION_ONLY}
-    )
-    class_weights: Optional[list[str]] = field(
-        default=None, metadata={"help": "Classification: one loss weight per class (in the order of the class "
-                                        "names), or 'balanced' (n_rows / (n_classes x class rows), from train).",
-                                "nargs": "+", "tasks": CLASSIFICATION_ONLY}
     )
     chat_template: Optional[str] = field(
         default=None, metadata={"help": "Chat SFT: a Jinja chat template, or a file holding one; overrides the "
@@ -490,92 +414,13 @@ class DataArguments:
                 raise ConfigError("packing_strategy", "applies only with packing: true; unset packing_strategy or "
                                                       "set packing: true")
         self._check_formats()
-        if self.class_weights and self.class_weights != ["balanced"]:
-            try:
-                weights = [float(w) for w in self.class_weights]
-            except ValueError:
-                raise ConfigError("class_weights", f"expected one number per class or 'balanced', got "
-                                                   f"{self.class_weights}") from None
-            if any(not w > 0 for w in weights):
-                raise ConfigError("class_weights", f"every weight must be > 0, got {self.class_weights}")
-
-
-def _mapping(name: str, value):
-    """A mapping field's value as a dict: YAML gives one, the command line its YAML (or JSON) text."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ConfigError(name, f"is not a YAML mapping: {str(e).splitlines()[0]}") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(name, f"expected a mapping, e.g. {{key: value}}, got {value!r:.200}")
-    return parsed
-
-
-MIXTURE_KEYS = ("datasets", "seed", "test_split_size")
-MIXTURE_SET_KEYS = ("id", "config", "split", "columns", "weight")
-
-
-def _check_mixture(mixture: dict) -> dict:
-    """alignment-handbook's ``dataset_mixture``, checked, with its defaults filled in (seed 0, split train, weight
-    1, all columns, no test split); local ids (a path or a glob) must name files."""
-    _known_keys(mixture, MIXTURE_KEYS, "")
-    sets = mixture.get("datasets")
-    if not isinstance(sets, list) or not sets:
-        raise ConfigError("dataset_mixture", "needs datasets: a list of {id, split, columns, weight}")
-    out = []
-    for i, entry in enumerate(sets):
-        where = f"datasets[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
-            raise ConfigError("dataset_mixture", f"{where} needs an id (a file, a glob or a Hub dataset name)")
-        _known_keys(entry, MIXTURE_SET_KEYS, f"{where} ")
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1:
-            raise ConfigError("dataset_mixture", f"{where} ({entry['id']}): weight is the fraction of the set's rows "
-                                                 f"to take, in (0, 1]; got {weight!r}")
-        columns = entry.get("columns")
-        if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
-            raise ConfigError("dataset_mixture", f"{where} ({entry['id']}): columns must be a list of column names")
-        mixture_files(entry["id"], where)
-        out.append({"id": entry["id"], "config": entry.get("config"), "split": str(entry.get("split") or "train"),
-                    "columns": columns, "weight": float(weight)})
-    seed, test = mixture.get("seed", 0), mixture.get("test_split_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError("dataset_mixture", f"seed must be an integer, got {seed!r}")
-    if test is not None and (isinstance(test, bool) or not isinstance(test, (int, float)) or not 0 <= test < 1):
-        raise ConfigError("dataset_mixture", f"test_split_size is the fraction held out, in [0, 1); got {test!r}")
-    return {"datasets": out, "seed": seed, "test_split_size": test}
-
-
-def _known_keys(mapping: dict, known: tuple, where: str) -> None:
-    unknown = [k for k in mapping if k not in known]
-    if unknown:
-        raise ConfigError("dataset_mixture", f"{where}has unknown key(s) {unknown}; known: {', '.join(known)}")
-
-
-def mixture_files(dataset_id: str, where: str = "dataset_mixture") -> list[str] | None:
-    """The local files a mixture id names (a path or a glob, as train_file's), or None for a Hub (or built-in) name:
-    an id with a data file's extension, a path separator or a glob pattern is local."""
-    local = glob.has_magic(dataset_id) or os.path.splitext(dataset_id)[1].lower() in DATA_EXTENSIONS or \
-        os.path.exists(dataset_id)
-    if not local:
-        return None
-    files = sorted(p for p in glob.glob(dataset_id, recursive=True) if os.path.isfile(p))
-    if not files:
-        raise ConfigError("dataset_mixture", f"{where}: no file matches {dataset_id!r}")
-    for path in files:
-        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
-            raise ConfigError("dataset_mixture", f"{where}: unsupported extension ({path}); use one of "
-                                                 f"{', '.join(DATA_EXTENSIONS)}")
-    return files
+        self._check_class_weights()
 
 
 @dataclass
-class TrainingArguments:
-    """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
-    ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
-    implements, checked here."""
+class _TrainingFields:
+    """TrainingArguments' own fields and checks; a base of ``TrainingArguments`` so that its parts' fields follow
+    these in --help and config.yaml (a dataclass lists a base's fields first)."""
 
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing a finished output_dir."})
@@ -642,78 +487,6 @@ class TrainingArguments:
             "per_micro_batch: mean per micro-batch, the pre-2024 transformers bug; for comparison only."
         },
     )
-    beta: Optional[float] = field(
-        default=None, metadata={"help": "DPO and GRPO (TRL's name). DPO: how far the policy may move from the "
-                                        "reference; the loss is -logsigmoid(beta x the difference of the chosen and "
-                                        "rejected log-ratios); must be > 0. GRPO: the weight of the per-token KL to "
-                                        "the reference; 0 loads no reference. Unset: the task's default (DPO: 0.1, "
-                                        "GRPO: 0.0, TRL's).",
-                                "tasks": PREFERENCE_TASKS}
-    )
-    loss_type: Optional[str] = field(
-        default=None, metadata={"help": "DPO and GRPO (TRL's names). DPO: 'sigmoid', the loss of the DPO paper, or "
-                                        "'ipo' (TRL's IPO: the squared distance of the token-averaged log-ratio "
-                                        "difference from 1/(2 beta)). GRPO: 'dapo' (over the global batch's "
-                                        "completion tokens), 'grpo' (each completion's token mean, averaged), "
-                                        "'bnpo' (here the same as dapo: over the global batch's tokens) or "
-                                        "'dr_grpo' (over completions x max_completion_length). Unset: the task's "
-                                        "default (DPO: sigmoid, GRPO: dapo, TRL's).", "tasks": PREFERENCE_TASKS}
-    )
-    num_generations: int = field(
-        default=8, metadata={"help": "GRPO (TRL's name): completions sampled per prompt, a group; the global batch "
-                                     "(ranks x per_device_train_batch_size x gradient_accumulation_steps) counts "
-                                     "completions and must be a multiple of it.", "tasks": GRPO_ONLY}
-    )
-    max_prompt_length: Optional[int] = field(
-        default=512, metadata={"help": "GRPO: prompts longer than this many tokens keep their last tokens (TRL's "
-                                       "left truncation); null keeps them whole.", "tasks": GRPO_ONLY}
-    )
-    max_completion_length: int = field(
-        default=512, metadata={"help": "GRPO (TRL's name): tokens generated per completion at most; a completion "
-                                       "with no EOS within it is truncated.", "tasks": GRPO_ONLY}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "GRPO (TRL's name): the sampling temperature (the "
-                                                              "log-probs of the loss are taken at it too).",
-                                                      "tasks": GRPO_ONLY})
-    top_p: float = field(default=1.0, metadata={"help": "GRPO (TRL's name): nucleus sampling's probability mass; 1 "
-                                                        "turns it off.", "tasks": GRPO_ONLY})
-    top_k: int = field(default=0, metadata={"help": "GRPO (TRL's name): sample among the k likeliest tokens; 0 turns "
-                                                    "it off.", "tasks": GRPO_ONLY})
-    epsilon: float = field(default=0.2, metadata={"help": "GRPO (TRL's name): the ratio is clipped to [1 - epsilon, "
-                                                          "1 + epsilon_high].", "tasks": GRPO_ONLY})
-    epsilon_high: Optional[float] = field(default=None, metadata={"help": "GRPO (TRL's name): the upper clip; unset: "
-                                                                          "epsilon.", "tasks": GRPO_ONLY})
-    num_iterations: int = field(
-        default=1, metadata={"help": "GRPO (TRL's name): optimizer steps per generated batch; the steps after the "
-                                     "first reuse its completions with the old policy's log-probs (clipped ratio).",
-                             "tasks": GRPO_ONLY}
-    )
-    scale_rewards: str = field(
-        default="group", metadata={"help": "GRPO (TRL's name): divide each advantage by its group's reward std "
-                                           "('group'), the global batch's ('batch') or not ('none'), + 1e-4.",
-                                   "tasks": GRPO_ONLY}
-    )
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "GRPO (TRL's name): completions with no EOS within max_completion_length "
-                                         "take no part in the loss.", "tasks": GRPO_ONLY}
-    )
-    reward_funcs: Optional[list[str]] = field(
-        default=None, metadata={"help": "GRPO: reward functions, import paths 'module:function' (TRL's signature: "
-                                        "prompts, completions, completion_ids and the dataset's other columns as "
-                                        "keyword arguments -> a list of floats) or a built-in's name "
-                                        "(arithmetic_correct, arithmetic_format). Unset: the built-in set's.",
-                                "nargs": "+", "tasks": GRPO_ONLY}
-    )
-    reward_weights: Optional[list[float]] = field(
-        default=None, metadata={"help": "GRPO (TRL's name): one weight per reward function; unset: 1 each.",
-                                "nargs": "+", "tasks": GRPO_ONLY}
-    )
-    precompute_ref_log_probs: bool = field(
-        default=False, metadata={"help": "DPO (TRL's name): compute the reference's log-probabilities once before "
-                                         "training (a whole copy on the device, each rank its share, then freed; "
-                                         "kept in output_dir/reference_logps/ for a resume) instead of a live "
-                                         "frozen copy sharded like the policy.", "tasks": DPO_ONLY}
-    )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})
     eval_on_start: bool = field(default=False, metadata={"help": "Evaluate before the first step."})
@@ -738,18 +511,6 @@ class TrainingArguments:
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     save_final_model: bool = field(default=True, metadata={"help": "Write output_dir/final with save_pretrained."})
-    pipeline_parallel_size: int = field(
-        default=1, metadata={"help": "Pipeline stages: the model's decoder layers cut into this many stages, one per "
-                                     "rank of a pipeline; ranks = pipeline_parallel_size x data-parallel replicas "
-                                     "(ddp.yaml; docs/strategies.md#pipeline-parallelism). 1 = off."}
-    )
-    pipeline_schedule: str = field(
-        default="1f1b", metadata={"help": "The pipeline's schedule (torch.distributed.pipelining's): gpipe, 1f1b or "
-                                          "interleaved_1f1b; its micro-batches are the gradient_accumulation_steps."}
-    )
-    pipeline_stages_per_rank: int = field(
-        default=1, metadata={"help": "Stages each rank holds (interleaved_1f1b only: 2 or more; the others take 1)."}
-    )
 
     def __post_init__(self):
         _positive(self, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -761,11 +522,7 @@ class TrainingArguments:
                   why=" (a moving average's decay: at 1 it never moves and its bias correction divides by zero)")
         _at_least_zero(self, "max_grad_norm", why=" (0 turns clipping off)")
         _at_least_zero(self, "loss_chunk_size", why=" (0 turns it off)")
-        if self.beta is not None:
-            _finite(self, "beta")
-            _at_least_zero(self, "beta", why=" (DPO takes > 0, GRPO 0 for no reference)")
-        if self.loss_type is not None:  # which task takes which value: the task's check
-            _one_of(self, "loss_type", (*LOSS_TYPES, *GRPO_LOSS_TYPES))
+        self._check_preference()
         self._check_grpo()
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError("peak_flops", f"must be a device's peak FLOP/s (> 0), e.g. 989e12; got {self.peak_flops}")
@@ -787,49 +544,6 @@ class TrainingArguments:
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
         self._check_resume_folder()
 
-    def _check_grpo(self) -> None:
-        """GRPO's fields on their own (the global batch against num_generations needs the world size: the task's
-        check)."""
-        _positive(self, "max_completion_length", "num_iterations")
-        _positive(self, "max_prompt_length", allow_none=True)
-        _at_least_zero(self, "top_k", why=" (0 turns it off)")
-        _finite(self, "temperature", "top_p", "epsilon")
-        if self.num_generations < 2:
-            raise ConfigError("num_generations", f"must be >= 2 (a group's advantages are its rewards against the "
-                                                 f"group's mean), got {self.num_generations}")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            name = "temperature" if self.temperature <= 0 else "top_p"
-            raise ConfigError(name, f"must be {'> 0' if name == 'temperature' else 'in (0, 1]'}, got "
-                                    f"{getattr(self, name)}")
-        _one_of(self, "scale_rewards", SCALE_REWARDS)
-
-    def _check_pipeline(self) -> None:
-        """Pipeline parallelism's fields, and what it does not run yet, refused before any work."""
-        _positive(self, "pipeline_parallel_size", "pipeline_stages_per_rank")
-        _one_of(self, "pipeline_schedule", PIPELINE_SCHEDULES)
-        interleaved = self.pipeline_schedule == "interleaved_1f1b"
-        if self.pipeline_parallel_size > 1 and interleaved != (self.pipeline_stages_per_rank > 1):
-            raise ConfigError("pipeline_stages_per_rank",
-                              "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1; got "
-                              f"{self.pipeline_stages_per_rank} with {self.pipeline_schedule}")
-        if self.pipeline_parallel_size == 1:
-            return
-        m, stages = self.gradient_accumulation_steps, self.pipeline_parallel_size
-        if (self.pipeline_schedule == "1f1b" and m < stages) or (interleaved and m % stages):
-            need = f"at least {stages}" if self.pipeline_schedule == "1f1b" else f"a multiple of {stages}"
-            raise ConfigError("gradient_accumulation_steps",
-                              f"is the pipeline's micro-batches: {self.pipeline_schedule} with {stages} stages needs "
-                              f"{need} (torch's schedule), got {m}; raise it (fewer rows per micro-batch keep the "
-                              "global batch) or use gpipe")
-        for name, off in (("save_steps", None), ("resume_from_checkpoint", None), ("loss_chunk_size", 0)):
-            if getattr(self, name) != off:
-                raise ConfigError(name, f"is not supported with pipeline_parallel_size {self.pipeline_parallel_size} "
-                                        "yet (checkpoints of a pipeline and the chunked loss are not implemented): "
-                                        f"leave {name} unset, or train with pipeline_parallel_size 1")
-        if self.loss_normalization != "global_tokens":
-            raise ConfigError("loss_normalization", "a pipeline normalises by the global batch's target tokens only: "
-                                                    "use global_tokens")
-
     def _check_resume_folder(self) -> None:
         """A named checkpoint folder: one this toolkit wrote, and output_dir's own unless trust_checkpoint."""
         resume = self.resume_from_checkpoint
@@ -848,6 +562,24 @@ class TrainingArguments:
                                   "unpickles parts of a checkpoint (DeepSpeed's files, DCP's metadata), so a "
                                   "checkpoint folder is code: if you trust it (your own run's), set "
                                   "trust_checkpoint: true (docs/reliability.md#checkpoints-are-code)")
+
+
+@dataclass
+class ModelArguments(QuantizationArguments, _ModelFields):
+    """The model: its own fields, then quantization's (``toolkit.config_quantization``)."""
+
+
+@dataclass
+class DataArguments(ClassificationArguments, _DataFields):
+    """The data: its own fields (run_clm.py's names), then classification's (``toolkit.config_classification``)."""
+
+
+@dataclass
+class TrainingArguments(PipelineArguments, GRPOArguments, PreferenceArguments, _TrainingFields):
+    """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
+    ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
+    implements, checked here. Its own fields, then the preference tasks' (``toolkit.config_preference``), GRPO's
+    (``toolkit.config_grpo``) and the pipeline's (``toolkit.config_pipeline``)."""
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
@@ -953,224 +685,22 @@ class RunConfig:
         return out
 
 
-def field_names() -> list[str]:
-    return [f.name for cls in ARGUMENT_CLASSES for f in dataclasses.fields(cls)]
-
-
 # ------------------------------------------------------------------------------------------------------ parsing
-def _parser():
-    from transformers import HfArgumentParser
-
-    class _Parser(HfArgumentParser):
-        # argparse's default error() prints the whole usage (50 fields) and exits; we want one line naming the field.
-        def error(self, message):
-            raise ConfigError(None, message)
-
-        # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config_help), not
-        # argparse's.
-        def add_argument(self, *names, tasks=None, **kwargs):
-            return super().add_argument(*names, **kwargs)
-
-    return _Parser(ARGUMENT_CLASSES, allow_abbrev=False)
-
-
-def _optional_fields() -> set[str]:
-    """Fields whose value may be None (unset): the Optional[...] ones."""
-    # From the class annotations: HfArgumentParser rewrites each field's .type in place (Optional[str] -> str).
-    return {name for cls in ARGUMENT_CLASSES for name, hint in typing.get_type_hints(cls).items()
-            if type(None) in typing.get_args(hint)}
-
-
-FILE_LISTS = ("train_file", "validation_file")  # a YAML list is one comma-separated value (DataArguments.data_files)
-NULL_WORDS = ("null", "none", "None", "~", "")  # on the command line: unset an optional field (YAML's null)
-
-
-def _yaml_to_argv(values: dict, source: str, known: list[str]) -> tuple[list[str], dict, list[str]]:
-    """Turn YAML values into CLI tokens so that argparse type-checks them exactly like command-line values; also
-    the YAML nulls of optional fields, and the unknown keys (reported with the command line's, all at once)."""
-    argv, nulls, unknown = [], {}, []
-    optional = _optional_fields()
-    for key, value in values.items():
-        if key not in known:
-            unknown.append(key)
-        elif value is None:
-            # `seed:` or `shuffle: null` in YAML: unset is not a value for these (once: a crash in set_seed after
-            # the process group was up, or shuffling silently off).
-            if key not in optional:
-                raise ConfigError(key, f"is empty (null) in {source}; give it a value or delete the line to use the "
-                                       "default")
-            nulls[key] = None
-        elif isinstance(value, bool):
-            argv += [f"--{key}", "true" if value else "false"]
-        elif isinstance(value, (list, tuple)) and key in FILE_LISTS:
-            argv += [f"--{key}", ",".join(str(v) for v in value)]
-        elif isinstance(value, (list, tuple)):
-            argv += [f"--{key}", *[str(v) for v in value]]
-        elif isinstance(value, dict) and key in MAPPING_FIELDS:  # its YAML text, parsed back by the field's check
-            argv += [f"--{key}", yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip()]
-        elif isinstance(value, dict):
-            raise ConfigError(key, f"expected a single value in {source}, got a mapping")
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv, nulls, unknown
-
-
-def _join_file_lists(argv: list[str]) -> list[str]:
-    """``--train_file data/part-*.jsonl`` typed unquoted reaches us as the shell's expansion, several paths: the
-    values after ``--train_file`` or ``--validation_file`` up to the next ``--flag`` become one comma-separated value
-    (the YAML list's form), instead of an unknown argument for every path after the first."""
-    out, i = [], 0
-    while i < len(argv):
-        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        if name not in FILE_LISTS:
-            out.append(argv[i])
-            i += 1
-            continue
-        values, i = ([value] if eq else []), i + 1
-        while i < len(argv) and not argv[i].startswith("--"):
-            values.append(argv[i])
-            i += 1
-        out += [f"--{name}", ",".join(values)] if values else [argv[i - 1]]  # no value: argparse says so
-    return out
-
-
-def _cli_nulls(argv: list[str]) -> tuple[list[str], set[str]]:
-    """``--field null`` (or none, None, ~, "") on the command line unsets an optional field, the way a YAML null
-    does: the tokens are taken out and the field's name returned. A field that cannot be unset keeps its tokens
-    (argparse then names it and the bad value)."""
-    optional, out, unset, i = _optional_fields(), [], set(), 0
-    while i < len(argv):
-        token = argv[i]
-        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        if not eq and i + 1 < len(argv):
-            value = argv[i + 1]
-        if name in optional and (eq or i + 1 < len(argv)) and value in NULL_WORDS:
-            unset.add(name)
-            out = _drop_field(out, name)  # an earlier value of the field on the command line: the last one wins
-            i += 1 if eq else 2
-            continue
-        unset.discard(name)  # a later value wins over an earlier null
-        out.append(token)
-        i += 1
-    return out, unset
-
-
-def _drop_field(argv: list[str], name: str) -> list[str]:
-    """argv without ``--name`` (or ``--name=...``) and the values after it."""
-    out, dropping = [], False
-    for token in argv:
-        if token.startswith("--"):
-            dropping = token[2:].partition("=")[0] == name
-        if not dropping:
-            out.append(token)
-    return out
-
-
-def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError("config", f"file not found: {path}")
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
-    if not isinstance(values, dict):
-        raise ConfigError("config", f"{path} must be a mapping of field: value")
-    return values
+# toolkit.config_parsing parses any argument classes; these bind it to this module's (the names recipes import).
+def field_names() -> list[str]:
+    return config_parsing.field_names(ARGUMENT_CLASSES)
 
 
 def parse_args(argv: list[str] | None = None, task: str | None = None,
                description: str | None = None) -> RunConfig:
-    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2.
-    ``--field null`` on the command line unsets an optional field that the YAML file sets.
-
-    A recipe passes its ``task`` (``Task.name``) and its docstring: ``--help`` then shows that description and the
-    task's fields only, and a field of another task set to other than its default is refused, naming the recipe
-    that takes it (``toolkit.config_help``). Without a task (scripts) every field is taken."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
-    ns, rest = pre.parse_known_args(argv)
-    rest, unset = _cli_nulls(_join_file_lists(rest))
-
-    yaml_argv, nulls, unknown = [], {}, []
-    if ns.config is not None:
-        values = {k: v for k, v in _read_yaml(ns.config).items() if k not in unset}  # the command line wins
-        yaml_argv, nulls, unknown = _yaml_to_argv(values, ns.config, field_names())
-
-    if "-h" in rest or "--help" in rest:
-        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "recipe"
-        sys.stdout.write(config_help.help_text(ARGUMENT_CLASSES, task, description, prog))
-        sys.exit(0)
-
-    return _parse(yaml_argv + rest, {**nulls, **dict.fromkeys(unset)}, unknown, ns.config, task)
+    """Parse ``--config file.yaml`` plus overrides into a checked RunConfig (``toolkit.config_parsing.parse_args``):
+    raises ConfigError; a recipe's ``task`` and docstring make its ``--help`` and refuse other tasks' fields."""
+    return config_parsing.parse_args(ARGUMENT_CLASSES, RunConfig, argv, task, description)
 
 
 def config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a plain dict (notebooks, scripts), type-checked and validated exactly like a YAML file."""
-    argv, nulls, unknown = _yaml_to_argv(values, "the given values", field_names())
-    return _parse(argv, nulls, unknown, "the given values")
+    return config_parsing.config_from_dict(ARGUMENT_CLASSES, RunConfig, values)
 
 
-def _unknown_error(yaml_unknown: list[str], source: str | None, cli_unknown: list[str], known) -> ConfigError:
-    """One error naming every unknown field at once, each with its closest known name."""
-    cli_names = [t.lstrip("-").split("=")[0] for t in cli_unknown]
-    names = yaml_unknown + cli_names
-    if len(names) == 1:
-        where = f"unknown field in {source}." if yaml_unknown else f"unknown argument '{cli_unknown[0]}'."
-        return ConfigError(names[0], f"{where}{_suggest(names[0], known)}")
-
-    def hint(name):
-        close = _closest(name, known)
-        return f": did you mean '{close}'?" if close else ""
-
-    described = [f"'{k}' (in {source}{hint(k)})" for k in yaml_unknown]
-    described += [f"'{t}' (command line{hint(n)})" for t, n in zip(cli_unknown, cli_names)]
-    return ConfigError(", ".join(names), f"{len(names)} unknown fields: {'; '.join(described)}")
-
-
-def _parse(argv: list[str], nulls: dict, yaml_unknown: list[str] = (), source: str | None = None,
-           task: str | None = None) -> RunConfig:
-    """argv tokens (YAML values first, command line after: the last value wins) -> checked RunConfig."""
-    known = field_names()
-    parser = _parser()
-    if nulls:
-        parser.set_defaults(**nulls)
-    try:
-        # Every unknown field first, all in one message (a run once reported one typo per try).
-        _, remaining = parser.parse_known_args(args=argv)
-        cli_unknown = [r for r in remaining if r.startswith("--")] or remaining[:1]
-        if yaml_unknown or cli_unknown:
-            raise _unknown_error(list(yaml_unknown), source, cli_unknown, known)
-        # Each dataclass checks its fields as it is built, RunConfig checks the whole.
-        groups = parser.parse_args_into_dataclasses(args=argv)
-        _check_task_fields(groups, task)
-        return RunConfig(*groups)
-    except ConfigError as e:
-        raise _name_field(e) from None
-
-
-def _check_task_fields(groups, task: str | None) -> None:
-    """A field of another recipe's task set to other than its default: refused, naming the recipe that takes it (the
-    recipe would ignore it). A default value passes, so that a run's own config.yaml (every field) parses again."""
-    for group in groups:
-        for f in dataclasses.fields(group):
-            if f.init and not config_help.takes(f, task) and getattr(group, f.name) != f.default:
-                raise ConfigError(f.name, f"is a field of {config_help.recipes_of(f)}; "
-                                          f"recipes/{config_help.TASK_RECIPES[task]} does not use it: delete it")
-
-
-def _name_field(err: ConfigError) -> ConfigError:
-    # argparse says "argument --learning_rate: invalid float value: 'abc'"; lift the field name to the front.
-    msg = str(err)
-    if err.field_name is None and msg.startswith("argument --"):
-        name, _, rest = msg[len("argument --") :].partition(":")
-        name = name.split("/")[0].strip()
-        return ConfigError(name, rest.strip())
-    return err
-
-
-def write_config(cfg: RunConfig, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg.as_dict(), f, sort_keys=False)
+write_config = config_parsing.write_config

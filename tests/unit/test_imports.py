@@ -2,9 +2,11 @@
 
 - the graph of imports between toolkit modules has no cycle, and every import points up the list of modules in
   ``toolkit/__init__.py``'s docstring;
-- ``toolkit.config`` depends only on the dependency-free ``toolkit.errors``, ``toolkit.layout`` and
-  ``toolkit.config_help`` (its --help), and those three use the standard library only, and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is
-  checked before torch, accelerate or a model is touched;
+- ``toolkit.config`` depends only on its parts (``toolkit.config_*``: the fields of a feature, the shared checks,
+  parsing; standard library and yaml, transformers' parser built when called), on the dependency-free
+  ``toolkit.errors``, ``toolkit.layout`` and ``toolkit.config_help`` (its --help), which use the standard library only,
+  and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is checked before torch,
+  accelerate or a model is touched;
 - ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
 - no function in ``toolkit/`` is over 80 lines;
 - parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess:
@@ -176,7 +178,16 @@ def test_no_import_cycle():
 
 def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
     graph, trees = _graph(), _modules()
-    assert graph["toolkit.config"] == {"toolkit.errors", "toolkit.layout", "toolkit.elastic", "toolkit.config_help"}
+    parts = {name for name in graph if name.startswith("toolkit.config_") and name != "toolkit.config_help"}
+    assert {"toolkit.config_parsing", "toolkit.config_checks", "toolkit.config_grpo"} <= parts  # the walk sees them
+    base = {"toolkit.errors", "toolkit.layout", "toolkit.elastic", "toolkit.config_help"}
+    reached = set(_reachable(graph, "toolkit.config")) - {"toolkit.config"}
+    assert reached == base | parts, f"toolkit.config reaches {sorted(reached - base - parts)}"
+    for name in sorted(parts):
+        outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
+        # transformers: HfArgumentParser, imported inside the function that builds the parser
+        allowed = {PACKAGE, "yaml"} | ({"transformers"} if name == "toolkit.config_parsing" else set())
+        assert outside <= allowed, f"{name} imports {sorted(outside - allowed)}"
     for name in ("toolkit.errors", "toolkit.layout", "toolkit.config_help"):
         assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
