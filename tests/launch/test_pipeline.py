@@ -1,12 +1,14 @@
 """Pipeline parallelism (toolkit/pipeline.py) on real gloo ranks against one process on the same global batch.
 
 A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks under GPipe and 1F1B, 4 micro-batches
-of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas on 4 ranks (SGD and
-AdamW); chat SFT; AdamW with clipping (the norm over all stages). Every run is planned into the session's pool: the 2-rank runs join
-the shared 2-rank DDP launch, the one-process references the one-process batch, the two 4-rank runs are one launch
-(2 stages x 2 DDP replicas, measured by hand to 1.2e-7, has no launch of its own).
-Each test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's forward) and
-the logged loss and grad norm.
+of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas and 2 stages x 2
+DDP replicas on 4 ranks; chat SFT; AdamW with clipping (the norm over all stages); checkpoints (every pipeline run
+saves after each step) resumed under a pipeline, DDP and one process, and DDP's under a pipeline; SIGTERM and
+SIGKILL. Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the
+shared 2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the
+later one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
+Each equality test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's
+forward) and the logged loss and grad norm.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from helpers import (
     args_from,
     copy_checkpoint,
     kill_job,
-    launch,
     launch_command,
     load_weights,
     max_abs_diff,
@@ -50,8 +51,8 @@ SFT = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
 ADAMW_CKPT = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
                   warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 RESUME = {"resume_from_checkpoint": "latest"}
-# the SIGTERM and SIGKILL test's run: 24 steps of a 6-step epoch, a checkpoint every step
-KILLED = {**SGD, "max_steps": 24, "save_steps": 1, "save_total_limit": 2}
+# the SIGKILL and SIGTERM test's run: 16 steps of a 6-step epoch, a checkpoint every step (all kept)
+KILLED = {**SGD, "max_steps": 16, "save_steps": 1}
 
 
 def pp(schedule: str = "1f1b", **extra) -> dict:
@@ -102,6 +103,11 @@ def _plan_checkpoints(r) -> None:
     r.plan("ddp_adamw_to_pp", None, 2, 2, 4, {**ADAMW_CKPT, **pp(), **RESUME}, probe=False,
            copy_from=("ddp_adamw", 2))
     r.plan("killed_straight", None, 2, 2, 4, {**KILLED, **pp()}, probe=False)
+    # the one 4-rank DDP launch: 2 stages x 2 replicas against one process, and the 2-rank pipeline's checkpoint
+    # resumed there (the replicas read the same stage's tensors)
+    r.plan("ddp4", None, 4, 2, 2, {**SGD, **pp()}, probe=False)
+    r.plan("pp_adamw_to_ddp4", None, 4, 2, 2, {**ADAMW_CKPT, **pp(), **RESUME}, probe=False,
+           copy_from=("pp_adamw", 1))
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +180,21 @@ def test_two_stages_sharded_by_fsdp2_over_two_replicas_equal_one_process(pipelin
     assert summary["data_parallel_size"] == 2 and summary["distributed_type"] == "FSDP"
     adamw = runs.get("fsdp_adamw", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp()})
     _assert_equal_runs(runs.get("one_adamw", None, 1, 8, 1, ADAMW), adamw, 1e-5)
+
+
+def test_two_stages_replicated_by_ddp_on_four_ranks_equal_one_process(pipeline_runs):
+    """ddp.yaml on 4 ranks, 2 stages x 2 replicas (each stage's replicas sum their gradients, the tied embedding's two
+    copies too): SGD to 1e-6 against one process. A 2-rank pipeline's AdamW checkpoint resumed on these 4 ranks
+    (each replica reads its stage's tensors) ends with that run's weights (1e-5)."""
+    runs = pipeline_runs["gpt2"]
+    staged = runs.get("ddp4", None, 4, 2, 2, {**SGD, **pp()})
+    _assert_equal_runs(runs.get("one", None, 1, 8, 1, SGD), staged, 1e-6)
+    summary = json.load(open(os.path.join(staged, "summary.json")))
+    assert (summary["data_parallel_size"], summary["world_size"]) == (2, 4)
+    adamw = runs.get("pp_adamw", None, 2, 2, 4, {**ADAMW_CKPT, **pp()})
+    resumed = runs.get("pp_adamw_to_ddp4", None, 4, 2, 2, {**ADAMW_CKPT, **pp(), **RESUME},
+                       prepare=copy_checkpoint(adamw, 1))
+    assert _weights_diff(adamw, resumed) <= 1e-5
 
 
 def test_chat_sft_padded_chats_under_a_pipeline_equal_one_process(pipeline_runs):
@@ -258,43 +279,47 @@ def _wait_for_step(proc: subprocess.Popen, out: str, step: int) -> None:
     assert proc.poll() is None, "the run ended before it could be signalled"
 
 
-def test_sigterm_then_sigkill_under_a_pipeline_resume_exactly(pipeline_runs, tmp_path, tiny_model, padded_data):
-    """2 stages on 2 ranks, a checkpoint every step. SIGTERM to the launcher once 3 steps are logged: every rank
-    finishes the step, the stages' checkpoint is written, the summary says preempted and how to continue. The relaunch
-    from `latest` is SIGKILLed as a whole (launcher and ranks) 3 steps later; the next relaunch from `latest` ends
-    with the weights of the uninterrupted run, every step logged once."""
+def test_sigkill_then_sigterm_under_a_pipeline_resume_exactly(pipeline_runs, tmp_path, tiny_model, padded_data):
+    """2 stages on 2 ranks, a checkpoint every step. SIGKILL to the whole job (launcher and ranks, frozen first) once 3
+    steps are logged; the relaunch from `latest` resumes and takes SIGTERM (to the launcher) 3 steps later: every rank
+    finishes the step, the stages' checkpoint is written, the summary says preempted and how to continue. That
+    checkpoint holds exactly the uninterrupted run's weights at its step, and every step up to it was logged once
+    with the uninterrupted run's loss (a resume from a SIGTERM's checkpoint is the same load:
+    test_a_pipeline_checkpoint_resumes_under_a_pipeline_ddp_and_one_process). Two launches: the relaunch after the
+    SIGTERM would only repeat what the pool's resumed runs show."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "plot": False,
            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, **KILLED, **pp()}
     straight = pipeline_runs["gpt2"].get("killed_straight", None, 2, 2, 4, {**KILLED, **pp()})
-    out = str(tmp_path / "preempted")
+    out = str(tmp_path / "interrupted")
     with LAUNCHING:
         proc = _start(cfg, out)
         try:
             _wait_for_step(proc, out, 3)
-            proc.send_signal(signal.SIGTERM)  # as a scheduler does
-            output, _ = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
-        stopped = max(_steps_logged(out))
-        assert 3 <= stopped < KILLED["max_steps"] - 6
-        assert f"SIGTERM: saved checkpoint step-{stopped}" in output
-        assert "model: not exported (preempted: relaunch with resume_from_checkpoint: latest)" in output
-        assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
-        summary = json.load(open(os.path.join(out, "summary.json")))
-        assert (summary["ended"], summary["steps"], summary["final_model"]) == ("preempted", stopped, None)
-
-        proc = _start(cfg, out, resume=True)
-        try:
-            _wait_for_step(proc, out, stopped + 3)
             kill_job(proc.pid)  # the launcher and its ranks, frozen first: none runs a line more
             proc.wait(timeout=30)
         finally:
             proc.kill()
         killed = max(_steps_logged(out))
-        assert stopped + 3 <= killed < KILLED["max_steps"] and not os.path.exists(os.path.join(out, "final"))
-    launch(args_from({**cfg, "output_dir": out, **RESUME}))
-    diff = _weights_diff(straight, out)
-    print(f"SIGTERM after step {stopped}, SIGKILL after step {killed}, resumed: max|dw| = {diff:.1e}")
+        assert 3 <= killed < KILLED["max_steps"] - 6 and not os.path.exists(os.path.join(out, "final"))
+
+        proc = _start(cfg, out, resume=True)
+        try:
+            _wait_for_step(proc, out, killed + 3)
+            proc.send_signal(signal.SIGTERM)  # as a scheduler does
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stopped = max(_steps_logged(out))
+    assert killed + 3 <= stopped < KILLED["max_steps"]
+    assert f"SIGTERM: saved checkpoint step-{stopped}" in output
+    assert "model: not exported (preempted: relaunch with resume_from_checkpoint: latest)" in output
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["ended"], summary["final_model"]) == ("preempted", None)
+    step = os.path.join("checkpoints", f"step-{stopped}")
+    diff = max_abs_diff(load_weights(os.path.join(out, step)), load_weights(os.path.join(straight, step)))
+    print(f"SIGKILL after step {killed}, resumed, SIGTERM after step {stopped}: max|dw| = {diff:.1e}")
     assert diff == 0.0
-    assert _steps_logged(out) == list(range(1, KILLED["max_steps"] + 1))
+    logged = [(r["step"], r["loss"]) for r in _metrics(out) if "loss" in r]
+    assert logged == [(r["step"], r["loss"]) for r in _metrics(straight) if "loss" in r][:stopped]
