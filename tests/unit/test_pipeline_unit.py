@@ -218,3 +218,18 @@ def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama,
     out = capsys.readouterr().out
     assert "2 stages x 2 replicas, 8 micro-batches" in out and f"= {1 / 9:.1%} of a step" in out
     assert "--pipeline_parallel_size 2 --pipeline_schedule 1f1b --gradient_accumulation_steps 8" in out
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"packing": True, "packing_strategy": "bfd"}, "packing_strategy"),
+    ({"packing": True, "packing_strategy": "bfd_split"}, "packing_strategy"),
+    ({"streaming": True, "max_steps": 3, "packing": False}, "streaming")])
+def test_padding_free_packing_and_streaming_refused_under_a_pipeline(tiny_model, padded_data, tmp_path, fields, field):
+    """One line, from the config alone: a pipeline passes each row's attention mask, which padding-free rows have not."""
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
+                          "pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
+    assert e.value.field_name == field and "pipeline parallelism" in str(e.value)
