@@ -43,6 +43,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   pipeline      pipeline parallelism: a causal LM cut into stages, torch's schedules, the pp x dp step
   checkpointing.convert  a checkpoint converted for a launch that cannot load it as written (DeepSpeed universal)
   checkpointing.resume  what a checkpoint records about the sample order; refuses a resume that would change it
+  checkpointing.staged  a pipeline's checkpoint: its stages written as (and read from) one process's files, by name
   checkpointing.checkpoint  save_state checkpoints (atomic, rotated), their exact load, the final export
   checkpointing.manager  plan_resume (once, before the weights load) and Checkpointer (the loop's load and save)
   checkpointing  the package: Checkpointer, ResumePlan, plan_resume

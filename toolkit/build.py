@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data, lora, quantization
+from toolkit import data, lora, pipeline, quantization
 from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
 from toolkit.distributed import (
@@ -140,6 +140,7 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     tokenizer = load_tokenizer(cfg.model, log=log)
     task.prepare_tokenizer(tokenizer, cfg)  # e.g. SFT's chat template: checked before the weights load
     model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
+    pipeline.check_run(cfg, task, model_config)  # LoRA, the task, the architecture: one line before any work
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
     if tp_size > 1:

@@ -50,11 +50,10 @@ class PipelineArguments:
                               f"is the pipeline's micro-batches: {self.pipeline_schedule} with {stages} stages needs "
                               f"{need} (torch's schedule), got {m}; raise it (fewer rows per micro-batch keep the "
                               "global batch) or use gpipe")
-        for name, off in (("save_steps", None), ("resume_from_checkpoint", None), ("loss_chunk_size", 0)):
-            if getattr(self, name) != off:
-                raise ConfigError(name, f"is not supported with pipeline_parallel_size {self.pipeline_parallel_size} "
-                                        "yet (checkpoints of a pipeline and the chunked loss are not implemented): "
-                                        f"leave {name} unset, or train with pipeline_parallel_size 1")
+        if self.loss_chunk_size:
+            raise ConfigError("loss_chunk_size", f"is not supported with pipeline_parallel_size "
+                                                 f"{self.pipeline_parallel_size} yet (the last stage computes the whole "
+                                                 "loss): leave it 0, or train with pipeline_parallel_size 1")
         if self.loss_normalization != "global_tokens":
             raise ConfigError("loss_normalization", "a pipeline normalises by the global batch's target tokens only: "
                                                     "use global_tokens")

@@ -673,9 +673,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
             _call(callbacks, "on_save", accelerator=accelerator, state=state, checkpoint=saved)
         if preempted:
             accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
-                              "resume_from_checkpoint: latest to continue" if saved else
-                              f"{preemption.reason()}: stopped after step {state.step} without a checkpoint "
-                              "(pipeline_parallel_size > 1 writes none yet)", flush=True)
+                              "resume_from_checkpoint: latest to continue", flush=True)
             return ENDED_PREEMPTED
         if ran_out:
             return ENDED_DATA_RAN_OUT

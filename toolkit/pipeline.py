@@ -147,6 +147,9 @@ class PipelineModel(nn.Module):
         self.stage_modules = nn.ModuleList(Stage(model, kind, bounds[s], s == 0, s == self.n_stages - 1)
                                            for s in self.stage_ids)
         kept = {id(p) for p in self.stage_modules.parameters()}
+        # every parameter's shape, by the whole model's name (tied weights once), before the other stages' go: the
+        # order of a one-process run's optimizer, which a checkpoint's is numbered in (toolkit.checkpointing.staged)
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         for p in model.parameters():  # the other stages' weights are not this rank's to hold (their names stay)
             if id(p) not in kept:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -164,6 +167,9 @@ class PipelineModel(nn.Module):
         self.tied = self._tied_parameter(tied)
         self.tie_group = _tie_group(mesh) if self.tied is not None else None
         self.device, self._schedules, self._step = next(model.parameters()).device, {}, {}
+        # (name, parameter) as the optimizer holds them: FSDP2's sharded parameters, which a module shows only
+        # between steps (after a forward without backward, the evaluation's, the root keeps its gathered ones)
+        self.named_parameters_by_model = list(self.named_by_model())
 
     def _tied_parameter(self, tied: bool):
         """The embedding shared with the head as this rank's stage holds it (the first stage: the embedding; the
@@ -278,6 +284,9 @@ class PipelineModel(nn.Module):
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
             for _ in range(int(most) - len(batches)):
                 self.eval_rows(batches[0], task)  # its rows were counted already: dropped
+        if self.fsdp:  # a forward without backward leaves each stage's root gathered: sharded again, as in training
+            for stage in self.stage_modules:
+                stage.reshard()
         self.train()
         if self.dp > 1:
             gathered = [None] * self.dp
@@ -380,17 +389,29 @@ class ReplicaBatches:
 
 
 def check_task(task, model) -> None:
-    """Before any work: what runs under pipeline parallelism is a causal LM (plain text or chat SFT), fully trained."""
+    """What runs under pipeline parallelism is a causal LM (plain text or chat SFT), fully trained (a model handed to
+    ``train`` directly; a recipe's run was checked before its data and weights loaded: ``check_run``)."""
     from toolkit import lora
 
-    if lora.is_peft_model(model):
+    _check(lora.is_peft_model(model), task, model.config)
+
+
+def check_run(cfg, task, model_config) -> None:
+    """Before the data is tokenized and the weights load (``toolkit.build.check_inputs``, also in ``toolkit train``'s
+    own process): a pipeline run's task, LoRA and architecture, from the config alone."""
+    if cfg.train.pipeline_parallel_size > 1:
+        _check(cfg.model.use_peft, task, model_config)
+
+
+def _check(peft: bool, task, model_config) -> None:
+    if peft:
         raise ConfigError("use_peft", "LoRA under pipeline parallelism is not supported yet: train the adapter with "
                                       "pipeline_parallel_size 1 (DDP, FSDP or ZeRO shard what LoRA leaves)")
     if task.name not in ("causal-lm", "chat-sft"):
         raise ConfigError("pipeline_parallel_size", f"the {task.name} task is not supported under pipeline "
                                                     "parallelism yet (causal LM and chat SFT are): use "
                                                     "pipeline_parallel_size 1")
-    family(model)
+    family(SimpleNamespace(config=model_config))
 
 
 def build(accelerator, args, model, train_dataset, eval_dataset, sampler, collator):

@@ -1,21 +1,37 @@
 """Pipeline parallelism (toolkit/pipeline.py) on real gloo ranks against one process on the same global batch.
 
 A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks under GPipe and 1F1B, 4 micro-batches
-of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas on 4 ranks (SGD and
-AdamW); chat SFT; AdamW with clipping (the norm over all stages). Every run is planned into the session's pool: the 2-rank runs join
-the shared 2-rank DDP launch, the one-process references the one-process batch, the two 4-rank runs are one launch
-(2 stages x 2 DDP replicas, measured by hand to 1.2e-7, has no launch of its own).
-Each test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's forward) and
-the logged loss and grad norm.
+of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas and 2 stages x 2
+DDP replicas on 4 ranks; chat SFT; AdamW with clipping (the norm over all stages); checkpoints (every pipeline run
+saves after each step) resumed under a pipeline, DDP and one process, and DDP's under a pipeline; SIGTERM and
+SIGKILL. Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the
+shared 2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the
+later one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
+Each equality test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's
+forward) and the logged loss and grad norm.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
-from helpers import Runs, load_weights, max_abs_diff
+from helpers import (
+    LAUNCHING,
+    ROOT,
+    Runs,
+    args_from,
+    copy_checkpoint,
+    kill_job,
+    launch_command,
+    load_weights,
+    max_abs_diff,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +46,18 @@ SFT = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
            packing=False, block_size=128)
 
 
+# test_strategies' AdamW (its 1-process and 2-rank DDP runs are these: shared, no run of their own here), clipping at
+# 1.0, a checkpoint at step 2
+ADAMW_CKPT = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
+                  warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
+RESUME = {"resume_from_checkpoint": "latest"}
+# the SIGKILL and SIGTERM test's run: 16 steps of a 6-step epoch, a checkpoint every step (all kept)
+KILLED = {**SGD, "max_steps": 16, "save_steps": 1}
+
+
 def pp(schedule: str = "1f1b", **extra) -> dict:
-    return {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, **extra}
+    """Every pipeline run writes a checkpoint after each step (a save of every schedule, tied and untied, FSDP2)."""
+    return {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, "save_steps": 1, **extra}
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_256, chats, bpe_2048):
@@ -52,10 +78,36 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
     runs["gpt2"].plan("adamw", None, 2, 2, 4, {**ADAMW, **pp()}, probe=False)
     for name, extra in (("fsdp", SGD), ("fsdp_adamw", ADAMW)):  # the one 4-rank launch
         runs["gpt2"].plan(name, "fsdp.yaml", 4, 2, 2, {**extra, **pp()}, probe=False)
+    runs["gpt2"].plan("fsdp_adamw_resumed", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp(), **RESUME}, probe=False,
+                      copy_from=("fsdp_adamw", 1))
+    _plan_checkpoints(runs["gpt2"])
     sft = runs["sft"] = Runs(tmp_path_factory.mktemp("pipeline-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("pp", None, 2, 2, 4, pp("gpipe"), recipe="sft", probe=False)
     return {"pipeline_runs": runs}
+
+
+def _plan_checkpoints(r) -> None:
+    """Checkpoints across layouts, each resume in the launch of its kind after the run it resumes: a pipeline's
+    resumed as a pipeline (SGD and AdamW), under DDP on 2 ranks and on one process (a 1-process launch after the
+    2-rank one, shared with test_strategies' resumes); DDP's (test_strategies' run) resumed as a pipeline; the
+    straight run of the SIGTERM / SIGKILL test."""
+    r.plan("sgd_resumed", None, 2, 2, 4, {**SGD, **pp(), **RESUME}, probe=False, copy_from=("1f1b", 1))
+    r.plan("pp_adamw", None, 2, 2, 4, {**ADAMW_CKPT, **pp()}, probe=False)
+    r.plan("pp_adamw_resumed", None, 2, 2, 4, {**ADAMW_CKPT, **pp(), **RESUME}, probe=False,
+           copy_from=("pp_adamw", 1))
+    r.plan("pp_adamw_to_ddp", None, 2, 2, 2, {**ADAMW_CKPT, **RESUME}, probe=False, copy_from=("pp_adamw", 1))
+    r.plan("pp_adamw_to_one", None, 1, 8, 1, {**ADAMW_CKPT, **RESUME}, probe=False, copy_from=("pp_adamw", 1))
+    r.plan("one_adamw_ckpt", None, 1, 8, 1, ADAMW_CKPT)  # test_strategies' adamw_1x8x1
+    r.plan("ddp_adamw", None, 2, 2, 2, ADAMW_CKPT)  # test_strategies' adamw_ddp
+    r.plan("ddp_adamw_to_pp", None, 2, 2, 4, {**ADAMW_CKPT, **pp(), **RESUME}, probe=False,
+           copy_from=("ddp_adamw", 2))
+    r.plan("killed_straight", None, 2, 2, 4, {**KILLED, **pp()}, probe=False)
+    # the one 4-rank DDP launch: 2 stages x 2 replicas against one process, and the 2-rank pipeline's checkpoint
+    # resumed there (the replicas read the same stage's tensors)
+    r.plan("ddp4", None, 4, 2, 2, {**SGD, **pp()}, probe=False)
+    r.plan("pp_adamw_to_ddp4", None, 4, 2, 2, {**ADAMW_CKPT, **pp(), **RESUME}, probe=False,
+           copy_from=("pp_adamw", 1))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +182,21 @@ def test_two_stages_sharded_by_fsdp2_over_two_replicas_equal_one_process(pipelin
     _assert_equal_runs(runs.get("one_adamw", None, 1, 8, 1, ADAMW), adamw, 1e-5)
 
 
+def test_two_stages_replicated_by_ddp_on_four_ranks_equal_one_process(pipeline_runs):
+    """ddp.yaml on 4 ranks, 2 stages x 2 replicas (each stage's replicas sum their gradients, the tied embedding's two
+    copies too): SGD to 1e-6 against one process. A 2-rank pipeline's AdamW checkpoint resumed on these 4 ranks
+    (each replica reads its stage's tensors) ends with that run's weights (1e-5)."""
+    runs = pipeline_runs["gpt2"]
+    staged = runs.get("ddp4", None, 4, 2, 2, {**SGD, **pp()})
+    _assert_equal_runs(runs.get("one", None, 1, 8, 1, SGD), staged, 1e-6)
+    summary = json.load(open(os.path.join(staged, "summary.json")))
+    assert (summary["data_parallel_size"], summary["world_size"]) == (2, 4)
+    adamw = runs.get("pp_adamw", None, 2, 2, 4, {**ADAMW_CKPT, **pp()})
+    resumed = runs.get("pp_adamw_to_ddp4", None, 4, 2, 2, {**ADAMW_CKPT, **pp(), **RESUME},
+                       prepare=copy_checkpoint(adamw, 1))
+    assert _weights_diff(adamw, resumed) <= 1e-5
+
+
 def test_chat_sft_padded_chats_under_a_pipeline_equal_one_process(pipeline_runs):
     """recipes/sft.py: padded chats with assistant-only labels; each micro-batch's attention mask reaches every
     stage."""
@@ -137,3 +204,122 @@ def test_chat_sft_padded_chats_under_a_pipeline_equal_one_process(pipeline_runs)
     one = runs.get("one", None, 1, 8, 1, {})
     staged = runs.get("pp", None, 2, 2, 4, pp("gpipe"))
     _assert_equal_runs(one, staged, 1e-6)
+
+
+def _weights_diff(a: str, b: str) -> float:
+    return max_abs_diff(load_weights(os.path.join(a, "final")), load_weights(os.path.join(b, "final")))
+
+
+def test_a_pipeline_checkpoint_resumes_under_a_pipeline_ddp_and_one_process(pipeline_runs):
+    """A checkpoint written by 2 stages on 2 ranks is one process's layout, keyed by the whole model's names (strategy
+    'pipeline'): resumed as the same pipeline it ends with the uninterrupted run's weights (SGD and AdamW, 1e-6), and
+    under DDP on 2 ranks and on one process with them too (AdamW, 1e-5: each moment moved with its parameter, the
+    schedule went on), on the same sample order (the same steps' losses). Under FSDP2 (4 ranks) the sharded moments
+    are gathered into the same files and sharded again on resume."""
+    runs = pipeline_runs["gpt2"]
+    straight = runs.get("1f1b", None, 2, 2, 4, {**SGD, **pp("1f1b")})
+    resumed = runs.get("sgd_resumed", None, 2, 2, 4, {**SGD, **pp(), **RESUME}, prepare=copy_checkpoint(straight, 1))
+    assert _weights_diff(straight, resumed) <= 1e-6
+    checkpoint = os.path.join(straight, "checkpoints", "step-1")
+    assert json.load(open(os.path.join(checkpoint, "toolkit_state.json")))["strategy"] == "pipeline"
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= set(os.listdir(checkpoint))
+    assert [r["step"] for r in _metrics(resumed)] == [2, 3]
+    adamw = runs.get("pp_adamw", None, 2, 2, 4, {**ADAMW_CKPT, **pp()})
+    seeded = copy_checkpoint(adamw, 1)
+    for name, world, micro, accum, extra, tolerance in (
+            ("pp_adamw_resumed", 2, 2, 4, {**ADAMW_CKPT, **pp(), **RESUME}, 1e-6),
+            ("pp_adamw_to_ddp", 2, 2, 2, {**ADAMW_CKPT, **RESUME}, 1e-5),
+            ("pp_adamw_to_one", 1, 8, 1, {**ADAMW_CKPT, **RESUME}, 1e-5)):
+        out = runs.get(name, None, world, micro, accum, extra, prepare=seeded)
+        diff = _weights_diff(adamw, out)
+        print(f"{name}: max|dw| = {diff:.1e} against the uninterrupted pipeline run")
+        assert diff <= tolerance, (name, diff)
+        a, b = _metrics(adamw)[1:], _metrics(out)
+        assert [r["step"] for r in b] == [2, 3]
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"] for x, y in zip(a, b))
+    sharded = runs.get("fsdp_adamw", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp()})
+    resharded = runs.get("fsdp_adamw_resumed", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp(), **RESUME},
+                         prepare=copy_checkpoint(sharded, 1))
+    assert _weights_diff(sharded, resharded) <= 1e-6
+
+
+def test_a_ddp_checkpoint_resumes_under_a_pipeline(pipeline_runs):
+    """DDP's checkpoint (2 ranks x 2 x 2, AdamW, step 2) resumed by 2 stages on 2 ranks: each stage reads its
+    parameters and their moments by name (the tied embedding on both end stages) and ends with the DDP run's weights
+    (1e-5)."""
+    runs = pipeline_runs["gpt2"]
+    ddp = runs.get("ddp_adamw", None, 2, 2, 2, ADAMW_CKPT)
+    staged = runs.get("ddp_adamw_to_pp", None, 2, 2, 4, {**ADAMW_CKPT, **pp(), **RESUME},
+                      prepare=copy_checkpoint(ddp, 2))
+    diff = _weights_diff(ddp, staged)
+    print(f"DDP step-2 resumed by a pipeline: max|dw| = {diff:.1e}")
+    assert diff <= 1e-5
+    assert [r["step"] for r in _metrics(staged)] == [3]
+
+
+def _steps_logged(out: str) -> list[int]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
+
+
+def _start(cfg: dict, out: str, resume: bool = False) -> subprocess.Popen:
+    """The recipe under ``accelerate launch`` on 2 ranks, as a user starts it (the launcher forwards SIGTERM)."""
+    cmd = launch_command(args_from({**cfg, "output_dir": out, **(RESUME if resume else {})}))
+    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, out: str, step: int) -> None:
+    deadline = time.time() + 180
+    while max(_steps_logged(out), default=0) < step and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+
+
+def test_sigkill_then_sigterm_under_a_pipeline_resume_exactly(pipeline_runs, tmp_path, tiny_model, padded_data):
+    """2 stages on 2 ranks, a checkpoint every step. SIGKILL to the whole job (launcher and ranks, frozen first) once 3
+    steps are logged; the relaunch from `latest` resumes and takes SIGTERM (to the launcher) 3 steps later: every rank
+    finishes the step, the stages' checkpoint is written, the summary says preempted and how to continue. That
+    checkpoint holds exactly the uninterrupted run's weights at its step, and every step up to it was logged once
+    with the uninterrupted run's loss (a resume from a SIGTERM's checkpoint is the same load:
+    test_a_pipeline_checkpoint_resumes_under_a_pipeline_ddp_and_one_process). Two launches: the relaunch after the
+    SIGTERM would only repeat what the pool's resumed runs show."""
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "plot": False,
+           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, **KILLED, **pp()}
+    straight = pipeline_runs["gpt2"].get("killed_straight", None, 2, 2, 4, {**KILLED, **pp()})
+    out = str(tmp_path / "interrupted")
+    with LAUNCHING:
+        proc = _start(cfg, out)
+        try:
+            _wait_for_step(proc, out, 3)
+            kill_job(proc.pid)  # the launcher and its ranks, frozen first: none runs a line more
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        killed = max(_steps_logged(out))
+        assert 3 <= killed < KILLED["max_steps"] - 6 and not os.path.exists(os.path.join(out, "final"))
+
+        proc = _start(cfg, out, resume=True)
+        try:
+            _wait_for_step(proc, out, killed + 3)
+            proc.send_signal(signal.SIGTERM)  # as a scheduler does
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stopped = max(_steps_logged(out))
+    assert killed + 3 <= stopped < KILLED["max_steps"]
+    assert f"SIGTERM: saved checkpoint step-{stopped}" in output
+    assert "model: not exported (preempted: relaunch with resume_from_checkpoint: latest)" in output
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["ended"], summary["final_model"]) == ("preempted", None)
+    step = os.path.join("checkpoints", f"step-{stopped}")
+    diff = max_abs_diff(load_weights(os.path.join(out, step)), load_weights(os.path.join(straight, step)))
+    print(f"SIGKILL after step {killed}, resumed, SIGTERM after step {stopped}: max|dw| = {diff:.1e}")
+    assert diff == 0.0
+    logged = [(r["step"], r["loss"]) for r in _metrics(out) if "loss" in r]
+    assert logged == [(r["step"], r["loss"]) for r in _metrics(straight) if "loss" in r][:stopped]

@@ -70,7 +70,6 @@ def test_other_architectures_are_refused_naming_what_is_supported():
     ({"pipeline_schedule": "zb"}, "pipeline_schedule"),
     ({"pipeline_schedule": "interleaved_1f1b"}, "pipeline_stages_per_rank"),
     ({"pipeline_stages_per_rank": 2}, "pipeline_stages_per_rank"),
-    ({"save_steps": 2}, "save_steps"),
     ({"loss_chunk_size": 16}, "loss_chunk_size"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
     ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),  # 1F1B: at least one per stage
@@ -85,6 +84,73 @@ def test_pipeline_fields_refused_before_work(tmp_path, fields, field):
         TrainingArguments(output_dir=str(tmp_path / "out"),
                           **{"pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
     assert e.value.field_name == field
+
+
+def test_checkpoint_fields_are_taken_under_a_pipeline(tmp_path):
+    """save_steps and resume_from_checkpoint work under a pipeline (toolkit.checkpointing.staged)."""
+    from toolkit.config import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), pipeline_parallel_size=2, gradient_accumulation_steps=4,
+                             save_steps=2, resume_from_checkpoint="latest")
+    assert (args.save_steps, args.resume_from_checkpoint) == (2, "latest")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_a_pipeline_checkpoint_numbers_the_optimizer_as_one_process_does(fixture, request):
+    """optimizer.bin's numbering (``staged.plain_order``, from the whole model's names and shapes) is the order of a
+    one-process run's optimizer (``build_optimizer``: its two groups), the tied weight once: a pipeline's moments
+    land on the same parameters under one process or DDP, and theirs on a pipeline's."""
+    from toolkit.checkpointing.staged import plain_order
+    from toolkit.config import TrainingArguments
+    from toolkit.loop import build_optimizer
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture))
+    optimizer = build_optimizer(model, TrainingArguments(output_dir="unused", optim="adamw_torch", weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups] == plain_order(shapes)
+    assert len(plain_order(shapes)) == 2
+
+
+@pytest.mark.parametrize("wrote, strategy, plan", [
+    ("pipeline", "single", None), ("pipeline", "ddp", None), ("ddp", "pipeline", None), ("single", "pipeline", None),
+    ("pipeline", "pipeline", None), ("fsdp2", "pipeline", "plain")])
+def test_a_pipeline_checkpoint_loads_under_one_process_and_ddp_and_theirs_under_a_pipeline(wrote, strategy, plan):
+    """Any world size: the layout is one process's; FSDP2's converts to it first, as for one process."""
+    from toolkit.checkpointing.resume import load_plan
+
+    assert load_plan("ck", {"strategy": wrote, "loop": {"world_size": 2}}, strategy, 4) == plan
+
+
+def test_a_zero_checkpoint_is_refused_under_a_pipeline_naming_its_launch():
+    from toolkit.checkpointing.resume import load_plan
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_plan("ck", {"strategy": "deepspeed-zero3", "loop": {"world_size": 2}}, "pipeline", 2)
+    assert e.value.field_name == "resume_from_checkpoint" and "zero3.yaml" in str(e.value)
+
+
+@pytest.mark.parametrize("task_name, extra, field", [
+    ("classify", {}, "pipeline_parallel_size"), ("dpo", {}, "pipeline_parallel_size"),
+    ("gpt2", {"use_peft": True}, "use_peft")])
+def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(tiny_model, padded_data, tmp_path,
+                                                                              task_name, extra, field):
+    """A recipe's run under a pipeline: its task and LoRA are refused by ``build.check_inputs`` (which ``toolkit
+    train`` also runs before launching), before tokenization and the weights."""
+    from toolkit.build import check_inputs
+    from toolkit.classification import SequenceClassification
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+    from toolkit.preference import DPO
+    from toolkit.tasks import CausalLM
+
+    task = {"classify": SequenceClassification, "dpo": DPO, "gpt2": CausalLM}[task_name]()
+    cfg = config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
+                            "pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **extra})
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg, task)
+    assert e.value.field_name == field and "pipeline" in str(e.value)
 
 
 def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
@@ -152,3 +218,18 @@ def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama,
     out = capsys.readouterr().out
     assert "2 stages x 2 replicas, 8 micro-batches" in out and f"= {1 / 9:.1%} of a step" in out
     assert "--pipeline_parallel_size 2 --pipeline_schedule 1f1b --gradient_accumulation_steps 8" in out
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"packing": True, "packing_strategy": "bfd"}, "packing_strategy"),
+    ({"packing": True, "packing_strategy": "bfd_split"}, "packing_strategy"),
+    ({"streaming": True, "max_steps": 3, "packing": False}, "streaming")])
+def test_padding_free_packing_and_streaming_refused_under_a_pipeline(tiny_model, padded_data, tmp_path, fields, field):
+    """One line, from the config alone: a pipeline passes each row's attention mask, which padding-free rows have not."""
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
+                          "pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
+    assert e.value.field_name == field and "pipeline parallelism" in str(e.value)

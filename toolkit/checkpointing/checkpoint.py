@@ -11,7 +11,8 @@ position in the epoch, token counters) and what the sample order depends on are 
 
 Under tensor parallelism the weights and the optimizer state are written with ``torch.distributed.checkpoint``
 instead (``TP_MODEL_FOLDER``, ``TP_OPTIMIZER_FOLDER``; see ``_save_tensor_parallel``); everything else is still
-``save_state``'s.
+``save_state``'s. A pipeline's stages (never prepared by accelerate) are written by ``toolkit.checkpointing.staged``
+in the one-process layout, beside ``save_state``'s RNG files.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from toolkit import layout
+from toolkit.checkpointing import staged
 from toolkit.distributed import deepspeed_out_of_sight, has_accelerator
 
 # torch.distributed.checkpoint folders of a tensor-parallel checkpoint, laid out as accelerate's FSDP ones
@@ -33,8 +35,9 @@ TP_MODEL_FOLDER, TP_OPTIMIZER_FOLDER = "pytorch_model_tp", "optimizer_tp"
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
-                    record: dict, protect: str | None = None) -> str:
-    """Collective: call on every rank. ``record``: the JSON-able ``toolkit_state.json``. Returns the folder."""
+                    record: dict, protect: str | None = None, pipeline: tuple | None = None) -> str:
+    """Collective: call on every rank. ``record``: the JSON-able ``toolkit_state.json``. ``pipeline``: (model,
+    optimizer, scheduler) of a pipeline run, which accelerate did not prepare. Returns the folder."""
     root = layout.checkpoints_dir(output_dir)
     final = layout.step_dir(output_dir, step)
     tmp = final + layout.TMP_SUFFIX
@@ -45,7 +48,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     if _is_tensor_parallel(accelerator):
         _save_tensor_parallel(accelerator, tmp)
     else:
-        accelerator.save_state(tmp)
+        accelerator.save_state(tmp)  # under a pipeline: the RNG states only (nothing of it prepared)
+    if pipeline is not None:
+        staged.save(*pipeline, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
@@ -98,7 +103,8 @@ def _quantized_base_kwargs(accelerator: Accelerator) -> dict:
     return {"strict": False}
 
 
-def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=None, universal: bool = False) -> None:
+def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=None, universal: bool = False,
+                    pipeline_model=None) -> None:
     """``accelerator.load_state`` (collective), made exact under FSDP1 and for ZeRO-3 universal checkpoints; under
     tensor parallelism the weights and optimizer state come from DCP instead (``_load_tensor_parallel``).
 
@@ -113,7 +119,14 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
     (biases, LayerNorm) then decays at the first group's weight_decay (docs/pitfalls.md#zero3-universal-groups). The
     groups' own values, which the recipe fixes, are put back, and each group's learning rate is the one the
     restored ``scheduler`` gives it.
+
+    ``pipeline_model``: a pipeline's stages (``toolkit.pipeline``), which read their tensors from the one-process
+    layout by name (``toolkit.checkpointing.staged``); accelerate's load then restores the RNG states only.
     """
+    if pipeline_model is not None:
+        staged.load(pipeline_model, optimizer, scheduler, path)
+        accelerator.load_state(path)
+        return
     if _is_tensor_parallel(accelerator):
         _load_tensor_parallel(accelerator, path)
         return

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from toolkit import layout
 from toolkit.checkpointing import checkpoint
 from toolkit.checkpointing.convert import UNIVERSAL, convert
-from toolkit.checkpointing.resume import check_resume, order_record
-from toolkit.distributed import strategy_name
+from toolkit.checkpointing.resume import check_resume, checkpoint_format, order_record
 
 
 @dataclass
@@ -65,10 +64,10 @@ class Checkpointer:
                               f"{saved['strategy']}, at step {saved['loop']['step']})")
             load_from = plan.checkpoint
             if plan.conversion is not None:  # the unwrapped model names the tied parameters a plain copy leaves out
-                load_from = convert(accelerator, plan.checkpoint, plan.conversion,
-                                    accelerator.unwrap_model(self.model), log=accelerator.print)
+                load_from = convert(accelerator, plan.checkpoint, plan.conversion, self._whole_model(),
+                                    log=accelerator.print)
             checkpoint.load_checkpoint(accelerator, load_from, self.optimizer, self.scheduler,
-                                       universal=plan.loads_universal)
+                                       universal=plan.loads_universal, pipeline_model=self._stages())
             state.load_state_dict(saved["loop"])
             state.world_size = accelerator.num_processes
             # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another
@@ -77,6 +76,13 @@ class Checkpointer:
         if accelerator.is_main_process:
             self._prepare_output_dir()
         return plan.checkpoint
+
+    def _stages(self):
+        """A pipeline's stages (``toolkit.pipeline``), checkpointed by the whole model's names; None otherwise."""
+        return self.model if self.args.pipeline_parallel_size > 1 else None
+
+    def _whole_model(self):
+        return self.model.whole_model if self._stages() is not None else self.accelerator.unwrap_model(self.model)
 
     def _prepare_output_dir(self) -> None:
         for path in layout.remove_stale_temporaries(self.args.output_dir):
@@ -92,11 +98,11 @@ class Checkpointer:
         ``save_steps`` and when the run was preempted; after the last step, the final export (a preempted run is
         not finished: no export). Returns the checkpoint written, if any."""
         args, written = self.args, None
-        if preempted and args.pipeline_parallel_size > 1:  # its stages' states are not checkpointed yet: none
-            return None
         if (args.save_steps and state.step % args.save_steps == 0) or preempted:
+            stages = self._stages()
             written = checkpoint.save_checkpoint(self.accelerator, args.output_dir, state.step, args.save_total_limit,
-                                                 record=self.record(state), protect=self.plan.checkpoint)
+                                                 record=self.record(state), protect=self.plan.checkpoint,
+                                                 pipeline=None if stages is None else (stages, self.optimizer, self.scheduler))
         if last_step and not preempted:
             self.export()
         return written
@@ -113,4 +119,4 @@ class Checkpointer:
     def record(self, state) -> dict:
         """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),
         what the order depends on, and the strategy whose format the checkpoint is in."""
-        return {"loop": state.state_dict(), "order": self.plan.order, "strategy": strategy_name(self.accelerator)}
+        return {"loop": state.state_dict(), "order": self.plan.order, "strategy": checkpoint_format(self.accelerator)}

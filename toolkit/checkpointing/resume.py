@@ -90,11 +90,21 @@ def check_stream_files(checkpoint: str, saved: list | None, now: list | None) ->
 # (toolkit.checkpointing.convert); FSDP2's converts to the plain files for single/ddp (toolkit.checkpointing.convert);
 # FSDP1's loads on the same world only; a tensor-parallel one (DCP folders of its TP shards,
 # toolkit.checkpointing.checkpoint) under TP with the same tp_size (its world size: TP runs alone here) only: another
-# tp_size is untested, and refused.
+# tp_size is untested, and refused. A pipeline's (any degree, replicated or FSDP2-sharded stages) is written in the
+# single/ddp layout (toolkit.checkpointing.staged): the three load each other's as written; FSDP2's converts for a
+# pipeline as for single/ddp.
 LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml", "fsdp2": "fsdp.yaml",
-                 "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml", "tp": "tp.yaml"}
-PORTABLE = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
+                 "deepspeed-zero2": "zero2.yaml", "deepspeed-zero3": "zero3.yaml", "tp": "tp.yaml",
+                 "pipeline": "ddp.yaml"}
+PLAIN_LAYOUT = {"single", "ddp", "pipeline"}
+PORTABLE = {"single": PLAIN_LAYOUT, "ddp": PLAIN_LAYOUT, "pipeline": PLAIN_LAYOUT, "fsdp2": {"fsdp2"}}
 ANY_WORLD_VIA_UNIVERSAL = {"deepspeed-zero2", "deepspeed-zero3"}
+
+
+def checkpoint_format(accelerator) -> str:
+    """The layout a run's checkpoints are written in: ``distributed.strategy_name``'s, or 'pipeline' under pipeline
+    parallelism (whichever launch config: ``toolkit.checkpointing.staged`` writes the one-process layout)."""
+    return "pipeline" if getattr(accelerator, "pipeline_parallel_size", 1) > 1 else strategy_name(accelerator)
 
 
 def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -> str | None:
@@ -107,7 +117,7 @@ def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -
         return None
     if strategy == wrote and wrote in ANY_WORLD_VIA_UNIVERSAL:
         return convert.UNIVERSAL
-    if wrote == "fsdp2" and strategy in ("single", "ddp"):
+    if wrote == "fsdp2" and strategy in PLAIN_LAYOUT:
         return convert.PLAIN
     config = LAUNCH_CONFIG.get(wrote, "<its launch config>")
     same_world = "" if wrote in PORTABLE or wrote in ANY_WORLD_VIA_UNIVERSAL else f" --num_processes {world}"
@@ -148,7 +158,7 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
                 f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
                 f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
             )
-    plan = load_plan(checkpoint, saved, strategy_name(accelerator), accelerator.num_processes)
+    plan = load_plan(checkpoint, saved, checkpoint_format(accelerator), accelerator.num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     ranks = data_parallel_size(accelerator)  # the ranks of a tensor-parallel group take the same rows
     global_batch = ranks * micro * accumulation
