@@ -81,6 +81,25 @@ def encode_labels(split, column: str, names: list[str] | None, split_name: str):
     return split.map(encode, batched=True, features=features, desc="encode labels"), list(names)
 
 
+def _small_for_stratified(train, names: list[str], column: str, percentage: float, error: ValueError) -> ConfigError:
+    """The stratified holdout's refusal (datasets': a part smaller than the number of classes, or a class with one
+    row) as one line naming the field, the set's size and the fix."""
+    import math
+
+    counts = torch.bincount(torch.as_tensor(_labels(train)), minlength=len(names))
+    held = math.ceil(len(train) * percentage / 100)
+    rarest = int(counts.argmin())
+    return ConfigError("validation_split_percentage", f"a stratified validation split of {percentage}% of the "
+                                                      f"{len(train)} training rows ({held} rows) cannot hold out every "
+                                                      f"one of the {len(names)} classes of column {column!r} and keep "
+                                                      f"each in training (the rarest, {names[rarest]!r}, has "
+                                                      f"{int(counts[rarest])} row(s); datasets: "
+                                                      f"{str(error).splitlines()[0][:120]}); raise "
+                                                      "validation_split_percentage, give more rows or a "
+                                                      "validation_file, or validation_split_percentage: 0 to train "
+                                                      "without evaluation")
+
+
 def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
     """The splits with the text column checked and the label column encoded; the class names."""
     from toolkit.builtin_data import stdlib_docstrings
@@ -88,11 +107,15 @@ def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
     column = label_column(args)
 
     def stratified(train, fraction):
-        train, _ = encode_labels(train, column, None, "train")
-        split = train.train_test_split(test_size=fraction, stratify_by_column=column, seed=0)
+        train, names = encode_labels(train, column, None, "train")
+        try:
+            split = train.train_test_split(test_size=fraction, stratify_by_column=column, seed=0)
+        except ValueError as e:  # too few rows (or too few of one class) for every class to be in both parts
+            raise _small_for_stratified(train, names, column, args.validation_split_percentage, e) from None
         return split["train"], split["test"]
 
     raw = data.load_splits(args, {STDLIB_DOCSTRINGS: stdlib_docstrings}, holdout=stratified)
+    data.check_validation_columns(raw, [data.text_column(args), column], args)
     data.check_text_column(raw, data.text_column(args))
     train, names = encode_labels(raw["train"], column, None, "train")
     out = {"train": train}

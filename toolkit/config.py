@@ -72,6 +72,8 @@ PREFERENCE_TASKS = ("dpo", "grpo")  # beta and loss_type: one field each, the ta
 CLASSIFICATION_ONLY = ("sequence-classification",)
 CHAT_TASKS = ("chat-sft", "dpo", "grpo")  # chat_template: chats, DPO's and GRPO's prompts as messages
 TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
+# packing and streaming: the tasks that take them; the others refuse them in Task.check, saying why ("task_checks")
+PACKING_TASKS = ("causal-lm", "chat-sft")
 # Where model configs keep their context length (GPT-2: n_positions; Llama, Qwen, Mistral: max_position_embeddings).
 POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
 
@@ -340,7 +342,7 @@ class DataArguments:
         default=None, metadata={"help": "true: several documents per block_size row (how: packing_strategy); false: "
                                         "one example per row. Unset: the task's default (causal LM: true; chat SFT: "
                                         "false, true packs whole chats with bfd; classification: false, refuses "
-                                        "true)."}
+                                        "true).", "tasks": PACKING_TASKS, "task_checks": True}
     )
     packing_strategy: Optional[str] = field(
         default=None, metadata={"help": "With packing (TRL's name): 'wrapped', concatenate every document and cut "
@@ -349,7 +351,8 @@ class DataArguments:
                                         "to itself, no padding (a document longer than block_size is cut; the run "
                                         "logs how much); 'bfd_split', the same, a longer document split into "
                                         "block_size pieces instead (no token dropped). "
-                                        "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
+                                        "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped).",
+                                "tasks": PACKING_TASKS, "task_checks": True}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
     # A seeded sample, not the first N: the first N rows of data sorted by class hold a few classes only.
@@ -365,11 +368,13 @@ class DataArguments:
     streaming: bool = field(
         default=False, metadata={"help": "run_clm's name: read train_file as a stream (nothing tokenized ahead, "
                                          "bounded memory), in the same order on any world size (shuffled in windows "
-                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT."}
+                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT.",
+                                 "tasks": PACKING_TASKS, "task_checks": True}
     )
     shuffle_buffer_size: int = field(
         default=10_000, metadata={"help": "With streaming: rows per shuffled window of the stream (held in memory "
-                                          "on every rank); a larger window mixes the corpus more."}
+                                          "on every rank); a larger window mixes the corpus more.",
+                                  "tasks": PACKING_TASKS}
     )
     drop_long_prompts: bool = field(
         default=True, metadata={"help": "DPO: drop a pair whose prompt leaves its completions no token within "
@@ -968,7 +973,7 @@ def _parser():
 
         # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config_help), not
         # argparse's.
-        def add_argument(self, *names, tasks=None, **kwargs):
+        def add_argument(self, *names, tasks=None, task_checks=None, **kwargs):
             return super().add_argument(*names, **kwargs)
 
     return _Parser(ARGUMENT_CLASSES, allow_abbrev=False)
@@ -1155,7 +1160,7 @@ def _check_task_fields(groups, task: str | None) -> None:
     recipe would ignore it). A default value passes, so that a run's own config.yaml (every field) parses again."""
     for group in groups:
         for f in dataclasses.fields(group):
-            if f.init and not config_help.takes(f, task) and getattr(group, f.name) != f.default:
+            if f.init and config_help.refuses(f, task, getattr(group, f.name)):
                 raise ConfigError(f.name, f"is a field of {config_help.recipes_of(f)}; "
                                           f"recipes/{config_help.TASK_RECIPES[task]} does not use it: delete it")
 

@@ -117,18 +117,51 @@ def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None =
     return source
 
 
+def source_rows(source, files: list[str], field: str = "train_file") -> Iterator[dict]:
+    """The rows of a ``datasets`` stream; a line its JSON reader cannot parse (which stops the stream: the reader
+    parses a whole chunk at once and has no way to skip one line) is one ``ConfigError`` naming the file and the line
+    number (``data.unreadable``), not pyarrow's trace. The files are searched from the one being read."""
+    import pyarrow as pa
+
+    rows = iter(source)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (ValueError, pa.ArrowException) as e:  # pyarrow's ArrowInvalid: a malformed line
+            from toolkit.data import unreadable
+
+            reading = _shard_index(source.state_dict())
+            raise unreadable(field, files[reading:] if reading is not None else files, e) from None
+        yield row
+
+
+def _shard_index(state) -> int | None:
+    """The index of the file a ``datasets`` stream is reading, from its ``state_dict`` (None if not found)."""
+    if isinstance(state, dict):
+        if isinstance(state.get("shard_idx"), int):
+            return state["shard_idx"]
+        for value in state.values():
+            found = _shard_index(value)
+            if found is not None:
+                return found
+    return None
+
+
 class Windows:
     """The source in shuffled windows of W kept rows, each with the source's state at its start; rows by global
     index, holding only the windows still needed."""
 
     def __init__(self, source, spec: StreamSpec, keep: Callable[[dict], bool], first_window: int = 0):
         self.source, self.spec, self.keep = source, spec, keep
-        self.rows = iter(source)
+        self.rows = source_rows(source, shard_order(spec.files, spec.seed, spec.shuffle))
         self.next_window = first_window  # the index of the window read next
         self.start_state = source.state_dict()  # the source's state at the start of the next window
         self.loaded: dict[int, tuple[dict, list[dict]]] = {}  # window -> (state at its start, rows in shuffled order)
         self.ended = False
         self.dropped = 0  # rows ``keep`` refused (None) so far
+        self.columns: list[str] | None = None  # the first row's columns (a message's, when no row is kept)
 
     def read_window(self) -> bool:
         """Read the next window; False when the source has no row left."""
@@ -136,6 +169,8 @@ class Windows:
             return False
         state, rows, W = self.start_state, [], self.spec.window
         for row in self.rows:
+            if self.columns is None:
+                self.columns = sorted(row)
             verdict = self.keep(row)
             if verdict:
                 rows.append(row)
@@ -234,7 +269,7 @@ class TrainStream:
     """One rank's micro-batches of a stream, step by step (see the module docstring for the order).
 
     ``keep(row) -> bool | None`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike,
-    or returns None: dropped and counted, the count logged when the stream stops); ``encode(rows) -> rows`` tokenizes
+    or returns None: dropped and counted, the count logged when the stream stops and written into ``record``); ``encode(rows) -> rows`` tokenizes
     this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs each micro-batch's documents.
     ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or its start (default: ``spec``'s
     files, ``open_source``; bench/streaming.py passes a generator's). The next step's rows are read, tokenized and
@@ -242,8 +277,10 @@ class TrainStream:
 
     def __init__(self, spec: StreamSpec, *, keep, encode, collate, micro: int, accumulation: int,
                  data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0,
-                 source: Callable[[dict | None], object] | None = None, log: Callable[[str], None] = print):
+                 source: Callable[[dict | None], object] | None = None, log: Callable[[str], None] = print,
+                 record: dict | None = None):
         self.spec, self.keep, self.encode, self.collate, self.log = spec, keep, encode, collate, log
+        self.record = record  # where the count of dropped rows goes when the stream stops ("train": summary.json's)
         self.source = source or (lambda state: open_source(spec.files, spec.seed, spec.shuffle, state))
         self.micro, self.accumulation = micro, accumulation
         self.dp, self.rank, self.bfd_block_size = data_parallel_size, rank, bfd_block_size
@@ -251,6 +288,7 @@ class TrainStream:
         self.windows: Windows | None = None
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
         self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
+        self.head_columns: list[str] | None = None  # the columns of the stream's first row (head()'s)
         self.positions: dict[int, dict] = {}  # step -> where a resume at that step restarts (the last steps given)
         self.read_ahead = True  # False: each step read in the caller's thread (bench/streaming.py's comparison)
 
@@ -302,6 +340,8 @@ class TrainStream:
             yield batches, windows.position(start + B)
 
     def _report_dropped(self, windows: Windows) -> None:
+        if self.record is not None:
+            self.record["train"] = windows.dropped
         if windows.dropped:
             what = getattr(self.keep, "drops", "rows the task cannot train on")
             self.log(f"the stream dropped {windows.dropped} {what} (of the rows this run read, the training rows "
@@ -320,25 +360,28 @@ class TrainStream:
         if self.first_window is None:
             windows = Windows(self.source(None), self.spec, self.keep)
             windows.available(1)
-            self.first_window = windows.loaded.get(0, (None, []))[1]
+            self.first_window, self.head_columns = windows.loaded.get(0, (None, []))[1], windows.columns
         rows = self.encode(self.first_window[:n])
         return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size and rows else rows
 
 
-def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print):
+def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print,
+              record: dict | None = None):
     """The validation set of a streamed run, as a ``Dataset``: the first ``limit`` rows (all without a limit) of the
     validation files, read as a stream in file order, tokenized (and packed with bfd) like the training rows; rows
-    ``keep`` drops (None) are counted in one line of the log."""
+    ``keep`` drops (None) are counted in one line of the log (and in ``record["validation"]``)."""
     from datasets import Dataset
 
     rows, dropped = [], 0
-    for row in open_source(files, seed=0, shuffle=False):
+    for row in source_rows(open_source(files, seed=0, shuffle=False), files, "validation_file"):
         verdict = keep(row)
         dropped += verdict is None
         if verdict:
             rows.append(row)
             if limit and len(rows) == limit:
                 break
+    if record is not None:
+        record["validation"] = dropped
     if dropped:
         log(f"the validation stream dropped {dropped} {getattr(keep, 'drops', 'rows the task cannot use')}")
     if not rows:

@@ -207,15 +207,17 @@ def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp
     out = capsys.readouterr().out
     if streaming:  # 20 rows with text: 5 steps of 4, the stream read to its end
         assert summary["steps"] == 5 and summary["train_rows"] == 20
-        assert out.count("the stream dropped 10 rows with no text (null or not a string) in column 'text'") == 1
+        assert out.count("the stream dropped 10 rows with no text (null, empty or not a string) in column 'text'") == 1
     else:
         assert summary["steps"] == 20
-        assert out.count("dropped the rows with no text (null) in column 'text': 10 of 30 in the train split") == 1
+        assert out.count("dropped the rows with no text (null, empty or not a string) in column 'text': 10 of 30 in "
+                         "the train split") == 1
+    assert summary["dropped_rows"] == {"train": 10}  # summary.json counts them on both paths
     if streaming:
         from transformers import AutoTokenizer
 
         keep, _ = CausalLM().stream_rows(AutoTokenizer.from_pretrained(tiny_model), DataArguments(), 16)
-        assert keep({"text": 5}) is None and keep({"text": None}) is None and keep({"text": ""}) is False
+        assert keep({"text": 5}) is None and keep({"text": None}) is None and keep({"text": ""}) is None
 
 
 def _read_ahead_threads() -> list:
@@ -298,3 +300,25 @@ def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_sto
     assert keep(good) is True
     assert keep({"messages": None}) is None and keep({"other": 1}) is None
     assert "fit no chat format" in keep.drops
+
+
+def test_a_line_the_stream_cannot_read_is_one_line_naming_the_file_and_the_line(tmp_path):
+    """A malformed line in the middle of a stream was pyarrow's traceback (its JSON reader parses a chunk at once and
+    cannot skip a line). The steps before its file come; then one ConfigError names the file and the line, for the
+    training files and the validation files."""
+    from toolkit.stream import eval_rows
+
+    good, bad = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
+    good.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8)))
+    bad.write_text('{"text": "row 8"}\n{"text": "row 9"}\n{"text": "a line cut sho\n{"text": "row 11"}\n')
+    stream = TrainStream(StreamSpec([str(good), str(bad)], 4, 3, False), keep=lambda row: bool(row["text"]),
+                         encode=lambda rows: [r["text"] for r in rows], collate=list, micro=2, accumulation=1)
+    steps = stream.steps()
+    assert [next(steps) for _ in range(4)][-1] == [["row 6", "row 7"]]  # part-0's rows, in order (shuffle off)
+    with pytest.raises(ConfigError) as err:
+        next(steps)
+    assert err.value.field_name == "train_file"
+    assert err.value.message.startswith(f"{bad} line 3 is not a JSON object (")
+    assert err.value.message.endswith("fix or remove that line")
+    with pytest.raises(ConfigError, match=f"validation_file: {bad} line 3 is not a JSON object"):
+        eval_rows([str(bad)], lambda row: True, lambda rows: rows, None, None)
