@@ -142,9 +142,9 @@ def test_unpacked_rows_are_truncated_and_short_rows_dropped(tok, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     raw = load_raw_datasets(DataArguments(train_file=str(path), validation_split_percentage=0))
-    assert len(raw["train"]) == 5  # the empty text reaches tokenization
+    assert len(raw["train"]) == 4  # the empty text is dropped and counted at load (as a stream drops it)
     rows = tokenize_and_group(raw, tok, DataArguments(packing=False), block_size=4)["train"]["input_ids"]
-    # 5 words + EOS cut to 4; "" (0 tokens, no EOS) dropped; "a" and " " are 1 token + EOS; "x y" 2 + EOS
+    # 5 words + EOS cut to 4; "a" and " " are 1 token + EOS; "x y" 2 + EOS
     assert len(rows) == 4 and [len(r) for r in rows] == [4, 2, 2, 3]
     assert all(2 <= len(r) <= 4 for r in rows)
     assert rows[1] == [tok("a")["input_ids"][0], tok.eos_token_id]
