@@ -176,7 +176,8 @@ def test_a_line_the_stream_cannot_read_mid_run_ends_it_with_its_summary_its_chec
     bad.write_text('{"text": "a row"}\n{"text": "a line cut sho\n')
     out = tmp_path / "out"
     values = _values(tiny_model, {"train_file": f"{good},{bad}"}, out, streaming=True, shuffle=False,
-                     shuffle_buffer_size=8, max_steps=20, logging_steps=5)
+                     shuffle_buffer_size=8, max_steps=20, logging_steps=5, per_device_train_batch_size=8,
+                     gradient_accumulation_steps=1, plot=False)
     expected = f"train_file: {bad} line 2 is not a JSON object"
     with pytest.raises(ConfigError, match=expected):  # 64 rows: 8 steps of 8, then part-1.jsonl
         train_in_process(values)
