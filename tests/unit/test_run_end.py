@@ -168,7 +168,7 @@ def test_a_line_the_stream_cannot_read_mid_run_ends_it_with_its_summary_its_chec
     """A malformed line in a later file of a stream: before the fix, pyarrow's traceback mid-run (exit 1), no
     summary.json, the steps since the last checkpoint lost, and a resume met the same traceback. Now the step before
     it is logged and saved (as a preempted run's), summary.json says the run stopped and why, and the error is one
-    ConfigError line naming the file and the line; a resume meets that line again before a step."""
+    ConfigError line naming the file and the line."""
     from helpers import train_in_process
 
     good, bad = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
@@ -187,6 +187,4 @@ def test_a_line_the_stream_cannot_read_mid_run_ends_it_with_its_summary_its_chec
     assert f"{bad} line 2" in summary["stop_reason"] and not os.path.exists(out / "final")
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-8"]
     assert rows[-1]["step"] == 8 and "loss" in rows[-1]  # logged though logging_steps is 5
-    with pytest.raises(ConfigError, match=expected):
-        train_in_process({**values, "resume_from_checkpoint": "latest"})
-    assert _on_disk(out)[1] == rows
+    # (a resume from step-8 meets the line again as its first step is read: test_stream.py, without a model)

@@ -315,10 +315,13 @@ def test_a_line_the_stream_cannot_read_is_one_line_naming_the_file_and_the_line(
                          encode=lambda rows: [r["text"] for r in rows], collate=list, micro=2, accumulation=1)
     steps = stream.steps()
     assert [next(steps) for _ in range(4)][-1] == [["row 6", "row 7"]]  # part-0's rows, in order (shuffle off)
+    position = stream.position(4)  # a checkpoint's record after step 4
     with pytest.raises(ConfigError) as err:
         next(steps)
     assert err.value.field_name == "train_file"
     assert err.value.message.startswith(f"{bad} line 3 is not a JSON object (")
     assert err.value.message.endswith("fix or remove that line")
+    with pytest.raises(ConfigError, match=f"train_file: {bad} line 3"):  # a resume after step 4 meets it first
+        next(stream.steps(4, position))
     with pytest.raises(ConfigError, match=f"validation_file: {bad} line 3 is not a JSON object"):
         eval_rows([str(bad)], lambda row: True, lambda rows: rows, None, None)
