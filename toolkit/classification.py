@@ -82,20 +82,25 @@ def encode_labels(split, column: str, names: list[str] | None, split_name: str):
 
 
 def _small_for_stratified(train, names: list[str], column: str, percentage: float, error: ValueError) -> ConfigError:
-    """The stratified holdout's refusal (datasets': a part smaller than the number of classes, or a class with one
-    row) as one line naming the field, the set's size and the fix."""
+    """The stratified holdout's refusal (datasets': a part with fewer rows than there are classes, or a class with one
+    row) as one line naming the field, the set's size and the fix that applies."""
     import math
 
     counts = torch.bincount(torch.as_tensor(_labels(train)), minlength=len(names))
-    held = math.ceil(len(train) * percentage / 100)
+    n, k, held = len(train), len(names), math.ceil(len(train) * percentage / 100)
     rarest = int(counts.argmin())
-    return ConfigError("validation_split_percentage", f"a stratified validation split of {percentage}% of the "
-                                                      f"{len(train)} training rows ({held} rows) cannot hold out every "
-                                                      f"one of the {len(names)} classes of column {column!r} and keep "
-                                                      f"each in training (the rarest, {names[rarest]!r}, has "
-                                                      f"{int(counts[rarest])} row(s); datasets: "
-                                                      f"{str(error).splitlines()[0][:120]}); raise "
-                                                      "validation_split_percentage, give more rows or a "
+    if counts[rarest] < 2:
+        fix = (f"class {names[rarest]!r} of column {column!r} has {int(counts[rarest])} row, and each class needs one "
+               "in each part; give more rows of it")
+    elif held < k:
+        fix = (f"{held} held-out row(s) cannot hold each of the {k} classes of column {column!r}; raise "
+               f"validation_split_percentage to at least {math.ceil(100 * k / n)}")
+    else:
+        fix = (f"the {n - held} row(s) left to train on cannot hold each of the {k} classes of column {column!r}; "
+               f"lower validation_split_percentage to at most {math.floor(100 * (n - k) / n)}")
+    return ConfigError("validation_split_percentage", f"a stratified validation split of {percentage}% of the {n} "
+                                                      f"training rows ({held} rows, datasets: "
+                                                      f"{str(error).splitlines()[0][:100]}): {fix}, give a "
                                                       "validation_file, or validation_split_percentage: 0 to train "
                                                       "without evaluation")
 

@@ -341,9 +341,14 @@ def test_a_set_too_small_for_a_stratified_holdout_is_one_line_naming_the_field(t
     with pytest.raises(ConfigError) as err:
         load_raw_labelled(DataArguments(train_file=str(path), validation_split_percentage=20))
     assert err.value.field_name == "validation_split_percentage"
-    assert err.value.message.startswith("a stratified validation split of 20% of the 5 training rows (1 rows) cannot "
-                                        "hold out every one of the 3 classes of column 'label'")
-    assert "raise validation_split_percentage, give more rows or a validation_file" in err.value.message
+    assert err.value.message.startswith("a stratified validation split of 20% of the 5 training rows (1 rows, ")
+    assert err.value.message.endswith("class 'meh' of column 'label' has 1 row, and each class needs one in each "
+                                      "part; give more rows of it, give a validation_file, or "
+                                      "validation_split_percentage: 0 to train without evaluation")
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows + rows))  # 10 rows
+    with pytest.raises(ConfigError, match="2 held-out row.s. cannot hold each of the 3 classes of column 'label'; "
+                                          "raise validation_split_percentage to at least 30"):
+        load_raw_labelled(DataArguments(train_file=str(path), validation_split_percentage=20))
 
 
 def test_a_classifiers_validation_file_without_its_columns_is_one_line_naming_it(tmp_path):
