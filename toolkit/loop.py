@@ -66,7 +66,7 @@ from toolkit.pipeline import build as build_pipeline
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
-from toolkit.stream import TrainStream
+from toolkit.stream import TrainStream, UnreadableLine
 from toolkit.tasks import CausalLM, Task
 
 
@@ -601,8 +601,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
         ended = _run_steps(cfg, accelerator, run, state, task, logger, evaluation, window, preemption, callbacks,
                            first)
-    except (TrainingStopped, ConfigError) as e:  # on every rank at the same step (the norm and the overflow streak
-        # are global; every rank reads every row of a stream, so meets a line it cannot read at the same step)
+    except (TrainingStopped, UnreadableLine) as e:  # on every rank at the same step (the norm and the overflow
+        # streak are global; every rank reads every row of a stream, so meets a line it cannot read at the same row)
         ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
@@ -710,14 +710,15 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
     return ENDED_COMPLETED
 
 
-def _read_ahead(batches, run: Run, accelerator, state: LoopState) -> tuple[list | None, ConfigError | None]:
-    """A stream's next step, read before this step is logged (None at its end or for map-style data), or the
-    ConfigError of a line the stream cannot read (every rank reads every row: all meet it at the same step)."""
+def _read_ahead(batches, run: Run, accelerator, state: LoopState) -> tuple[list | None, UnreadableLine | None]:
+    """A stream's next step, read before this step is logged (None at its end or for map-style data), or the error
+    of a line the stream cannot read (every rank reads every row: all meet it at the same step; an error only some
+    ranks raise, e.g. in tokenizing their own rows, is raised: the others cannot follow it)."""
     if run.train_dl is not None or state.step >= run.total_steps:
         return None, None
     try:
         return next_micro_batches(batches, run, accelerator), None
-    except ConfigError as e:
+    except UnreadableLine as e:
         return None, e
 
 

@@ -117,10 +117,17 @@ def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None =
     return source
 
 
+class UnreadableLine(ConfigError):
+    """A line of a stream's file that its reader cannot parse. Every rank reads every row of the stream, so every rank
+    meets it at the same row: the loop can end the run there on every rank alike (``toolkit.loop``), which it cannot
+    do for an error only some ranks raise."""
+
+
 def source_rows(source, files: list[str], field: str = "train_file") -> Iterator[dict]:
     """The rows of a ``datasets`` stream; a line its JSON reader cannot parse (which stops the stream: the reader
-    parses a whole chunk at once and has no way to skip one line) is one ``ConfigError`` naming the file and the line
-    number (``data.unreadable``), not pyarrow's trace. The files are searched from the one being read."""
+    parses a whole chunk at once and has no way to skip one line) is one ``UnreadableLine`` (a ConfigError) naming
+    the file and the line number (``data.unreadable``), not pyarrow's trace. The files are searched from the one
+    being read."""
     import pyarrow as pa
 
     rows = iter(source)
@@ -133,7 +140,8 @@ def source_rows(source, files: list[str], field: str = "train_file") -> Iterator
             from toolkit.data import unreadable
 
             reading = _shard_index(source.state_dict())
-            raise unreadable(field, files[reading:] if reading is not None else files, e) from None
+            error = unreadable(field, files[reading:] if reading is not None else files, e)
+            raise UnreadableLine(error.field_name, error.message) from None
         yield row
 
 
