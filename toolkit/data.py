@@ -190,7 +190,8 @@ def unreadable(field: str, paths: list[str], error: BaseException) -> ConfigErro
     number, when the files are JSON lines; else the reader's own first line."""
     bad = bad_json_line(paths)
     if bad is None:
-        return ConfigError(field, f"cannot read {paths}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
+        return ConfigError(field, f"cannot read {paths}: {type(error).__name__}: {str(error).splitlines()[0][:300]}; "
+                                  "fix or remove the row it names")
     path, number, why = bad
     return ConfigError(field, f"{path} line {number} is not a JSON object ({why}); fix or remove that line")
 

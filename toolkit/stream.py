@@ -104,29 +104,93 @@ class StreamSpec:
 
 
 def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None = None):
-    """A plain ``datasets`` stream of the files in shard order, from ``state`` (a ``state_dict``) if given."""
-    from datasets import load_dataset
+    """A plain ``datasets`` stream of the files in shard order, from ``state`` (a ``state_dict``) if given; JSON lines
+    read so that a malformed line is a row of nulls (``lenient_json``), which the task drops and counts."""
+    from datasets import load_dataset_builder
 
     from toolkit.data import file_builder
 
     ordered = shard_order(files, seed, shuffle)
-    builder, kwargs = file_builder({"train": ordered})
-    source = load_dataset(builder, data_files={"train": ordered}, split="train", streaming=True, **kwargs)
+    name, kwargs = file_builder({"train": ordered})
+    builder = load_dataset_builder(name, data_files={"train": ordered}, **kwargs)  # what load_dataset(streaming) does
+    if name == "json":
+        builder._generate_tables = lenient_json(builder, builder._generate_tables)
+    source = builder.as_streaming_dataset(split="train")
     if state is not None:
         source.load_state_dict(state)
     return source
 
 
+def lenient_json(builder, tables: Callable) -> Callable:
+    """``datasets``' JSON-lines reader (``tables``: its ``_generate_tables``), with a malformed line dropped instead
+    of stopping the stream. Its reader parses a chunk of the file at once (``chunksize`` bytes, to the end of a line)
+    and cannot skip one line: from the chunk where it fails, the file is read here in the same chunks, line by line,
+    a line that is not a JSON object becoming a row of nulls (the task's ``keep`` drops it and counts it: no row
+    index shifts, so a resume reads the same rows) and named in one line of the log (first process). Deterministic:
+    a resume, which re-reads its file's chunks, meets the same rows."""
+    import json
+
+    import pyarrow as pa
+    from datasets.builder import Key
+
+    def generate(*args, **kwargs):
+        done = 0  # the chunks (tables) this shard gave before it failed
+        try:
+            for key, table in tables(*args, **kwargs):
+                done += 1
+                yield key, table
+            return
+        except (pa.ArrowInvalid, ValueError) as e:
+            paths = [p for files in kwargs.get("files_iterables", ()) for p in files]
+            if len(paths) != 1:  # one file per shard (local files); otherwise the stream stops, naming the line
+                raise
+            error = e
+        path, size = paths[0], builder.config.chunksize
+        with open(path, "rb") as f:
+            chunk, number = 0, 0
+            while batch := f.read(size):
+                batch += f.readline()
+                lines, chunk = batch.splitlines(), chunk + 1
+                if chunk <= done:
+                    number += len(lines)
+                    continue
+                rows = []
+                for line in lines:
+                    number += 1
+                    if line.strip():
+                        rows.append(_json_row(json, line, path, number, builder, error))
+                yield Key(0, chunk - 1), builder._cast_table(pa.Table.from_pylist(rows))
+
+    return generate
+
+
+def _json_row(json, line: bytes, path: str, number: int, builder, error) -> dict:
+    """One line of a chunk the JSON reader could not parse: its row, or a row of nulls (said once, from the first
+    process) when it is not a JSON object."""
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        row, why = None, str(e)[:120]
+    else:
+        why = f"a JSON {type(row).__name__}, not an object"
+    if isinstance(row, dict):
+        return row
+    if os.environ.get("RANK", "0") == "0":
+        print(f"the stream skips {path} line {number} ({why}): a row with no data, dropped and counted", flush=True)
+    return dict.fromkeys(builder.info.features or (), None)
+
+
 class UnreadableLine(ConfigError):
-    """A line of a stream's file that its reader cannot parse. Every rank reads every row of the stream, so every rank
-    meets it at the same row: the loop can end the run there on every rank alike (``toolkit.loop``), which it cannot
-    do for an error only some ranks raise."""
+    """A row of a stream's file that its reader cannot parse nor skip (a CSV row with too many fields; a JSON line is
+    skipped: ``lenient_json``). Every rank reads every row of the stream, so every rank meets it at the same row: the
+    loop can end the run there on every rank alike (``toolkit.loop``), which it cannot do for an error only some ranks
+    raise."""
 
 
 def source_rows(source, files: list[str], field: str = "train_file") -> Iterator[dict]:
-    """The rows of a ``datasets`` stream; a line its JSON reader cannot parse (which stops the stream: the reader
-    parses a whole chunk at once and has no way to skip one line) is one ``UnreadableLine`` (a ConfigError) naming
-    the file and the line number (``data.unreadable``), not pyarrow's trace. The files are searched from the one
+    """The rows of a ``datasets`` stream; a row its reader cannot parse nor skip (which stops the stream) is one
+    ``UnreadableLine`` (a ConfigError) naming the file and the line (``data.unreadable``: the first line that is not a
+    JSON object, or the reader's own message, pandas' for CSV), not a traceback. The files are searched from the one
     being read."""
     import pyarrow as pa
 

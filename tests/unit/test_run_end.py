@@ -165,26 +165,25 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
 
 def test_a_line_the_stream_cannot_read_mid_run_ends_it_with_its_summary_its_checkpoint_and_one_line(tiny_model,
                                                                                                     tmp_path, capsys):
-    """A malformed line in a later file of a stream: before the fix, pyarrow's traceback mid-run (exit 1), no
-    summary.json, the steps since the last checkpoint lost, and a resume met the same traceback. Now the step before
-    it is logged and saved (as a preempted run's), summary.json says the run stopped and why, and the error is one
-    ConfigError line naming the file and the line."""
+    """A row its reader cannot parse in a later file of a stream (a CSV row with too many fields; a malformed JSON line
+    is dropped and counted instead: test_stream.py): before the fix, pandas' or pyarrow's traceback mid-run (exit 1),
+    no summary.json, the steps since the last checkpoint lost. Now the step before it is logged and saved (as a
+    preempted run's), summary.json says the run stopped and why, and the error is one ConfigError line naming the file
+    and the line (a resume meets it again as its first step is read: test_stream.py, without a model)."""
     from helpers import train_in_process
 
-    good, bad = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
-    good.write_text("".join(json.dumps({"text": f"row {i} of the first file"}) + "\n" for i in range(64)))
-    bad.write_text('{"text": "a row"}\n{"text": "a line cut sho\n')
+    good, bad = tmp_path / "part-0.csv", tmp_path / "part-1.csv"
+    good.write_text("text\n" + "".join(f"row {i} of the first file\n" for i in range(64)))
+    bad.write_text("text\na row\na row, with a comma\n")
     out = tmp_path / "out"
     values = _values(tiny_model, {"train_file": f"{good},{bad}"}, out, streaming=True, shuffle=False,
                      shuffle_buffer_size=8, max_steps=20, logging_steps=5, per_device_train_batch_size=8,
                      gradient_accumulation_steps=1, plot=False)
-    expected = f"train_file: {bad} line 2 is not a JSON object"
-    with pytest.raises(ConfigError, match=expected):  # 64 rows: 8 steps of 8, then part-1.jsonl
-        train_in_process(values)
+    with pytest.raises(ConfigError, match=f"train_file: cannot read .'{bad}'.: ParserError: .*line 3, saw 2"):
+        train_in_process(values)  # 64 rows: 8 steps of 8, then part-1.csv
     assert "the stream cannot be read after step 8: saved checkpoint step-8" in capsys.readouterr().out
     summary, rows = _on_disk(out)
     assert summary["ended"] == "stopped" and summary["steps"] == 8 and summary["final_model"] is None
-    assert f"{bad} line 2" in summary["stop_reason"] and not os.path.exists(out / "final")
+    assert f"{bad}" in summary["stop_reason"] and not os.path.exists(out / "final")
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-8"]
     assert rows[-1]["step"] == 8 and "loss" in rows[-1]  # logged though logging_steps is 5
-    # (a resume from step-8 meets the line again as its first step is read: test_stream.py, without a model)
