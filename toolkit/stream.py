@@ -5,8 +5,9 @@ A stream has no length and cannot be permuted whole, and ``datasets``' own tools
 whole shards to ranks). So, with W = ``shuffle_buffer_size``:
 
     source:   the files, their order permuted by the seed, read one after the other (a plain stream: its
-              ``state_dict`` resumes exactly); rows a task skips (empty text) are dropped here, on every rank alike,
-              and rows it cannot train on (no text) too, counted in one line of the log
+              ``state_dict`` resumes exactly); rows the task cannot train on (a text null, empty or not a string; a
+              JSON line that is not a JSON object, read as a row of nulls: ``lenient_json``) are dropped here, on
+              every rank alike, counted in one line of the log and in summary.json's ``dropped_rows``
     window k: source rows [k*W, (k+1)*W), shuffled by a permutation seeded from (seed, k)
     global index g = k*W + j: the j-th row of window k after its shuffle
     step s:   global indices [s*B, (s+1)*B), B = data-parallel ranks x micro x accumulation
