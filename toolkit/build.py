@@ -42,10 +42,11 @@ from toolkit.model import (
 )
 from toolkit.order import require_one_global_batch
 from toolkit.packing import PACKING_REPORT, cut_report
-from toolkit.stream import StreamSpec, TrainStream, eval_rows
+from toolkit.stream import StreamSpec, TrainStream, eval_rows, open_source, shard_order, source_rows
 from toolkit.tasks import CausalLM, Task
 
 STREAM_CUT_SAMPLE = 4_096  # the stream's first documents that the cut report counts (tokenized once more)
+STREAM_HEAD_ROWS = 64  # a stream's first rows, read by check_inputs (in toolkit train's launching process too)
 
 
 @dataclass
@@ -147,7 +148,30 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
         check_tensor_parallel(cfg.model, model_config, tp_size)
     raw = None if cfg.data.streaming else task.load_raw(cfg.data)  # checks files and columns before the weights load
     task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
-    return tokenizer, model_config, raw, data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
+    block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
+    if cfg.data.streaming:
+        check_stream_head(cfg, task, task.stream_rows(tokenizer, cfg.data, block_size)[0])
+    return tokenizer, model_config, raw, block_size
+
+
+def check_stream_head(cfg: RunConfig, task: Task, keep) -> None:
+    """A stream's first rows (``STREAM_HEAD_ROWS``, in the order it reads them), as a loaded set's are checked: a
+    line that is not JSON, columns that fit none of the task's formats (``formats.detect``: naming the columns and
+    the formats), and a stream that ends within them with no row to train on (naming its columns). Rows further on
+    are the run's to drop and count (``keep``)."""
+    from itertools import islice
+
+    from toolkit.formats import detect
+
+    files = shard_order(cfg.data.data_files("train_file"), cfg.train.seed, cfg.train.shuffle)
+    rows = list(islice(source_rows(open_source(files, cfg.train.seed, cfg.train.shuffle), files), STREAM_HEAD_ROWS))
+    if not rows:
+        raise ConfigError("train_file", f"the stream of {files} has no row; give files with rows")
+    columns = sorted({column for row in rows for column in row})
+    detect(columns, task.stream_schema, cfg.data, f"the stream (its first {len(rows)} rows, from {files[0]})")
+    if len(rows) < STREAM_HEAD_ROWS and not any(keep(row) for row in rows):
+        raise ConfigError("train_file", f"the stream's {len(rows)} rows (columns {columns}) have none to train on: "
+                                        f"{getattr(keep, 'drops', 'rows the task cannot use')}; give rows with data")
 
 
 def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: int, log) -> dict:
@@ -158,12 +182,15 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
                       cfg.train.shuffle)
     dp, rank = (data_parallel_size(accelerator), data_parallel_rank(accelerator)) if accelerator is not None else (1, 0)
     bfd = block_size if cfg.data.padding_free else None
+    dropped = task.data_record.setdefault("dropped_rows", {})  # summary.json's, as the map-style path counts them
     train = TrainStream(spec, keep=keep, encode=encode, collate=task.collator(tokenizer),
                         micro=cfg.train.per_device_train_batch_size, accumulation=cfg.train.gradient_accumulation_steps,
                         data_parallel_size=dp, rank=rank, bfd_block_size=bfd, max_steps=cfg.train.max_steps,
-                        log=log)
+                        log=log, record=dropped)
     if not train.head(1):
-        raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row")
+        raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row (its columns: "
+                                        f"{train.head_columns}; {getattr(keep, 'drops', 'rows the task drops')} are "
+                                        "dropped); give rows with data")
     if bfd:  # what block_size cuts or splits, as seen in the stream's first documents (the rest is cut alike)
         _, whole = task.stream_rows(tokenizer, cfg.data, None)
         lengths = [len(r["input_ids"]) for r in whole(train.first_window[:STREAM_CUT_SAMPLE])]
@@ -171,7 +198,7 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
     lm = {"train": train}
     if cfg.data.validation_file:
         lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), keep, encode, cfg.data.max_eval_samples,
-                                     bfd, log)
+                                     bfd, log, record=dropped)
     else:
         log("streaming: no validation_file, so no evaluation (a stream has no held-out part)")
     log(f"streaming {len(spec.files)} file(s) in windows of {spec.window} rows (shuffle_buffer_size), "

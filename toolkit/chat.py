@@ -242,6 +242,7 @@ class ChatSFT(CausalLM):
     is built above (``tokenize_chats``); the loss, the collator and the metrics are the causal LM's."""
 
     name = "chat-sft"
+    stream_schema = "chat"  # a stream's columns fit one of the chat formats (build.check_stream_head)
 
     def check(self, cfg) -> None:
         if cfg.data.packing_strategy == "wrapped":

@@ -81,6 +81,30 @@ def encode_labels(split, column: str, names: list[str] | None, split_name: str):
     return split.map(encode, batched=True, features=features, desc="encode labels"), list(names)
 
 
+def _small_for_stratified(train, names: list[str], column: str, percentage: float, error: ValueError) -> ConfigError:
+    """The stratified holdout's refusal (datasets': a part with fewer rows than there are classes, or a class with one
+    row) as one line naming the field, the set's size and the fix that applies."""
+    import math
+
+    counts = torch.bincount(torch.as_tensor(_labels(train)), minlength=len(names))
+    n, k, held = len(train), len(names), math.ceil(len(train) * percentage / 100)
+    rarest = int(counts.argmin())
+    if counts[rarest] < 2:
+        fix = (f"class {names[rarest]!r} of column {column!r} has {int(counts[rarest])} row, and each class needs one "
+               "in each part; give more rows of it")
+    elif held < k:
+        fix = (f"{held} held-out row(s) cannot hold each of the {k} classes of column {column!r}; raise "
+               f"validation_split_percentage to at least {math.ceil(100 * k / n)}")
+    else:
+        fix = (f"the {n - held} row(s) left to train on cannot hold each of the {k} classes of column {column!r}; "
+               f"lower validation_split_percentage to at most {math.floor(100 * (n - k) / n)}")
+    return ConfigError("validation_split_percentage", f"a stratified validation split of {percentage}% of the {n} "
+                                                      f"training rows ({held} rows, datasets: "
+                                                      f"{str(error).splitlines()[0][:100]}): {fix}, give a "
+                                                      "validation_file, or validation_split_percentage: 0 to train "
+                                                      "without evaluation")
+
+
 def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
     """The splits with the text column checked and the label column encoded; the class names."""
     from toolkit.builtin_data import stdlib_docstrings
@@ -88,11 +112,15 @@ def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
     column = label_column(args)
 
     def stratified(train, fraction):
-        train, _ = encode_labels(train, column, None, "train")
-        split = train.train_test_split(test_size=fraction, stratify_by_column=column, seed=0)
+        train, names = encode_labels(train, column, None, "train")
+        try:
+            split = train.train_test_split(test_size=fraction, stratify_by_column=column, seed=0)
+        except ValueError as e:  # too few rows (or too few of one class) for every class to be in both parts
+            raise _small_for_stratified(train, names, column, args.validation_split_percentage, e) from None
         return split["train"], split["test"]
 
     raw = data.load_splits(args, {STDLIB_DOCSTRINGS: stdlib_docstrings}, holdout=stratified)
+    data.check_validation_columns(raw, [data.text_column(args), column], args)
     data.check_text_column(raw, data.text_column(args))
     train, names = encode_labels(raw["train"], column, None, "train")
     out = {"train": train}

@@ -33,6 +33,7 @@ from toolkit.config_checks import (
     CHAT_TASKS,
     DATA_EXTENSIONS,
     DPO_ONLY,
+    PACKING_TASKS,
     TEXT_TASKS,
     _at_least_zero,
     _finite,
@@ -264,7 +265,7 @@ class _DataFields:
         default=None, metadata={"help": "true: several documents per block_size row (how: packing_strategy); false: "
                                         "one example per row. Unset: the task's default (causal LM: true; chat SFT: "
                                         "false, true packs whole chats with bfd; classification: false, refuses "
-                                        "true)."}
+                                        "true).", "tasks": PACKING_TASKS, "task_checks": True}
     )
     packing_strategy: Optional[str] = field(
         default=None, metadata={"help": "With packing (TRL's name): 'wrapped', concatenate every document and cut "
@@ -273,7 +274,8 @@ class _DataFields:
                                         "to itself, no padding (a document longer than block_size is cut; the run "
                                         "logs how much); 'bfd_split', the same, a longer document split into "
                                         "block_size pieces instead (no token dropped). "
-                                        "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped)."}
+                                        "Unset: causal LM wrapped, chat SFT bfd (which refuses wrapped).",
+                                "tasks": PACKING_TASKS, "task_checks": True}
     )
     # Documents, not blocks (run_clm selects blocks after grouping): the point is to bound tokenization on big data.
     # A seeded sample, not the first N: the first N rows of data sorted by class hold a few classes only.
@@ -289,11 +291,13 @@ class _DataFields:
     streaming: bool = field(
         default=False, metadata={"help": "run_clm's name: read train_file as a stream (nothing tokenized ahead, "
                                          "bounded memory), in the same order on any world size (shuffled in windows "
-                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT."}
+                                         "of shuffle_buffer_size rows); needs max_steps. Causal LM and chat SFT.",
+                                 "tasks": PACKING_TASKS, "task_checks": True}
     )
     shuffle_buffer_size: int = field(
         default=10_000, metadata={"help": "With streaming: rows per shuffled window of the stream (held in memory "
-                                          "on every rank); a larger window mixes the corpus more."}
+                                          "on every rank); a larger window mixes the corpus more.",
+                                  "tasks": PACKING_TASKS}
     )
     drop_long_prompts: bool = field(
         default=True, metadata={"help": "DPO: drop a pair whose prompt leaves its completions no token within "

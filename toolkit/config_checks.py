@@ -23,6 +23,8 @@ PREFERENCE_TASKS = ("dpo", "grpo")  # beta and loss_type: one field each, the ta
 CLASSIFICATION_ONLY = ("sequence-classification",)
 CHAT_TASKS = ("chat-sft", "dpo", "grpo")  # chat_template: chats, DPO's and GRPO's prompts as messages
 TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
+# packing and streaming: the tasks that take them; the others refuse them in Task.check, saying why ("task_checks")
+PACKING_TASKS = ("causal-lm", "chat-sft")
 
 
 def _closest(name: str, choices) -> str | None:

@@ -1,7 +1,8 @@
 """A recipe's ``--help``, and which recipe takes a field: what a task's metadata on a config field means.
 
 A field that only some tasks use says so in its metadata, ``metadata={"tasks": ("dpo",), ...}`` (the names are the
-tasks' ``Task.name``); a field without it is every recipe's. ``toolkit.config`` keeps every field in one place and
+tasks' ``Task.name``); a field without it is every recipe's. ``"task_checks": True``: the other tasks refuse it
+themselves (``Task.check``, saying why), so parsing lets it through to them. ``toolkit.config`` keeps every field in one place and
 asks this module two things: the help text of one recipe (its description, ``--config``, then its own fields grouped
 model / data / training), and whether a field given to a recipe belongs to another one.
 
@@ -32,6 +33,13 @@ def takes(f: dataclasses.Field, task: str | None) -> bool:
     """Whether a recipe of ``task`` uses the field (no task: a notebook, a script: every field)."""
     tasks = field_tasks(f)
     return task is None or tasks is None or task in tasks
+
+
+def refuses(f: dataclasses.Field, task: str | None, value) -> bool:
+    """Whether a recipe of ``task`` refuses the field as parsed: another task's field, set to other than its default.
+    A field whose metadata says ``task_checks`` is left to the tasks that do not take it: their ``Task.check`` says
+    why (DPO on a stream), and accepts the value that turns it off (``packing: false``)."""
+    return not takes(f, task) and value != f.default and not f.metadata.get("task_checks")
 
 
 def recipes_of(f: dataclasses.Field) -> str:

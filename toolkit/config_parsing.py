@@ -40,7 +40,7 @@ def _parser(classes):
 
         # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config_help), not
         # argparse's.
-        def add_argument(self, *names, tasks=None, **kwargs):
+        def add_argument(self, *names, tasks=None, task_checks=None, **kwargs):
             return super().add_argument(*names, **kwargs)
 
     return _Parser(classes, allow_abbrev=False)
@@ -228,7 +228,7 @@ def _check_task_fields(groups, task: str | None) -> None:
     recipe would ignore it). A default value passes, so that a run's own config.yaml (every field) parses again."""
     for group in groups:
         for f in dataclasses.fields(group):
-            if f.init and not config_help.takes(f, task) and getattr(group, f.name) != f.default:
+            if f.init and config_help.refuses(f, task, getattr(group, f.name)):
                 raise ConfigError(f.name, f"is a field of {config_help.recipes_of(f)}; "
                                           f"recipes/{config_help.TASK_RECIPES[task]} does not use it: delete it")
 

@@ -7,6 +7,7 @@ others read it.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -42,25 +43,64 @@ def pydoc_dataset() -> DatasetDict:
 
 def load_raw_datasets(args: DataArguments, log=print) -> DatasetDict:
     """A DatasetDict with 'train' and (unless there is none) 'validation', and the text column checked; rows with no
-    text (null) dropped and counted in one line of ``log``, as a stream drops them (``CausalLM.stream_rows``)."""
+    text (null, empty or not a string) dropped and counted in one line of ``log``, as a stream drops them
+    (``CausalLM.stream_rows``)."""
     return drop_null_texts(load_splits(args, {PYDOC: pydoc_dataset}), text_column(args), log)
 
 
-def drop_null_texts(raw: DatasetDict, column: str, log=print) -> DatasetDict:
-    """The text column checked (present, text) and its rows with no text (null) dropped, counted in one line."""
-    check_text_column(raw, column, nulls=False)
-    counts = {name: split.data.column(column).null_count for name, split in raw.items()}
+def has_text(value) -> bool:
+    """Whether a text column's value is something to train on: a string with a character (null, "" and a value of
+    another type are not: dropped and counted on both paths, the map-style one here and a stream's ``keep``)."""
+    return isinstance(value, str) and value != ""
+
+
+def drop_null_texts(raw: DatasetDict, column: str, log=print, record: dict | None = None) -> DatasetDict:
+    """The text column checked (present, text) and its rows with no text (null, empty, or a value that is not a
+    string in a column of mixed types) dropped, counted in one line; the counts per split go into
+    ``record["dropped_rows"]`` (summary.json)."""
+    check_text_column(raw, column, nulls=False, mixed=True)
+    out, counts = {}, {}
+    for name, split in raw.items():
+        if not _mixed(split, column) and not _no_text_count(split, column):
+            out[name], counts[name] = split, 0  # nothing to drop: no pass over the split
+            continue
+        kept = split.filter(lambda texts: [has_text(t) for t in texts], input_columns=column, batched=True,
+                            desc="drop rows with no text")
+        counts[name] = len(split) - len(kept)
+        if _mixed(kept, column):  # a column of mixed types (read as JSON) is text once the other values are gone
+            features = kept.features.copy()
+            features[column] = Value("string")
+            kept = kept.map(lambda texts: {column: texts}, input_columns=column, batched=True, features=features,
+                            desc="texts as strings")
+        out[name] = kept
     if any(counts.values()):
-        raw = DatasetDict({name: split.filter(lambda texts: [t is not None for t in texts], input_columns=column,
-                                              batched=True, desc="drop null texts") if counts[name] else split
-                           for name, split in raw.items()})
-        log("dropped the rows with no text (null) in column {!r}: {}".format(column, ", ".join(
-            f"{n} of {n + len(raw[name])} in the {name} split" for name, n in counts.items() if n)))
-    return raw
+        log("dropped the rows with no text (null, empty or not a string) in column {!r}: {}".format(column, ", ".join(
+            f"{n} of {len(raw[name])} in the {name} split" for name, n in counts.items() if n)))
+    if record is not None:
+        record["dropped_rows"] = counts
+    return DatasetDict(out)
 
 
-def check_text_column(raw: DatasetDict, column: str, nulls: bool = True) -> None:
-    """Every split has ``column``, it holds strings, and (``nulls``) none is null."""
+def _is_text(feature) -> bool:
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+
+def _mixed(split, column: str) -> bool:
+    """A column of values of several types, which datasets reads as JSON (its ``Json`` feature)."""
+    return type(split.features[column]).__name__ == "Json"
+
+
+def _no_text_count(split, column: str) -> int:
+    """Null and empty texts of a text column, counted by pyarrow (no pass in Python)."""
+    import pyarrow.compute as pc
+
+    values = split.data.column(column)
+    return values.null_count + int(pc.sum(pc.equal(values, "")).as_py() or 0)
+
+
+def check_text_column(raw: DatasetDict, column: str, nulls: bool = True, mixed: bool = False) -> None:
+    """Every split has ``column``, it holds strings (``mixed``: or values of mixed types, which datasets reads as
+    JSON: the caller drops those that are not strings), and (``nulls``) none is null."""
     for split_name, split in raw.items():
         if column not in split.column_names:
             raise ConfigError(
@@ -68,7 +108,7 @@ def check_text_column(raw: DatasetDict, column: str, nulls: bool = True) -> None
                 f"column {column!r} not in the {split_name} split; it has {split.column_names}",
             )
         feature = split.features[column]
-        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+        if not (_is_text(feature) or (mixed and _mixed(split, column))):
             raise ConfigError("text_column_name", f"column {column!r} of the {split_name} split holds {feature}, not "
                                                   "text; name the column that holds the text")
         # Null texts would be tokenized as "" and dropped without a word: say how many, and where.
@@ -76,6 +116,19 @@ def check_text_column(raw: DatasetDict, column: str, nulls: bool = True) -> None
         if count:
             raise ConfigError("text_column_name", f"{count} of {len(split)} rows of the {split_name} split have no "
                                                   f"text (null) in column {column!r}; remove or fill them")
+
+
+def check_validation_columns(raw: DatasetDict, expected: list[str], args: DataArguments) -> None:
+    """A validation_file (read apart from train_file: ``load_splits``) without a column the task reads: one line
+    naming it, the columns it has and those expected."""
+    if "validation" not in raw or not args.validation_file:
+        return
+    columns = raw["validation"].column_names
+    missing = [c for c in expected if c not in columns]
+    if missing:
+        raise ConfigError("validation_file", f"{args.validation_file} has the columns {columns}, without {missing}: "
+                                             f"this recipe reads {expected} (train_file has "
+                                             f"{raw['train'].column_names}); give the validation rows those columns")
 
 
 def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict:
@@ -105,10 +158,9 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
         if args.validation_file:
             files["validation"] = args.data_files("validation_file")
         builder, kwargs = file_builder(files)
-        try:
-            raw = load_dataset(builder, data_files=files, **kwargs)
-        except Exception as e:  # malformed json/csv: name the file, not a pyarrow internals trace
-            raise ConfigError("train_file", f"cannot read {files}: {type(e).__name__}: {e}") from None
+        # each split read on its own: a validation file with other columns than the training file's is then the
+        # format detection's to accept or refuse, naming it (toolkit.formats), not a cast error inside datasets
+        raw = DatasetDict({split: read_files(builder, paths, kwargs, f"{split}_file") for split, paths in files.items()})
         if "validation" not in raw and args.validation_split_percentage > 0:
             fraction = args.validation_split_percentage / 100
             if holdout is None:
@@ -122,6 +174,57 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
     if args.max_eval_samples and "validation" in raw:
         raw["validation"] = sample_rows(raw["validation"], args.max_eval_samples, args.sample_seed)
     return raw
+
+
+def read_files(builder: str, paths: list[str], kwargs: dict, field: str) -> Dataset:
+    """One split of local files (``field`` names them in an error): a malformed JSON line is one line naming the file
+    and the line number, not pyarrow's trace."""
+    try:
+        return load_dataset(builder, data_files={"train": paths}, split="train", **kwargs)
+    except Exception as e:  # noqa: BLE001 (malformed json/csv: name the file, not a pyarrow internals trace)
+        raise unreadable(field, paths, e) from None
+
+
+def unreadable(field: str, paths: list[str], error: BaseException) -> ConfigError:
+    """The error of files that could not be read: the first line that is not one JSON object, named by file and line
+    number, when the files are JSON lines; else the reader's own first line."""
+    bad = bad_json_line(paths)
+    if bad is None:
+        return ConfigError(field, f"cannot read {paths}: {type(error).__name__}: {str(error).splitlines()[0][:300]}; "
+                                  "fix or remove the row it names")
+    path, number, why = bad
+    return ConfigError(field, f"{path} line {number} is not a JSON object ({why}); fix or remove that line")
+
+
+def bad_json_line(paths: list[str]) -> tuple[str, int, str] | None:
+    """(path, line number from 1, why) of the first line of these JSON-lines files that is not one JSON object;
+    None when every line is one, or a file is not JSON lines (one JSON document, e.g. a list)."""
+    for path in paths:
+        if os.path.splitext(path)[1].lower() not in (".json", ".jsonl"):
+            continue
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError as e:
+                    return None if number == 1 and _one_document(path) else (path, number, str(e)[:120])
+                if not isinstance(value, dict):
+                    if number == 1 and _one_document(path):
+                        return None
+                    return path, number, f"a JSON {type(value).__name__}, not an object"
+    return None
+
+
+def _one_document(path: str) -> bool:
+    """Whether the file is one JSON document (a list of rows, or an object spread over lines), not JSON lines."""
+    try:
+        with open(path, "rb") as f:
+            json.load(f)
+    except ValueError:
+        return False
+    return True
 
 
 def file_builder(files: dict) -> tuple[str, dict]:

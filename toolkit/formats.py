@@ -28,7 +28,7 @@ The schemas (what ``convert`` returns, one per task):
     preference  ``prompt``, ``chosen``, ``rejected``, all strings or all lists of {role, content}
 
 A split is detected from its columns, the first format of its task whose columns are all there, and one line says
-which; a split whose columns fit none of its task's formats is refused (``dataset_format``), naming the columns it
+which (each split on its own: a validation_file may be in another format of the task than train_file); a split whose columns fit none of its task's formats is refused (``dataset_format``), naming the columns it
 has and the formats accepted. A row whose value has the wrong type is refused naming the row and the column.
 """
 
@@ -86,6 +86,18 @@ def detect(columns: list[str], schema: str, args: DataArguments, where: str) -> 
                                         f"recipe takes: {described}; rename the columns, or set dataset_format")
 
 
+def detect_split(name: str, columns: list[str], schema: str, args: DataArguments, source: str = "") -> str:
+    """``detect`` for one split. The splits of local files are read apart (``data.load_splits``), so each is detected
+    on its own: a validation_file in another format that fits the task is converted as its own; one that fits none
+    is refused naming validation_file (its columns, and the formats' columns expected)."""
+    try:
+        return detect(columns, schema, args, f"the {name} split{source}")
+    except ConfigError as e:
+        if name != "validation" or not args.validation_file:
+            raise
+        raise ConfigError("validation_file", f"{args.validation_file}: {e.message}") from None
+
+
 def announce(message: str) -> None:
     """One line, from the first process only (every rank loads the data)."""
     if os.environ.get("RANK", "0") == "0":
@@ -96,7 +108,7 @@ def convert_splits(raw: DatasetDict, schema: str, args: DataArguments, source: s
     """Every split of ``raw`` detected and converted to ``schema``; one line names each format found."""
     out, found = {}, {}
     for name, split in raw.items():
-        fmt = detect(split.column_names, schema, args, f"the {name} split{source}")
+        fmt = detect_split(name, split.column_names, schema, args, source)
         found[name] = fmt
         out[name] = convert(split, fmt, schema, args, f"the {name} split{source}")
     described = ", ".join(f"{name}: {fmt}" for name, fmt in found.items())

@@ -170,14 +170,17 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
 
 @contextmanager
 def _quiet_datasets():
-    """datasets' progress bars off while the data is checked: the ranks draw them again for the same files."""
+    """datasets' progress bars off while the data is checked: the ranks draw them again for the same files; and its
+    log's errors (a JSON file it cannot parse: our ConfigError names the line, in the one line this prints)."""
     from datasets.utils import logging
 
-    shown = logging.is_progress_bar_enabled()
+    shown, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
     logging.disable_progress_bar()
+    logging.set_verbosity(logging.CRITICAL)
     try:
         yield
     finally:
+        logging.set_verbosity(level)
         if shown:
             logging.enable_progress_bar()
 

@@ -66,7 +66,7 @@ from toolkit.pipeline import build as build_pipeline
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
-from toolkit.stream import TrainStream
+from toolkit.stream import TrainStream, UnreadableLine
 from toolkit.tasks import CausalLM, Task
 
 
@@ -506,10 +506,7 @@ def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, las
     row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
     logged = state.step % args.logging_steps == 0 or last or stopping
     if logged:
-        row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush(),
-                   **evaluation.task.log_metrics())
-        if state.skipped_steps:
-            row["skipped_steps"] = state.skipped_steps
+        _training_metrics(row, state, result, run, window, evaluation)
     evaluated = evaluation.due(args, state.step, last)
     if evaluated:
         started = time.perf_counter()
@@ -519,6 +516,26 @@ def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, las
         return None
     logger.log(row)
     return row
+
+
+def _training_metrics(row: dict, state: LoopState, result: StepResult, run: Run, window: LogWindow,
+                      evaluation: Evaluation) -> dict:
+    """Collective: the training metrics of the steps since the last row (the window's), added to ``row``."""
+    row.update(lr=run.scheduler.get_last_lr()[0], grad_norm=result.grad_norm, **window.flush(),
+               **evaluation.task.log_metrics())
+    if state.skipped_steps:
+        row["skipped_steps"] = state.skipped_steps
+    return row
+
+
+def _log_last_good_step(state: LoopState, unlogged: StepResult | None, run: Run, window: LogWindow,
+                        evaluation: Evaluation, logger: MetricsLogger) -> None:
+    """Collective, when a step stops the run (TrainingStopped: on every rank at the same step): the step before it,
+    the run's last good one, is logged whatever logging_steps says, as a preempted run's last step is (else the steps
+    since the last row would never be logged). ``unlogged``: that step's result, None if its row was written."""
+    if unlogged is not None:
+        row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
+        logger.log(_training_metrics(row, state, unlogged, run, window, evaluation))
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -584,7 +601,8 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
         ended = _run_steps(cfg, accelerator, run, state, task, logger, evaluation, window, preemption, callbacks,
                            first)
-    except TrainingStopped as e:  # on every rank at the same step (the norm and the overflow streak are global)
+    except (TrainingStopped, UnreadableLine) as e:  # on every rank at the same step (the norm and the overflow
+        # streak are global; every rank reads every row of a stream, so meets a line it cannot read at the same row)
         ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
@@ -593,7 +611,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
             first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
-        _export_if_not_yet(accelerator, run, state, start_step)
+        _export_if_not_yet(accelerator, run, state, start_step, ended)
     if args.plot and accelerator.is_main_process:
         plot_run(args.output_dir)
     exported = run.checkpointer.exported
@@ -623,7 +641,9 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
                evaluation: Evaluation, window: LogWindow, preemption: Preemption, callbacks,
                first: tuple = (None, None)) -> str:
     """The optimizer steps from the loop's position to the end of the run; returns how they ended (summary.json's
-    ``ended``: ENDED_COMPLETED, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped).
+    ``ended``: ENDED_COMPLETED, ENDED_DATA_RAN_OUT or ENDED_PREEMPTED; a stopped run raises TrainingStopped, after
+    logging its last good step; a stream with a line it cannot read raises that ConfigError, after logging and
+    saving the step before it).
 
     Whatever ends the run, its last step is the last step of a run: logged, evaluated, the bar closed, then saved
     and exported. A stream's next step is read before this step is logged, so that a stream that ends makes this
@@ -634,43 +654,51 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
     def after_backward(micro_step: int) -> None:
         _call(callbacks, "on_micro_step", accelerator=accelerator, state=state, micro_step=micro_step)
 
-    (batches, ahead), overflows, streaming = first, 0, run.train_dl is None
+    (batches, ahead), overflows, streaming, unlogged = first, 0, run.train_dl is None, None
     while state.step < run.total_steps:
         if batches is None:  # an epoch starts, or resumes part-way
             batches = epoch_batches(accelerator, run.train_dl, run.sampler, state, args.gradient_accumulation_steps)
         micro_batches, ahead = ahead or next_micro_batches(batches, run, accelerator), None
         if micro_batches is None:  # a resume at the stream's end (every rank reads it: all see its end here)
-            logger.close()
-            _data_ran_out(accelerator, run, state)
-            return ENDED_DATA_RAN_OUT
+            return _resumed_at_the_end(accelerator, run, state, logger, evaluation)
         micro_batches = task.step_batches(accelerator, model, micro_batches, state.step)  # GRPO: its completions
-        result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
-                            data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
-                            loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
-                            after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
-                            stop_flag=preemption.requested(), overflows=overflows,
-                            max_consecutive_overflows=args.max_consecutive_overflows)
+        try:
+            result = train_step(accelerator, model, run.optimizer, run.scheduler, micro_batches, step=state.step,
+                                data_parallel_size=run.data_parallel_size, max_grad_norm=args.max_grad_norm,
+                                loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
+                                after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
+                                stop_flag=preemption.requested(), overflows=overflows,
+                                max_consecutive_overflows=args.max_consecutive_overflows)
+        except TrainingStopped:
+            _log_last_good_step(state, unlogged, run, window, evaluation, logger)
+            raise
         overflows = result.overflows
         if _finish_step(state, result, run):  # (a stream's resume position is recorded here, before reading ahead)
             batches = None  # the epoch's last step: the next one starts the next epoch
-        if streaming and state.step < run.total_steps:
-            ahead = next_micro_batches(batches, run, accelerator)
-        ran_out = streaming and state.step < run.total_steps and ahead is None
+        ahead, unreadable = _read_ahead(batches, run, accelerator, state)
+        ran_out = streaming and state.step < run.total_steps and ahead is None and unreadable is None
         window.add(result)
         logger.advance()
         last = state.step == run.total_steps or ran_out
         # Agreed on by every rank through the step's counts: a signal that arrives during a step stops the run
         # after the next one (the flag is sent with the counts, before the step's first backward).
         preempted = not last and result.stop_requested
-        row = _log_step(args, state, result, last, run, window, evaluation, logger, stopping=preempted)
+        stopping = preempted or unreadable is not None  # logged and saved whatever logging_steps and save_steps say
+        row = _log_step(args, state, result, last, run, window, evaluation, logger, stopping=stopping)
+        unlogged = None if row is not None and "loss" in row else result
         _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
-        if last or preempted:  # the bar ends with training: the lines and the export's own bars below it
+        if last or stopping:  # the bar ends with training: the lines and the export's own bars below it
             logger.close()
         if ran_out:
             _data_ran_out(accelerator, run, state)
-        saved = run.checkpointer.save(state, last_step=last, preempted=preempted)  # every save_steps; final/ last
+        saved = run.checkpointer.save(state, last_step=last, preempted=stopping)  # every save_steps; final/ last
         if saved is not None:  # complete and named by latest (a launcher records it: scripts/ray_train.py)
             _call(callbacks, "on_save", accelerator=accelerator, state=state, checkpoint=saved)
+        if unreadable is not None:
+            accelerator.print(f"the stream cannot be read after step {state.step}: "
+                              + (f"saved checkpoint step-{state.step}" if saved else "no checkpoint written"),
+                              flush=True)
+            raise unreadable
         if preempted:
             accelerator.print(f"{preemption.reason()}: saved checkpoint step-{state.step}; relaunch with "
                               "resume_from_checkpoint: latest to continue", flush=True)
@@ -678,6 +706,31 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
         if ran_out:
             return ENDED_DATA_RAN_OUT
     return ENDED_COMPLETED
+
+
+def _read_ahead(batches, run: Run, accelerator, state: LoopState) -> tuple[list | None, UnreadableLine | None]:
+    """A stream's next step, read before this step is logged (None at its end or for map-style data), or the error
+    of a line the stream cannot read (every rank reads every row: all meet it at the same step; an error only some
+    ranks raise, e.g. in tokenizing their own rows, is raised: the others cannot follow it)."""
+    if run.train_dl is not None or state.step >= run.total_steps:
+        return None, None
+    try:
+        return next_micro_batches(batches, run, accelerator), None
+    except UnreadableLine as e:
+        return None, e
+
+
+def _resumed_at_the_end(accelerator, run: Run, state: LoopState, logger: MetricsLogger,
+                        evaluation: Evaluation) -> str:
+    """A resume whose stream has no step left (the run had trained to the stream's end, then was stopped or killed
+    before it finished): it ends as a run whose data ran out does, with its final evaluation (with a validation set)
+    and the line saying so; the export follows (``_export_if_not_yet``)."""
+    if run.eval_dl is not None:
+        logger.log(evaluation.into({"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch),
+                                    "tokens_seen": state.tokens_seen}))
+    logger.close()
+    _data_ran_out(accelerator, run, state)
+    return ENDED_DATA_RAN_OUT
 
 
 def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
@@ -695,10 +748,12 @@ def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
     return batches, micro_batches
 
 
-def _export_if_not_yet(accelerator, run: Run, state: LoopState, start_step: int) -> None:
+def _export_if_not_yet(accelerator, run: Run, state: LoopState, start_step: int, ended: str) -> None:
     """A finished run whose last step was not trained in this attempt (a resume of a run that had finished, e.g.
-    killed during its export): the weights loaded are the run's result; final/ is written from them."""
-    if state.step == start_step and run.checkpointer.exported is None and run.checkpointer.args.save_final_model:
+    killed during its export): the weights loaded are the run's result; final/ is written from them. (A stream
+    resumed at its end has said so: ``_resumed_at_the_end``.)"""
+    if (state.step == start_step and run.checkpointer.exported is None and run.checkpointer.args.save_final_model
+            and ended == ENDED_COMPLETED):
         accelerator.print(f"the checkpoint is at step {state.step} of {run.total_steps}: nothing left to train; "
                           "exporting its weights to final/", flush=True)
     run.checkpointer.export()  # collective; once per run: a no-op after the last step's export

@@ -29,7 +29,7 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 from toolkit import data, hub
 from toolkit.config import DataArguments, mixture_files
 from toolkit.errors import ConfigError
-from toolkit.formats import announce, convert, convert_splits, detect
+from toolkit.formats import announce, convert, convert_splits, detect, detect_split
 
 
 def load_task_splits(args: DataArguments, schema: str, builtin: dict) -> tuple[DatasetDict, dict | None]:
@@ -38,7 +38,8 @@ def load_task_splits(args: DataArguments, schema: str, builtin: dict) -> tuple[D
     if args.dataset_mixture is None:
         raw = data.load_splits(args, builtin)
         if schema == "text":  # the causal LM's text is trained on as loaded
-            detect(raw["train"].column_names, schema, args, "the train split")
+            for name, split in raw.items():
+                detect_split(name, split.column_names, schema, args)
             return raw, None
         return convert_splits(raw, schema, args), None
     return load_mixture(args, schema, builtin)
@@ -95,8 +96,9 @@ def load_set(entry: dict, builtin: dict, where: str) -> Dataset:
         builder, kwargs = data.file_builder({"train": files})
         try:
             return load_dataset(builder, data_files={"train": files}, split="train", **kwargs)
-        except Exception as e:  # malformed json/csv: name the set, not a pyarrow internals trace
-            raise ConfigError("dataset_mixture", f"{where}: cannot read {files}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 (malformed json/csv: the set and the line, not a pyarrow trace)
+            raise ConfigError("dataset_mixture", f"{where}: {data.unreadable('dataset_mixture', files, e).message}") \
+                from None
     if entry["id"] in builtin:
         sets = builtin[entry["id"]]()
         if entry["split"] not in sets:

@@ -5,8 +5,9 @@ A stream has no length and cannot be permuted whole, and ``datasets``' own tools
 whole shards to ranks). So, with W = ``shuffle_buffer_size``:
 
     source:   the files, their order permuted by the seed, read one after the other (a plain stream: its
-              ``state_dict`` resumes exactly); rows a task skips (empty text) are dropped here, on every rank alike,
-              and rows it cannot train on (no text) too, counted in one line of the log
+              ``state_dict`` resumes exactly); rows the task cannot train on (a text null, empty or not a string; a
+              JSON line that is not a JSON object, read as a row of nulls: ``lenient_json``) are dropped here, on
+              every rank alike, counted in one line of the log and in summary.json's ``dropped_rows``
     window k: source rows [k*W, (k+1)*W), shuffled by a permutation seeded from (seed, k)
     global index g = k*W + j: the j-th row of window k after its shuffle
     step s:   global indices [s*B, (s+1)*B), B = data-parallel ranks x micro x accumulation
@@ -104,17 +105,121 @@ class StreamSpec:
 
 
 def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None = None):
-    """A plain ``datasets`` stream of the files in shard order, from ``state`` (a ``state_dict``) if given."""
-    from datasets import load_dataset
+    """A plain ``datasets`` stream of the files in shard order, from ``state`` (a ``state_dict``) if given; JSON lines
+    read so that a malformed line is a row of nulls (``lenient_json``), which the task drops and counts."""
+    from datasets import load_dataset_builder
 
     from toolkit.data import file_builder
 
     ordered = shard_order(files, seed, shuffle)
-    builder, kwargs = file_builder({"train": ordered})
-    source = load_dataset(builder, data_files={"train": ordered}, split="train", streaming=True, **kwargs)
+    name, kwargs = file_builder({"train": ordered})
+    builder = load_dataset_builder(name, data_files={"train": ordered}, **kwargs)  # what load_dataset(streaming) does
+    if name == "json":
+        builder._generate_tables = lenient_json(builder, builder._generate_tables)
+    source = builder.as_streaming_dataset(split="train")
     if state is not None:
         source.load_state_dict(state)
     return source
+
+
+def lenient_json(builder, tables: Callable) -> Callable:
+    """``datasets``' JSON-lines reader (``tables``: its ``_generate_tables``), with a malformed line dropped instead
+    of stopping the stream. Its reader parses a chunk of the file at once (``chunksize`` bytes, to the end of a line)
+    and cannot skip one line: from the chunk where it fails, the file is read here in the same chunks, line by line,
+    a line that is not a JSON object becoming a row of nulls (the task's ``keep`` drops it and counts it: no row
+    index shifts, so a resume reads the same rows) and named in one line of the log (first process). Deterministic:
+    a resume, which re-reads its file's chunks, meets the same rows."""
+    import json
+
+    import pyarrow as pa
+    from datasets.builder import Key
+
+    def generate(*args, **kwargs):
+        done = 0  # the chunks (tables) this shard gave before it failed
+        try:
+            for key, table in tables(*args, **kwargs):
+                done += 1
+                yield key, table
+            return
+        except (pa.ArrowInvalid, ValueError) as e:
+            paths = [p for files in kwargs.get("files_iterables", ()) for p in files]
+            if len(paths) != 1:  # one file per shard (local files); otherwise the stream stops, naming the line
+                raise
+            error = e
+        path, size = paths[0], builder.config.chunksize
+        with open(path, "rb") as f:
+            chunk, number = 0, 0
+            while batch := f.read(size):
+                batch += f.readline()
+                lines, chunk = batch.splitlines(), chunk + 1
+                if chunk <= done:
+                    number += len(lines)
+                    continue
+                rows = []
+                for line in lines:
+                    number += 1
+                    if line.strip():
+                        rows.append(_json_row(json, line, path, number, builder, error))
+                yield Key(0, chunk - 1), builder._cast_table(pa.Table.from_pylist(rows))
+
+    return generate
+
+
+def _json_row(json, line: bytes, path: str, number: int, builder, error) -> dict:
+    """One line of a chunk the JSON reader could not parse: its row, or a row of nulls (said once, from the first
+    process) when it is not a JSON object."""
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        row, why = None, str(e)[:120]
+    else:
+        why = f"a JSON {type(row).__name__}, not an object"
+    if isinstance(row, dict):
+        return row
+    if os.environ.get("RANK", "0") == "0":
+        print(f"the stream skips {path} line {number} ({why}): a row with no data, dropped and counted", flush=True)
+    return dict.fromkeys(builder.info.features or (), None)
+
+
+class UnreadableLine(ConfigError):
+    """A row of a stream's file that its reader cannot parse nor skip (a CSV row with too many fields; a JSON line is
+    skipped: ``lenient_json``). Every rank reads every row of the stream, so every rank meets it at the same row: the
+    loop can end the run there on every rank alike (``toolkit.loop``), which it cannot do for an error only some ranks
+    raise."""
+
+
+def source_rows(source, files: list[str], field: str = "train_file") -> Iterator[dict]:
+    """The rows of a ``datasets`` stream; a row its reader cannot parse nor skip (which stops the stream) is one
+    ``UnreadableLine`` (a ConfigError) naming the file and the line (``data.unreadable``: the first line that is not a
+    JSON object, or the reader's own message, pandas' for CSV), not a traceback. The files are searched from the one
+    being read."""
+    import pyarrow as pa
+
+    rows = iter(source)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (ValueError, pa.ArrowException) as e:  # pyarrow's ArrowInvalid: a malformed line
+            from toolkit.data import unreadable
+
+            reading = _shard_index(source.state_dict())
+            error = unreadable(field, files[reading:] if reading is not None else files, e)
+            raise UnreadableLine(error.field_name, error.message) from None
+        yield row
+
+
+def _shard_index(state) -> int | None:
+    """The index of the file a ``datasets`` stream is reading, from its ``state_dict`` (None if not found)."""
+    if isinstance(state, dict):
+        if isinstance(state.get("shard_idx"), int):
+            return state["shard_idx"]
+        for value in state.values():
+            found = _shard_index(value)
+            if found is not None:
+                return found
+    return None
 
 
 class Windows:
@@ -123,12 +228,13 @@ class Windows:
 
     def __init__(self, source, spec: StreamSpec, keep: Callable[[dict], bool], first_window: int = 0):
         self.source, self.spec, self.keep = source, spec, keep
-        self.rows = iter(source)
+        self.rows = source_rows(source, shard_order(spec.files, spec.seed, spec.shuffle))
         self.next_window = first_window  # the index of the window read next
         self.start_state = source.state_dict()  # the source's state at the start of the next window
         self.loaded: dict[int, tuple[dict, list[dict]]] = {}  # window -> (state at its start, rows in shuffled order)
         self.ended = False
         self.dropped = 0  # rows ``keep`` refused (None) so far
+        self.columns: list[str] | None = None  # the first row's columns (a message's, when no row is kept)
 
     def read_window(self) -> bool:
         """Read the next window; False when the source has no row left."""
@@ -136,6 +242,8 @@ class Windows:
             return False
         state, rows, W = self.start_state, [], self.spec.window
         for row in self.rows:
+            if self.columns is None:
+                self.columns = sorted(row)
             verdict = self.keep(row)
             if verdict:
                 rows.append(row)
@@ -234,7 +342,7 @@ class TrainStream:
     """One rank's micro-batches of a stream, step by step (see the module docstring for the order).
 
     ``keep(row) -> bool | None`` runs on every row on every rank (cheap checks; a bad row raises on every rank alike,
-    or returns None: dropped and counted, the count logged when the stream stops); ``encode(rows) -> rows`` tokenizes
+    or returns None: dropped and counted, the count logged when the stream stops and written into ``record``); ``encode(rows) -> rows`` tokenizes
     this rank's rows; ``collate(rows) -> micro-batch``; ``bfd_block_size`` packs each micro-batch's documents.
     ``source(state) -> IterableDataset``: the plain stream, from a ``state_dict`` or its start (default: ``spec``'s
     files, ``open_source``; bench/streaming.py passes a generator's). The next step's rows are read, tokenized and
@@ -242,8 +350,10 @@ class TrainStream:
 
     def __init__(self, spec: StreamSpec, *, keep, encode, collate, micro: int, accumulation: int,
                  data_parallel_size: int = 1, rank: int = 0, bfd_block_size: int | None = None, max_steps: int = 0,
-                 source: Callable[[dict | None], object] | None = None, log: Callable[[str], None] = print):
+                 source: Callable[[dict | None], object] | None = None, log: Callable[[str], None] = print,
+                 record: dict | None = None):
         self.spec, self.keep, self.encode, self.collate, self.log = spec, keep, encode, collate, log
+        self.record = record  # where the count of dropped rows goes when the stream stops ("train": summary.json's)
         self.source = source or (lambda state: open_source(spec.files, spec.seed, spec.shuffle, state))
         self.micro, self.accumulation = micro, accumulation
         self.dp, self.rank, self.bfd_block_size = data_parallel_size, rank, bfd_block_size
@@ -251,6 +361,7 @@ class TrainStream:
         self.windows: Windows | None = None
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
         self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
+        self.head_columns: list[str] | None = None  # the columns of the stream's first row (head()'s)
         self.positions: dict[int, dict] = {}  # step -> where a resume at that step restarts (the last steps given)
         self.read_ahead = True  # False: each step read in the caller's thread (bench/streaming.py's comparison)
 
@@ -302,6 +413,8 @@ class TrainStream:
             yield batches, windows.position(start + B)
 
     def _report_dropped(self, windows: Windows) -> None:
+        if self.record is not None:
+            self.record["train"] = windows.dropped
         if windows.dropped:
             what = getattr(self.keep, "drops", "rows the task cannot train on")
             self.log(f"the stream dropped {windows.dropped} {what} (of the rows this run read, the training rows "
@@ -320,25 +433,28 @@ class TrainStream:
         if self.first_window is None:
             windows = Windows(self.source(None), self.spec, self.keep)
             windows.available(1)
-            self.first_window = windows.loaded.get(0, (None, []))[1]
+            self.first_window, self.head_columns = windows.loaded.get(0, (None, []))[1], windows.columns
         rows = self.encode(self.first_window[:n])
         return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size and rows else rows
 
 
-def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print):
+def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print,
+              record: dict | None = None):
     """The validation set of a streamed run, as a ``Dataset``: the first ``limit`` rows (all without a limit) of the
     validation files, read as a stream in file order, tokenized (and packed with bfd) like the training rows; rows
-    ``keep`` drops (None) are counted in one line of the log."""
+    ``keep`` drops (None) are counted in one line of the log (and in ``record["validation"]``)."""
     from datasets import Dataset
 
     rows, dropped = [], 0
-    for row in open_source(files, seed=0, shuffle=False):
+    for row in source_rows(open_source(files, seed=0, shuffle=False), files, "validation_file"):
         verdict = keep(row)
         dropped += verdict is None
         if verdict:
             rows.append(row)
             if limit and len(rows) == limit:
                 break
+    if record is not None:
+        record["validation"] = dropped
     if dropped:
         log(f"the validation stream dropped {dropped} {getattr(keep, 'drops', 'rows the task cannot use')}")
     if not rows:

@@ -180,6 +180,7 @@ class CausalLM(Task):
     row_unit = "sequences"  # a packed row or one document (chat SFT: one chat, or whole chats packed)
     loss_unit = "nats/token"  # cross-entropy averaged over the next-token targets
     stream_refusal = None
+    stream_schema = "text"  # the formats a stream's columns must fit (toolkit.formats; build.check_stream_head)
 
     def check(self, cfg) -> None:
         if cfg.data.packing is None:  # unset: this task's default (chat SFT and classification: false)
@@ -194,13 +195,11 @@ class CausalLM(Task):
         encode_texts, _ = data.token_encoder(tokenizer)
 
         def keep(row) -> bool | None:
-            text = row.get(column)
-            if not isinstance(text, str):  # null, or not text: dropped and counted, as the map-style path does
-                return None
-            return bool(text)  # an empty text has no token: skipped, as the map-style path drops it
+            # null, empty or not text: dropped and counted (None), as the map-style path does (data.drop_null_texts)
+            return True if data.has_text(row.get(column)) else None
 
         limit = stream_limit(args, block_size)
-        keep.drops = f"rows with no text (null or not a string) in column {column!r}"  # the log's count says so
+        keep.drops = f"rows with no text (null, empty or not a string) in column {column!r}"  # the log's count
 
         def encode(rows):
             ids = encode_texts([r[column] for r in rows])
@@ -210,7 +209,8 @@ class CausalLM(Task):
 
     def load_raw(self, args):
         raw, mixture = load_task_splits(args, "text", {data.PYDOC: data.pydoc_dataset})
-        raw = data.drop_null_texts(raw, data.text_column(args), self.log)  # as a stream drops them
+        # as a stream drops them; the counts in summary.json (dropped_rows)
+        raw = data.drop_null_texts(raw, data.text_column(args), self.log, self.data_record)
         if mixture is not None:
             self.data_record["dataset_mixture"] = mixture
         return raw

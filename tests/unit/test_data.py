@@ -142,9 +142,9 @@ def test_unpacked_rows_are_truncated_and_short_rows_dropped(tok, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     raw = load_raw_datasets(DataArguments(train_file=str(path), validation_split_percentage=0))
-    assert len(raw["train"]) == 5  # the empty text reaches tokenization
+    assert len(raw["train"]) == 4  # the empty text is dropped and counted at load (as a stream drops it)
     rows = tokenize_and_group(raw, tok, DataArguments(packing=False), block_size=4)["train"]["input_ids"]
-    # 5 words + EOS cut to 4; "" (0 tokens, no EOS) dropped; "a" and " " are 1 token + EOS; "x y" 2 + EOS
+    # 5 words + EOS cut to 4; "a" and " " are 1 token + EOS; "x y" 2 + EOS
     assert len(rows) == 4 and [len(r) for r in rows] == [4, 2, 2, 3]
     assert all(2 <= len(r) <= 4 for r in rows)
     assert rows[1] == [tok("a")["input_ids"][0], tok.eos_token_id]
@@ -293,3 +293,59 @@ def test_a_chat_map_is_cached_under_the_tokenizers_whole_state(tmp_path):
     for other in (run("plain"), run("roles", eos="\n")):
         assert other[0] != first[0]
         assert other[1] == other[2] != first[1]
+
+
+def test_a_malformed_json_line_is_one_line_naming_the_file_and_the_line_before_work(tmp_path):
+    """A cut line in a JSON-lines file was reported as datasets' generation error, without the file's line (and a
+    validation file's as train_file's)."""
+    lines = [json.dumps(r) for r in ROWS]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:3] + ['{"text": "a line cut sho'] + lines[3:]) + "\n")
+    good = _write(tmp_path / "good.jsonl", "jsonl")
+    for args, field in ((DataArguments(train_file=str(bad)), "train_file"),
+                        (DataArguments(train_file=good, validation_file=str(bad)), "validation_file")):
+        with pytest.raises(ConfigError) as err:
+            load_raw_datasets(args)
+        assert err.value.field_name == field
+        assert err.value.message.startswith(f"{bad} line 4 is not a JSON object (")
+        assert err.value.message.endswith("fix or remove that line")
+
+
+def test_empty_and_non_string_texts_are_dropped_and_counted_like_null_ones(tmp_path, bpe_2048):
+    """An empty text was dropped without a word (the tokenizer made no token of it), and a file with a text that is
+    not a string was refused whole, while a stream dropped that row: both paths drop and count them now."""
+    from toolkit.tasks import CausalLM
+
+    texts = ["one two three", "", 5, None, "four five six", [1, 2], "seven eight"]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    task, said = CausalLM(), []
+    task.log = said.append
+    raw = task.load_raw(DataArguments(train_file=str(path), validation_split_percentage=0))
+    assert raw["train"]["text"] == ["one two three", "four five six", "seven eight"]
+    assert raw["train"].features["text"].dtype == "string"
+    assert task.data_record["dropped_rows"] == {"train": 4}
+    assert said == ["dropped the rows with no text (null, empty or not a string) in column 'text': 4 of 7 in the "
+                    "train split"]
+    keep, _ = task.stream_rows(bpe_2048, DataArguments(), 16)  # the stream's rule is the same
+    assert [keep({"text": t}) for t in texts] == [True, None, None, None, True, None, True]
+
+
+def test_a_validation_file_with_other_columns_is_one_line_naming_it(tmp_path):
+    """The splits were read in one load_dataset call: a validation file whose columns differ from the training
+    file's failed inside datasets ("cannot read {...}: DatasetGenerationError: ...")."""
+    from toolkit.tasks import CausalLM
+
+    train = _write(tmp_path / "train.jsonl", "jsonl")
+    other = tmp_path / "valid.jsonl"
+    other.write_text("".join(json.dumps({"body": r["text"], "id": i}) + "\n" for i, r in enumerate(ROWS)))
+    with pytest.raises(ConfigError) as err:
+        CausalLM().load_raw(DataArguments(train_file=train, validation_file=str(other)))
+    assert err.value.field_name == "validation_file"
+    assert err.value.message.startswith(f"{other}: the validation split has the columns ['body', 'id'], which fit "
+                                        "none of the formats this recipe takes: text (text)")
+    # a validation file with extra columns beside the text is read as it is
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"text": r["text"], "id": i}) + "\n" for i, r in enumerate(ROWS)))
+    raw = CausalLM().load_raw(DataArguments(train_file=train, validation_file=str(extra)))
+    assert raw["validation"]["text"] == [r["text"] for r in ROWS]

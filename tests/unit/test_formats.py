@@ -280,3 +280,24 @@ def test_the_converted_splits_keep_a_fingerprint_so_the_tokenize_cache_is_hit(tm
     assert first._fingerprint == again._fingerprint and again.cache_files == first.cache_files
     roles = DataArguments(train_file=args.train_file, validation_split_percentage=0, sharegpt_roles="{bot: user}")
     assert load_raw_chats(roles)["train"]._fingerprint != first._fingerprint  # a setting of the conversion changed
+
+
+def test_a_validation_file_in_another_format_of_the_task_is_converted_on_its_own(tmp_path, capsys):
+    """train_file and validation_file were read in one load_dataset call: files with different columns failed inside
+    datasets. Each is read and detected apart: both fit chat SFT here (messages, alpaca); one that fits no format is
+    refused naming validation_file, its columns and the formats expected."""
+    from toolkit.chat import load_raw_chats
+
+    chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    train = _write(tmp_path / "train.jsonl", [{"messages": chat}] * 3)
+    valid = _write(tmp_path / "valid.jsonl", [{"instruction": "Say hi.", "output": "Hi."}] * 2)
+    raw = load_raw_chats(DataArguments(train_file=train, validation_file=valid))
+    assert "dataset format: train: messages, validation: alpaca" in capsys.readouterr().out
+    assert raw["validation"][0]["messages"] == [{"role": "user", "content": "Say hi."},
+                                                {"role": "assistant", "content": "Hi."}]
+    odd = _write(tmp_path / "odd.jsonl", [{"question": "Say hi.", "answer": "Hi."}])
+    with pytest.raises(ConfigError) as err:
+        load_raw_chats(DataArguments(train_file=train, validation_file=odd))
+    assert err.value.field_name == "validation_file"
+    assert err.value.message.startswith(f"{odd}: the validation split has the columns ['question', 'answer'], which "
+                                        "fit none of the formats this recipe takes: messages (messages);")

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from toolkit import launch
+from toolkit.errors import ConfigError
 
 
 def _refused(capsys, argv) -> str:
@@ -86,3 +87,48 @@ def test_every_task_has_its_recipe_and_class(short):
     import importlib
 
     assert getattr(importlib.import_module(module), name).name == task
+
+
+def test_a_streams_first_rows_are_read_before_launching(tmp_path, tiny_model, chats):
+    """toolkit train did not read a stream before launching: columns that fit no format, or a stream with no row to
+    train on, met the ranks under the launcher. Now one ConfigError in the launching process (main: one line, exit 2)
+    naming the columns found."""
+    import json
+
+    def check(task, rows, *fields):
+        path = tmp_path / f"{task}-{len(rows)}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        argv = ["--model_name_or_path", tiny_model, "--train_file", str(path), "--dataset_name", "null",
+                "--streaming", "true", "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *fields]
+        with pytest.raises(ConfigError) as err:
+            launch.check(launch.TASKS[task], launch.strategy_config("ddp"), 1, argv)
+        return err.value
+
+    err = check("lm", [{"body": "some words", "id": i} for i in range(3)])
+    assert err.field_name == "dataset_format" and err.message.startswith(
+        f"the stream (its first 3 rows, from {tmp_path / 'lm-3.jsonl'}) has the columns ['body', 'id'], which fit "
+        "none of the formats this recipe takes: text (text)")
+    err = check("sft", [{"question": "Hi?", "answer": "Hello."}] * 2, "--chat_template", chats["chat_template"])
+    assert err.field_name == "dataset_format" and "has the columns ['answer', 'question']" in err.message
+    err = check("lm", [{"text": None, "id": 1}, {"text": "", "id": 2}])
+    assert (err.field_name, err.message) == ("train_file", "the stream's 2 rows (columns ['id', 'text']) have none to "
+                                             "train on: rows with no text (null, empty or not a string) in column "
+                                             "'text'; give rows with data")
+
+
+@pytest.mark.parametrize("short", ["dpo", "classify"])
+def test_a_tasks_help_leaves_out_the_fields_it_refuses(short, capsys, tmp_path):
+    """classify and dpo listed streaming, shuffle_buffer_size, packing and packing_strategy, which they refuse."""
+    from toolkit.config import parse_args
+
+    assert launch.main([short, "--help"]) == 0
+    text = capsys.readouterr().out
+    for name in ("--streaming", "--shuffle_buffer_size", "--packing", "--packing_strategy"):
+        assert name not in text.split(), name
+    assert launch.main(["lm", "--help"]) == 0 and "--streaming" in capsys.readouterr().out.split()
+    # the value that turns packing off is still taken; the task's own check refuses streaming, saying why
+    task = launch.TASKS[short]
+    base = ["--model_name_or_path", "some/model", "--dataset_name", "some/set", "--output_dir", str(tmp_path / "o")]
+    assert parse_args(["--packing", "false", *base], task=task).data.packing is False
+    with pytest.raises(ConfigError, match="shuffle_buffer_size: is a field of recipes/gpt2.py, recipes/sft.py"):
+        parse_args(["--shuffle_buffer_size", "5", *base], task=task)

@@ -55,12 +55,19 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
     assert summary["best_eval_perplexity"] == pytest.approx(rows[-1]["perplexity"])
     assert os.path.isfile(out / "loss.png")
 
-    # relaunched after its final/ was lost: the stream ends where the checkpoint (its last step) resumes it
+    # relaunched after its final/ was lost: the stream ends where the checkpoint (its last step) resumes it, and the
+    # run ends as one whose data ran out: its final evaluation again (the same weights: the same loss), the export.
+    # Before the fix it said "nothing left to train" and evaluated nothing.
     shutil.rmtree(out / "final")
     again = train_in_process({**values, "resume_from_checkpoint": "latest"})
-    assert "the stream ended after step 2 of max_steps 50" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the stream ended after step 2 of max_steps 50" in printed and "nothing left to train" not in printed
     assert again["ended"] == "data_ran_out" and again["final_model"] == str(out / "final")
-    assert os.path.isfile(out / "final" / "model.safetensors") and _on_disk(out)[1] == rows
+    assert os.path.isfile(out / "final" / "model.safetensors")
+    after = _on_disk(out)[1]
+    assert after[:-1] == rows and after[-1]["step"] == 2 and "loss" not in after[-1]
+    assert after[-1]["eval_loss"] == pytest.approx(rows[-1]["eval_loss"], abs=1e-6)
+    assert again["best_eval_perplexity"] == pytest.approx(after[-1]["perplexity"])
 
 
 def test_a_stream_without_one_global_batch_is_refused_before_a_step(tiny_model, tmp_path):
@@ -95,12 +102,14 @@ def test_a_stopped_run_writes_its_summary_and_plot_keeps_its_checkpoint_and_expo
 
     out = tmp_path / "out"
     with pytest.raises(TrainingStopped, match="non-finite gradient norm .* at step 4"):
-        train_in_process(_values(tiny_model, padded_data, out, max_steps=6, save_steps=3), callbacks=[_NanAt(3)])
+        train_in_process(_values(tiny_model, padded_data, out, max_steps=6, save_steps=3, logging_steps=2),
+                         callbacks=[_NanAt(3)])
     summary, rows = _on_disk(out)
     assert summary["ended"] == "stopped" and "non-finite gradient norm" in summary["stop_reason"]
     assert summary["steps"] == 3 and summary["final_model"] is None and not os.path.exists(out / "final")
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-3"]  # the last good step's
-    assert os.path.isfile(out / "loss.png") and rows[-1]["step"] == 3
+    # the last good step is logged though logging_steps (2) would skip it, as a preempted run's last step is
+    assert os.path.isfile(out / "loss.png") and [r["step"] for r in rows if "loss" in r] == [2, 3]
     assert "model: not exported (training stopped" in capsys.readouterr().out
 
 
@@ -152,3 +161,29 @@ def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny
     with pytest.raises(ConfigError, match="step-9 is at step 9, past this run's 6 steps; raise max_steps") as err:
         train_in_process({**values, "max_steps": 6, "resume_from_checkpoint": "latest"})
     assert err.value.field_name == "max_steps"
+
+
+def test_a_line_the_stream_cannot_read_mid_run_ends_it_with_its_summary_its_checkpoint_and_one_line(tiny_model,
+                                                                                                    tmp_path, capsys):
+    """A row its reader cannot parse in a later file of a stream (a CSV row with too many fields; a malformed JSON line
+    is dropped and counted instead: test_stream.py): before the fix, pandas' or pyarrow's traceback mid-run (exit 1),
+    no summary.json, the steps since the last checkpoint lost. Now the step before it is logged and saved (as a
+    preempted run's), summary.json says the run stopped and why, and the error is one ConfigError line naming the file
+    and the line (a resume meets it again as its first step is read: test_stream.py, without a model)."""
+    from helpers import train_in_process
+
+    good, bad = tmp_path / "part-0.csv", tmp_path / "part-1.csv"
+    good.write_text("text\n" + "".join(f"row {i} of the first file\n" for i in range(64)))
+    bad.write_text("text\na row\na row, with a comma\n")
+    out = tmp_path / "out"
+    values = _values(tiny_model, {"train_file": f"{good},{bad}"}, out, streaming=True, shuffle=False,
+                     shuffle_buffer_size=8, max_steps=20, logging_steps=5, per_device_train_batch_size=8,
+                     gradient_accumulation_steps=1, plot=False)
+    with pytest.raises(ConfigError, match=f"train_file: cannot read .'{bad}'.: ParserError: .*line 3, saw 2"):
+        train_in_process(values)  # 64 rows: 8 steps of 8, then part-1.csv
+    assert "the stream cannot be read after step 8: saved checkpoint step-8" in capsys.readouterr().out
+    summary, rows = _on_disk(out)
+    assert summary["ended"] == "stopped" and summary["steps"] == 8 and summary["final_model"] is None
+    assert f"{bad}" in summary["stop_reason"] and not os.path.exists(out / "final")
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-8"]
+    assert rows[-1]["step"] == 8 and "loss" in rows[-1]  # logged though logging_steps is 5

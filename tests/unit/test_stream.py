@@ -207,15 +207,17 @@ def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp
     out = capsys.readouterr().out
     if streaming:  # 20 rows with text: 5 steps of 4, the stream read to its end
         assert summary["steps"] == 5 and summary["train_rows"] == 20
-        assert out.count("the stream dropped 10 rows with no text (null or not a string) in column 'text'") == 1
+        assert out.count("the stream dropped 10 rows with no text (null, empty or not a string) in column 'text'") == 1
     else:
         assert summary["steps"] == 20
-        assert out.count("dropped the rows with no text (null) in column 'text': 10 of 30 in the train split") == 1
+        assert out.count("dropped the rows with no text (null, empty or not a string) in column 'text': 10 of 30 in "
+                         "the train split") == 1
+    assert summary["dropped_rows"] == {"train": 10}  # summary.json counts them on both paths
     if streaming:
         from transformers import AutoTokenizer
 
         keep, _ = CausalLM().stream_rows(AutoTokenizer.from_pretrained(tiny_model), DataArguments(), 16)
-        assert keep({"text": 5}) is None and keep({"text": None}) is None and keep({"text": ""}) is False
+        assert keep({"text": 5}) is None and keep({"text": None}) is None and keep({"text": ""}) is None
 
 
 def _read_ahead_threads() -> list:
@@ -298,3 +300,62 @@ def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_sto
     assert keep(good) is True
     assert keep({"messages": None}) is None and keep({"other": 1}) is None
     assert "fit no chat format" in keep.drops
+
+
+def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_reads_the_same_rows(tmp_path, capsys):
+    """A malformed line in the middle of a stream was pyarrow's traceback (its JSON reader parses a chunk at once and
+    cannot skip a line). The file is read on from that chunk line by line: the line is a row of nulls, dropped and
+    counted like a null text, and named in the log; the rows keep their indices, so a resume reads the same rows.
+    A reader that cannot go on (a CSV row with too many fields) is one ConfigError naming the file and the line."""
+    from toolkit.stream import eval_rows
+
+    good, bad = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
+    good.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8)))
+    bad.write_text('{"text": "row 8"}\n{"text": "a line cut sho\n[9, 10]\n{"text": "row 11"}\n{"text": "row 12"}\n')
+    said = []
+
+    def stream():
+        keep = lambda row: True if row["text"] else None  # noqa: E731
+        keep.drops = "rows with no text"
+        return TrainStream(StreamSpec([str(good), str(bad)], 4, 3, False), keep=keep,
+                           encode=lambda rows: [r["text"] for r in rows], collate=list, micro=2, accumulation=1,
+                           log=said.append)
+
+    steps = list(stream().steps())
+    assert [row for step in steps for row in step[0]] == [f"row {i}" for i in (*range(9), 11, 12)][:10]
+    assert said[0].startswith("the stream dropped 2 rows with no text")
+    out = capsys.readouterr().out
+    assert f"the stream skips {bad} line 2 (Unterminated string" in out and f"{bad} line 3 (a JSON list" in out
+    resumed = stream()
+    assert list(resumed.steps(4, _position_after(stream, 4))) == steps[4:]  # the same rows after a resume
+    validation = eval_rows([str(bad)], lambda row: True if row["text"] else None, lambda rows: rows, None, None,
+                           log=lambda line: None)
+    assert validation["text"] == ["row 8", "row 11", "row 12"]
+    first, csv = tmp_path / "part-0.csv", tmp_path / "part-1.csv"
+    first.write_text("text\nrow 0\nrow 1\nrow 2\nrow 3\n")
+    csv.write_text("text\nrow 8\nrow 9,with,commas\nrow 10\n")
+
+    def csv_stream():
+        return TrainStream(StreamSpec([str(first), str(csv)], 2, 3, False), keep=lambda row: True,
+                           encode=lambda rows: [r["text"] for r in rows], collate=list, micro=1, accumulation=1)
+
+    for start, position in ((0, None), (2, _position_after(csv_stream, 2))):  # a resume meets it again
+        steps = csv_stream().steps(start, position)
+        assert [next(steps) for _ in range(start, 4)][-1] == [["row 3"]]
+        with pytest.raises(ConfigError) as err:  # an UnreadableLine: the loop ends the run on it (test_run_end.py)
+            next(steps)
+        assert err.value.field_name == "train_file"
+        assert err.value.message.startswith(f"cannot read ['{csv}']: ParserError")
+        assert "Expected 1 fields in line 3, saw 3" in err.value.message
+        assert err.value.message.endswith("fix or remove the row it names")
+
+
+def _position_after(make, step: int) -> dict:
+    """The checkpoint's stream record after ``step`` steps of a fresh stream."""
+    stream = make()
+    steps = stream.steps()
+    for _ in range(step):
+        next(steps)
+    position = stream.position(step)
+    steps.close()
+    return position

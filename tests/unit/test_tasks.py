@@ -326,3 +326,43 @@ def test_each_recipe_runs_its_defaults_with_only_model_data_and_output(recipe, t
         implied = parse_args([*argv, "--packing_strategy", "bfd"])
         task.check(implied)
         assert implied.data.packing is True
+
+
+def test_a_set_too_small_for_a_stratified_holdout_is_one_line_naming_the_field(tmp_path):
+    """datasets' ValueError from train_test_split(stratify_by_column=...) reached the user raw."""
+    import json
+
+    from toolkit.classification import load_raw_labelled
+    from toolkit.config import DataArguments
+
+    path = tmp_path / "few.jsonl"
+    rows = [("a fine day", "good"), ("a bad day", "bad"), ("so so", "meh"), ("great", "good"), ("awful", "bad")]
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows))
+    with pytest.raises(ConfigError) as err:
+        load_raw_labelled(DataArguments(train_file=str(path), validation_split_percentage=20))
+    assert err.value.field_name == "validation_split_percentage"
+    assert err.value.message.startswith("a stratified validation split of 20% of the 5 training rows (1 rows, ")
+    assert err.value.message.endswith("class 'meh' of column 'label' has 1 row, and each class needs one in each "
+                                      "part; give more rows of it, give a validation_file, or "
+                                      "validation_split_percentage: 0 to train without evaluation")
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows + rows))  # 10 rows
+    with pytest.raises(ConfigError, match="2 held-out row.s. cannot hold each of the 3 classes of column 'label'; "
+                                          "raise validation_split_percentage to at least 30"):
+        load_raw_labelled(DataArguments(train_file=str(path), validation_split_percentage=20))
+
+
+def test_a_classifiers_validation_file_without_its_columns_is_one_line_naming_it(tmp_path):
+    import json
+
+    from toolkit.classification import load_raw_labelled
+    from toolkit.config import DataArguments
+
+    train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
+    train.write_text("".join(json.dumps({"text": f"row {i}", "label": i % 2}) + "\n" for i in range(6)))
+    valid.write_text("".join(json.dumps({"text": f"row {i}", "topic": i % 2}) + "\n" for i in range(4)))
+    with pytest.raises(ConfigError) as err:
+        load_raw_labelled(DataArguments(train_file=str(train), validation_file=str(valid)))
+    assert (err.value.field_name, err.value.message) == (
+        "validation_file", f"{valid} has the columns ['text', 'topic'], without ['label']: this recipe reads "
+                           "['text', 'label'] (train_file has ['text', 'label']); give the validation rows those "
+                           "columns")
