@@ -627,11 +627,15 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     # for a forward pass. A stopped run's model is not the run's result: no on_end.
     if stop is None:
         _call(callbacks, "on_end", accelerator=accelerator, model=model, summary=summary)
-    keep_process_groups()  # freed with the model on return, a group could deadlock in its destructor
-    accelerator.end_training()
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         print(format_run_summary(summary), flush=True)
+    if stop is not None:
+        # Every rank exits non-zero next; the launcher then SIGTERMs the ranks still running. Without this barrier
+        # the first rank could be killed while it writes summary.json (another rank's exit came first).
+        accelerator.wait_for_everyone()
+    keep_process_groups()  # freed with the model on return, a group could deadlock in its destructor
+    accelerator.end_training()
     if stop is not None:
         raise stop  # after the summary and the plot: the recipe's process still exits 1 with the reason
     return summary
