@@ -27,6 +27,9 @@ from toolkit.errors import ConfigError
 QLORA_INSTALL = "pip install '.[qlora]'"
 # Strategies (toolkit.distributed.strategy_name) where training on a quantized base was checked equal to one process
 PROVEN = {"load_in_4bit": ("single", "ddp", "deepspeed-zero2", "fsdp2"), "load_in_8bit": ("single",)}
+# Where bitsandbytes' 8-bit AdamW was checked (a resume bit for bit). Under FSDP2 (and tensor parallelism) its update
+# kernel is handed DTensors, which it has no rule for: the first step fails.
+PROVEN_8BIT_OPTIM = ("single", "ddp", "deepspeed-zero2")
 
 
 def quiet_cpu_kernel_notice() -> None:
@@ -44,8 +47,22 @@ def quantized_field(args: ModelArguments) -> str | None:
     return "load_in_4bit" if args.load_in_4bit else "load_in_8bit" if args.load_in_8bit else None
 
 
+def layout_name(cfg: RunConfig, strategy: str) -> str:
+    """``strategy`` (``toolkit.distributed.strategy_name``), or the layout on top of it that it does not name:
+    'pipeline parallelism' (on ddp.yaml or fsdp.yaml), 'hsdp' (FSDP2 over a replicate x shard mesh)."""
+    from toolkit.distributed import launched_parallel_sizes
+
+    if cfg.train.pipeline_parallel_size > 1:
+        return "pipeline parallelism"
+    if strategy == "fsdp2" and launched_parallel_sizes().get("dp_replicate", 1) > 1:
+        return "hsdp"
+    return strategy
+
+
 def check_run(cfg: RunConfig, strategy: str) -> None:
-    """Refuse, before the weights load, what a quantized base was not checked with here."""
+    """Refuse, before the weights load, what a quantized base or 8-bit AdamW was not checked with here."""
+    strategy = layout_name(cfg, strategy)
+    check_optimizer(cfg, strategy)
     name = quantized_field(cfg.model)
     if name is None:
         return
@@ -61,6 +78,15 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
         field = "ref_model_name_or_path" if cfg.model.ref_model_name_or_path else "precompute_ref_log_probs"
         raise ConfigError(field, f"DPO on a quantized base ({name}) takes the base with its adapter disabled as the "
                                  "reference (no copy, no precomputed pass); unset it")
+
+
+def check_optimizer(cfg: RunConfig, strategy: str) -> None:
+    """bitsandbytes' 8-bit AdamW (``optim: adamw_bnb_8bit`` / ``paged_adamw_8bit``) only where it was checked
+    (``strategy``: ``layout_name``'s)."""
+    optim = cfg.train.optim
+    if optim.endswith("_8bit") and strategy not in PROVEN_8BIT_OPTIM:
+        raise ConfigError("optim", f"{optim} (bitsandbytes' 8-bit AdamW) is not supported under {strategy} (checked: "
+                                   f"{', '.join(PROVEN_8BIT_OPTIM)}); use optim: adamw_torch, or another launch config")
 
 
 def compute_dtype(args: ModelArguments, config) -> torch.dtype:
