@@ -80,6 +80,36 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
                                  "reference (no copy, no precomputed pass); unset it")
 
 
+# The fields that decide how the frozen base is quantized: a checkpoint holds the adapters and their optimizer state,
+# and a resumed run loads the base again from model_name_or_path, so it must quantize it as before
+BASE_FIELDS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "torch_dtype")
+
+
+def base_record(args: ModelArguments) -> dict | None:
+    """How the base is quantized (``BASE_FIELDS`` that apply), or None for a full-precision base: written into every
+    checkpoint (``toolkit.checkpointing.resume``)."""
+    name = quantized_field(args)
+    if name is None:
+        return None
+    fields = BASE_FIELDS if name == "load_in_4bit" else ("load_in_4bit", "load_in_8bit", "torch_dtype")
+    return {f: getattr(args, f) for f in fields}
+
+
+def check_same_base(checkpoint: str, saved: dict | None, now: dict | None) -> None:
+    """Refuse a resume whose base is quantized otherwise than the checkpoint's (``base_record``s). The adapters would
+    train on another function of the base: a 4-bit layout of the other quant type is read as this one's codes
+    (silently), a double-quantized scale differs, and the full-precision, 8-bit or other-dtype layouts do not fit the
+    checkpoint's tensors at all (after the weights loaded)."""
+    plain = {"load_in_4bit": False, "load_in_8bit": False}
+    old, new = saved or plain, now or plain
+    for field in BASE_FIELDS:
+        if old.get(field) != new.get(field):
+            raise ConfigError(field, f"cannot resume from {checkpoint}: its base was loaded with {field} "
+                                     f"{old.get(field)!r}, now {new.get(field)!r}; the frozen base is loaded again on "
+                                     "resume and must be quantized as before: resume with the checkpoint's value, or "
+                                     "start a new output_dir")
+
+
 def check_optimizer(cfg: RunConfig, strategy: str) -> None:
     """bitsandbytes' 8-bit AdamW (``optim: adamw_bnb_8bit`` / ``paged_adamw_8bit``) only where it was checked
     (``strategy``: ``layout_name``'s)."""

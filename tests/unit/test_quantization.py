@@ -2,6 +2,8 @@
 on a 4-bit base that stays bit for bit what it loaded as, the exports, the measured storage against ``toolkit plan``,
 and bitsandbytes' 8-bit AdamW."""
 
+import os
+
 import pytest
 import torch
 
@@ -60,8 +62,6 @@ def _export_errors(watch, folder: str, values: dict, auto) -> tuple[float, float
     """max |logits - the trained quantized model's| of the exported adapter on the full-precision base (the
     quantization's own error) and of the merged export (``auto``.from_pretrained: the base dequantized in the compute
     dtype, the adapters merged in), which is plain: no quantization config, fp32."""
-    import os
-
     from toolkit.config import ModelArguments
     from toolkit.lora import load_exported
 
@@ -104,7 +104,7 @@ def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, p
 
     out = tmp_path / "lm"
     values = {**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama, "output_dir": str(out),
-              "merge_lora": True}
+              "merge_lora": True, "save_steps": 2}
     watch, summary, losses = _train(values)
     _assert_adapters_trained_base_frozen(watch)
     assert losses[-1] < losses[0], losses
@@ -118,6 +118,29 @@ def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, p
     print(f"nf4 + double quantization: logits max|d| from the trained 4-bit model: full-precision base + adapter "
           f"{quantization_error:.2e}, merged {merge_error:.2e}")
     assert merge_error <= 1e-4 and merge_error < quantization_error / 100, (merge_error, quantization_error)
+    _assert_resume_refused(out, values, 2, [("bnb_4bit_quant_type", {"bnb_4bit_quant_type": "fp4"}),
+                                            ("use_bnb_nested_quant", {"use_bnb_nested_quant": False}),
+                                            ("load_in_4bit", {"load_in_4bit": False})])
+
+
+def _assert_resume_refused(run, values: dict, step: int, cases) -> None:
+    """The run's step-``step`` checkpoint resumed (in a copy of ``run``'s checkpoint) with each case's fields changed:
+    refused with one line naming the field, before the weights load (the base is loaded again on resume: quantized
+    otherwise, the adapters would train on another base, silently for another quant type, with a raw size-mismatch
+    error after the weights loaded for another layout)."""
+    import shutil
+
+    from helpers import train_in_process
+
+    checkpoint = os.path.join(str(run), "checkpoints", f"step-{step}")
+    for field, change in cases:
+        out = os.path.join(os.path.dirname(str(run)), f"resumed-{field}")
+        shutil.copytree(checkpoint, os.path.join(out, "checkpoints", f"step-{step}"))
+        resumed = {k: v for k, v in values.items() if k != "validation_file"}
+        with pytest.raises(ConfigError, match=f"^{field}: cannot resume from .*: its base was loaded with {field} "):
+            train_in_process({**resumed, **change, "output_dir": out, "resume_from_checkpoint": "latest",
+                              "max_steps": step + 1})
+        assert not os.path.exists(os.path.join(out, "metrics.jsonl")), field
 
 
 def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
@@ -246,8 +269,6 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
 def _checkpoint(run: str, step: int) -> dict:
     """A checkpoint's weights (model.safetensors) and optimizer state (optimizer.bin: bitsandbytes' state_dict, its
     quantized moments nested under one key), flattened to {name: tensor or number}."""
-    import os
-
     from safetensors.torch import load_file
 
     folder = os.path.join(run, "checkpoints", f"step-{step}")
@@ -275,7 +296,6 @@ def test_8bit_adamw_trains_with_8bit_state_and_resumes_exactly(tiny_llama, padde
     the step counts (accelerate's save_state / load_state through bitsandbytes' state_dict). On the 8-bit base the
     merged export is off the trained model by less than the quantization's own error, but not by float rounding
     only: LLM.int8 quantizes the activations too (per row, to int8), which no dequantized weight can reproduce."""
-    import os
     import shutil
 
     import bitsandbytes as bnb
@@ -317,6 +337,11 @@ def test_8bit_adamw_trains_with_8bit_state_and_resumes_exactly(tiny_llama, padde
     different = [k for k, v in expected.items()
                  if not (torch.equal(v, got[k]) if torch.is_tensor(v) else v == got[k])]
     assert not different, different
+    if lora:  # an 8-bit base's checkpoint resumed onto a 4-bit one; and a full-precision run's onto an 8-bit one
+        _assert_resume_refused(straight, values, 2, [("load_in_4bit", {"load_in_4bit": True, "load_in_8bit": False})])
+    else:
+        _assert_resume_refused(straight, values, 2, [("load_in_8bit", {**QLORA, "load_in_4bit": False,
+                                                                        "load_in_8bit": True})])
 
 
 def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
