@@ -13,7 +13,7 @@ import json
 import os
 
 import pytest
-from helpers import Runs, args_from, kill_inside_a_save, launch_runs, max_abs_diff, saving_checkpoints
+from helpers import Runs, args_from, kill_inside_a_save, launch_runs, load_weights, max_abs_diff, saving_checkpoints
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -38,8 +38,8 @@ def plan_runs(pool, tmp_path_factory, tiny_llama, padded_data):
     """The one-process run joins the session's one-process batch, each 2-rank run its launch config's batch."""
     r = Runs(tmp_path_factory.mktemp("qlora"), tiny_llama, padded_data, {**SGD, **QLORA}, pool=pool)
     r.plan("one", "ddp.yaml", 1, 8, 1, {"merge_lora": True})
-    for strategy in STRATEGIES:
-        r.plan(strategy, f"{strategy}.yaml", 2, 2, 2, {})
+    for strategy in STRATEGIES:  # FSDP2's merged export too: the base dequantized on the main process, sharded
+        r.plan(strategy, f"{strategy}.yaml", 2, 2, 2, {"merge_lora": True} if strategy == "fsdp" else {})
     # Resumed from a step-2 checkpoint, each in its launch config's batch after the run it starts from: FSDP2's; under
     # ZeRO-2 a run with 8-bit AdamW (refused under FSDP2). DDP's resume: the SIGKILL test's.
     r.plan("fsdp_resumed", "fsdp.yaml", 2, 2, 2, {"resume_from_checkpoint": "latest"}, copy_from=("fsdp", 2),
@@ -71,7 +71,8 @@ def _losses(run) -> list[float]:
 
 def test_qlora_on_two_ranks_equals_one_process(runs):
     """DDP, ZeRO-2, FSDP2: the adapters within 1e-6 of one process, the same losses; under FSDP2 each rank holds half
-    of the packed 4-bit base (its storage is float32, which FSDP2 shards: docs/pitfalls.md#qlora-fsdp-storage)."""
+    of the packed 4-bit base (its storage is float32, which FSDP2 shards: docs/pitfalls.md#qlora-fsdp-storage), and
+    its merged export (merge_lora) equals one process's within 1e-5."""
     one = runs.get_planned("one")
     reference = _adapter(one)
     assert reference and all("lora_" in k for k in reference)
@@ -82,6 +83,8 @@ def test_qlora_on_two_ranks_equals_one_process(runs):
         print(f"{strategy}: adapters max|d| = {diff:.1e} from one process")
         assert diff <= 1e-6, (strategy, diff)
         assert _losses(run) == pytest.approx(_losses(one), rel=1e-6), strategy
+    merged = {run: load_weights(os.path.join(run, "final", "merged")) for run in (one, runs.get_planned("fsdp"))}
+    assert max_abs_diff(*merged.values()) <= 1e-5  # the base dequantized as in one process, the adapters merged
     whole = _probe(one, 0)["held_bytes"]["base_layers"]
     assert whole > 0
     for rank in (0, 1):
