@@ -606,3 +606,55 @@ def execute_quickstart(work, launches: int = 1) -> dict:
     return {"work": str(work), "nb": nb, "text": text, "before": before,
             "result": json.loads(line[len(RESULT_TAG):]), "launch_seconds": launch_seconds,
             "kernel_run": str(work / "kernel-1x4x2"), "launch_run": str(work / "launcher-2x4x1")}
+
+
+# ------------------------------------------------------------------ a job SIGKILLed inside a checkpoint save
+def steps_logged(out: str) -> list[int]:
+    """The steps whose loss a run logged so far (complete lines of its metrics.jsonl)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
+
+
+def saving_checkpoints(out) -> list[str]:
+    """The ``step-N.tmp`` folders of saves under way (or killed) in ``out``."""
+    import re
+
+    root = os.path.join(out, "checkpoints")
+    return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
+
+
+def kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int, recipe: str = "gpt2") -> tuple[str, int]:
+    """A 2-rank recipes/<recipe>.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is
+    under way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
+    checkpoint and ``latest`` stay loadable."""
+    from toolkit import layout
+
+    # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
+    # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
+    for attempt in range(5):
+        out = str(tmp_path / f"killed-{attempt}")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+               "--num_processes", "2", "--main_process_port", str(free_port()),
+               os.path.join(ROOT, "recipes", f"{recipe}.py"), *args_from({**cfg, "output_dir": out})]
+        with LAUNCHING:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            deadline = time.time() + 120
+            while (not (len(steps_logged(out)) >= 3 and saving_checkpoints(out)) and time.time() < deadline
+                   and proc.poll() is None):
+                time.sleep(0.002)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
+            proc.wait(timeout=30)
+        killed_at = max(steps_logged(out))
+        assert not os.path.exists(os.path.join(out, "final"))
+        if saving_checkpoints(out) and killed_at < before_step:
+            break
+    else:
+        raise AssertionError(f"no kill out of 5 landed inside a save before step {before_step}")
+    latest = layout.latest_checkpoint(out)
+    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(saving_checkpoints(out)[0][5:-4])
+    return out, killed_at

@@ -80,6 +80,8 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         log = accelerator.print if accelerator is not None else print
     set_seed(cfg.train.seed)
     tokenizer, model_config, raw, block_size = check_inputs(cfg, task, log)
+    # before the data is tokenized and the weights load
+    quantization.check_run(cfg, strategy_name(accelerator) if accelerator is not None else "single")
     if cfg.data.streaming:  # nothing tokenized ahead: the first rows are read (and checked) here
         lm = stream_data(cfg, accelerator, task, tokenizer, block_size, log)
     elif accelerator is not None:
@@ -98,7 +100,6 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
                                      data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
         resume = plan_resume(cfg, accelerator, lm["train"])  # refuses a resume that cannot continue; carried to train
     tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
-    quantization.check_run(cfg, strategy_name(accelerator) if accelerator is not None else "single")
     model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size,
                        device=accelerator.device if accelerator is not None else None)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "

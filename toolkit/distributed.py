@@ -505,6 +505,19 @@ def check_parallelism(accelerator: Accelerator) -> None:
         raise ConfigError("parallelism_config_cp_size", "context parallelism is not supported by the toolkit yet")
 
 
+def launched_strategy_name() -> str:
+    """``strategy_name`` of the launch this process is in, from the environment ``accelerate launch`` sets, before any
+    Accelerator exists (``toolkit train`` checks a run with it before it launches)."""
+    if launched_parallel_sizes().get("tp", 1) > 1:
+        return "tp"
+    strategy = launched_strategy()
+    if strategy == "deepspeed":
+        return f"deepspeed-zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
+    if strategy == "fsdp":
+        return "fsdp2" if os.environ.get("FSDP_VERSION", "1") == "2" else "fsdp1"
+    return "ddp" if launched_world_size() > 1 else "single"
+
+
 def strategy_name(accelerator: Accelerator) -> str:
     """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2', 'deepspeed-zero<stage>' or 'tp'
     (tensor parallel, which runs alone here (``check_parallelism``): its tp_size is its world size)."""

@@ -160,9 +160,11 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     with environment(env), _quiet_datasets():  # a rank's environment, for the checks that read it
         from toolkit.build import check_inputs
-        from toolkit.distributed import check_launch, launched_parallel_sizes
+        from toolkit.distributed import check_launch, launched_parallel_sizes, launched_strategy_name
+        from toolkit.quantization import check_run
 
         check_launch(cfg.train)
+        check_run(cfg, launched_strategy_name())  # a quantized base under a strategy it was not checked with
         module, name = TASK_CLASSES[task].split(":")
         check_inputs(cfg, getattr(importlib.import_module(module), name)(), log=lambda *a, **k: None,
                      tp_size=launched_parallel_sizes().get("tp", 1))

@@ -477,6 +477,9 @@ def main(argv=None) -> int:
     try:
         if args.load_in_4bit and not args.lora_r:
             raise ConfigError("load_in_4bit", "a quantized base cannot be trained, only adapters on it: add --lora-r")
+        if args.load_in_4bit and args.pipeline_parallel_size > 1:  # what the recipes refuse (toolkit.quantization)
+            raise ConfigError("load_in_4bit", "a 4bit base is not supported under pipeline parallelism: drop "
+                                              "--pipeline-parallel-size, or --load-in-4bit")
         m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,
                         nested=args.use_bnb_nested_quant)
     except ConfigError as e:  # the LoRA fields (the recipe's own checks, field names as the recipe spells them)

@@ -27,6 +27,9 @@ from toolkit.errors import ConfigError
 QLORA_INSTALL = "pip install '.[qlora]'"
 # Strategies (toolkit.distributed.strategy_name) where training on a quantized base was checked equal to one process
 PROVEN = {"load_in_4bit": ("single", "ddp", "deepspeed-zero2", "fsdp2"), "load_in_8bit": ("single",)}
+# Where bitsandbytes' 8-bit AdamW was checked (a resume bit for bit). Under FSDP2 (and tensor parallelism) its update
+# kernel is handed DTensors, which it has no rule for: the first step fails.
+PROVEN_8BIT_OPTIM = ("single", "ddp", "deepspeed-zero2")
 
 
 def quiet_cpu_kernel_notice() -> None:
@@ -44,8 +47,22 @@ def quantized_field(args: ModelArguments) -> str | None:
     return "load_in_4bit" if args.load_in_4bit else "load_in_8bit" if args.load_in_8bit else None
 
 
+def layout_name(cfg: RunConfig, strategy: str) -> str:
+    """``strategy`` (``toolkit.distributed.strategy_name``), or the layout on top of it that it does not name:
+    'pipeline parallelism' (on ddp.yaml or fsdp.yaml), 'hsdp' (FSDP2 over a replicate x shard mesh)."""
+    from toolkit.distributed import launched_parallel_sizes
+
+    if cfg.train.pipeline_parallel_size > 1:
+        return "pipeline parallelism"
+    if strategy == "fsdp2" and launched_parallel_sizes().get("dp_replicate", 1) > 1:
+        return "hsdp"
+    return strategy
+
+
 def check_run(cfg: RunConfig, strategy: str) -> None:
-    """Refuse, before the weights load, what a quantized base was not checked with here."""
+    """Refuse, before the weights load, what a quantized base or 8-bit AdamW was not checked with here."""
+    strategy = layout_name(cfg, strategy)
+    check_optimizer(cfg, strategy)
     name = quantized_field(cfg.model)
     if name is None:
         return
@@ -61,6 +78,45 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
         field = "ref_model_name_or_path" if cfg.model.ref_model_name_or_path else "precompute_ref_log_probs"
         raise ConfigError(field, f"DPO on a quantized base ({name}) takes the base with its adapter disabled as the "
                                  "reference (no copy, no precomputed pass); unset it")
+
+
+# The fields that decide how the frozen base is quantized: a checkpoint holds the adapters and their optimizer state,
+# and a resumed run loads the base again from model_name_or_path, so it must quantize it as before
+BASE_FIELDS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "torch_dtype")
+
+
+def base_record(args: ModelArguments) -> dict | None:
+    """How the base is quantized (``BASE_FIELDS`` that apply), or None for a full-precision base: written into every
+    checkpoint (``toolkit.checkpointing.resume``)."""
+    name = quantized_field(args)
+    if name is None:
+        return None
+    fields = BASE_FIELDS if name == "load_in_4bit" else ("load_in_4bit", "load_in_8bit", "torch_dtype")
+    return {f: getattr(args, f) for f in fields}
+
+
+def check_same_base(checkpoint: str, saved: dict | None, now: dict | None) -> None:
+    """Refuse a resume whose base is quantized otherwise than the checkpoint's (``base_record``s). The adapters would
+    train on another function of the base: a 4-bit layout of the other quant type is read as this one's codes
+    (silently), a double-quantized scale differs, and the full-precision, 8-bit or other-dtype layouts do not fit the
+    checkpoint's tensors at all (after the weights loaded)."""
+    plain = {"load_in_4bit": False, "load_in_8bit": False}
+    old, new = saved or plain, now or plain
+    for field in BASE_FIELDS:
+        if old.get(field) != new.get(field):
+            raise ConfigError(field, f"cannot resume from {checkpoint}: its base was loaded with {field} "
+                                     f"{old.get(field)!r}, now {new.get(field)!r}; the frozen base is loaded again on "
+                                     "resume and must be quantized as before: resume with the checkpoint's value, or "
+                                     "start a new output_dir")
+
+
+def check_optimizer(cfg: RunConfig, strategy: str) -> None:
+    """bitsandbytes' 8-bit AdamW (``optim: adamw_bnb_8bit`` / ``paged_adamw_8bit``) only where it was checked
+    (``strategy``: ``layout_name``'s)."""
+    optim = cfg.train.optim
+    if optim.endswith("_8bit") and strategy not in PROVEN_8BIT_OPTIM:
+        raise ConfigError("optim", f"{optim} (bitsandbytes' 8-bit AdamW) is not supported under {strategy} (checked: "
+                                   f"{', '.join(PROVEN_8BIT_OPTIM)}); use optim: adamw_torch, or another launch config")
 
 
 def compute_dtype(args: ModelArguments, config) -> torch.dtype:

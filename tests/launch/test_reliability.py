@@ -30,8 +30,9 @@ from helpers import (
     subprocess_env,
     wait_until_gone,
 )
-
-from toolkit import layout
+from helpers import kill_inside_a_save as _kill_inside_a_save
+from helpers import saving_checkpoints as _saving
+from helpers import steps_logged as _steps_logged
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
@@ -63,14 +64,6 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
 @pytest.fixture(scope="module")
 def runs(run_pool):
     return run_pool.modules[(__name__, "runs")]
-
-
-def _steps_logged(out: str) -> list[int]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
 
 
 def _signal_after_3_steps(cmd: list[str], out: str) -> tuple[str, int]:
@@ -218,41 +211,6 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_p
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-1"]  # only the new run's own
     assert not (out / "final.tmp").exists() and (out / "final" / "model.safetensors").is_file()
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if '"loss"' in line] == [1]
-
-
-def _saving(out) -> list[str]:
-    root = os.path.join(out, "checkpoints")
-    return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
-
-
-def _kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int, recipe: str = "gpt2") -> tuple[str, int]:
-    """A 2-rank recipes/<recipe>.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is
-    under way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
-    checkpoint and ``latest`` stay loadable."""
-    # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
-    # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
-    for attempt in range(5):
-        out = str(tmp_path / f"killed-{attempt}")
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-               "--num_processes", "2", "--main_process_port", str(free_port()),
-               os.path.join(ROOT, "recipes", f"{recipe}.py"), *args_from({**cfg, "output_dir": out})]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not (len(_steps_logged(out)) >= 3 and _saving(out)) and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.002)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
-        proc.wait(timeout=30)
-        killed_at = max(_steps_logged(out))
-        assert not os.path.exists(os.path.join(out, "final"))
-        if _saving(out) and killed_at < before_step:
-            break
-    else:
-        raise AssertionError(f"no kill out of 5 landed inside a save before step {before_step}")
-    latest = layout.latest_checkpoint(out)
-    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(_saving(out)[0][5:-4])
-    return out, killed_at
 
 
 @pytest.mark.slow

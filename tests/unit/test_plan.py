@@ -247,14 +247,20 @@ def test_load_in_4bit_counts_the_quantized_base_as_bitsandbytes_holds_it(llama7b
 
 
 def test_plan_load_in_4bit_command(llama7b, capsys):
-    """--load-in-4bit needs --lora-r (a quantized base trains adapters only); with it the plan prints the base's bytes
-    per quantized weight and the recommended command carries the fields (--load_in_4bit true ...)."""
+    """--load-in-4bit needs --lora-r (a quantized base trains adapters only) and no pipeline; with it the plan prints
+    the base's bytes per quantized weight and the recommended command carries the fields (--load_in_4bit true ...)."""
     pytest.importorskip("bitsandbytes")
     from toolkit.plan import main
 
     assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--load-in-4bit"]) == 2
     assert "plan error: load_in_4bit: a quantized base cannot be trained, only adapters on it: add --lora-r" in (
         capsys.readouterr().err)
+    # nor planned into a pipeline, which the recipes refuse with a quantized base
+    assert main(["--model", llama7b, "--gpus", "2", "--gpu-memory", "24GB", "--lora-r", "16", "--load-in-4bit",
+                 "--pipeline-parallel-size", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "plan error: load_in_4bit: a 4bit base is not supported under pipeline parallelism: drop "
+        "--pipeline-parallel-size, or --load-in-4bit"]
     assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--lora-r", "16", "--load-in-4bit",
                  "--use-bnb-nested-quant", "--gradient-checkpointing"]) == 0
     out = capsys.readouterr().out

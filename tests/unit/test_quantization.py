@@ -2,6 +2,8 @@
 on a 4-bit base that stays bit for bit what it loaded as, the exports, the measured storage against ``toolkit plan``,
 and bitsandbytes' 8-bit AdamW."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,9 +13,12 @@ pytest.importorskip("bitsandbytes")
 
 QLORA = dict(use_peft=True, load_in_4bit=True, use_bnb_nested_quant=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
              lora_target_modules="all-linear")
-RUN = dict(optim="adamw_torch", learning_rate=5e-2, max_train_samples=4, max_eval_samples=4, lr_scheduler_type="constant", max_steps=4, logging_steps=1,
-           per_device_train_batch_size=4, gradient_accumulation_steps=1, report_to="none", packing=False,
-           block_size=64, plot=False, seed=3)
+# 2 steps on the same 4 rows (the loss after one step below the first), no evaluation: a step of the 4-bit model
+# dequantizes every layer, so steps are this file's time
+RUN = dict(optim="adamw_torch", learning_rate=5e-2, max_train_samples=4, lr_scheduler_type="constant", max_steps=2,
+           logging_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=1, report_to="none",
+           packing=False, block_size=64, plot=False, seed=3, validation_split_percentage=0)
+IDS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 class _Watch:
@@ -36,14 +41,36 @@ class _Watch:
 
 
 def _train(values, task=None):
+    """A run in this process (no validation split), the _Watch on it, its summary and its losses."""
     from helpers import train_in_process
 
     from toolkit.metrics import read_metrics
 
     watch = _Watch()
+    values = {k: v for k, v in values.items() if k != "validation_file"}
     summary = train_in_process(values, callbacks=[watch], task=task)
     losses = [r["loss"] for r in read_metrics(values["output_dir"]) if "loss" in r]
     return watch, summary, losses
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits
+
+
+def _export_errors(watch, folder: str, values: dict, auto) -> tuple[float, float]:
+    """max |logits - the trained quantized model's| of the exported adapter on the full-precision base (the
+    quantization's own error) and of the merged export (``auto``.from_pretrained: the base dequantized in the compute
+    dtype, the adapters merged in), which is plain: no quantization config, fp32."""
+    from toolkit.config import ModelArguments
+    from toolkit.lora import load_exported
+
+    trained = _logits(watch.model)
+    fields = {k: v for k, v in values.items() if k in ModelArguments.__dataclass_fields__}
+    on_full = load_exported(folder, ModelArguments(**{**fields, "load_in_4bit": False, "load_in_8bit": False}))
+    merged = auto.from_pretrained(os.path.join(folder, "merged"))
+    assert merged.dtype == torch.float32 and not hasattr(merged.config, "quantization_config")
+    return float((_logits(on_full) - trained).abs().max()), float((_logits(merged) - trained).abs().max())
 
 
 def _assert_adapters_trained_base_frozen(watch, heads=()):
@@ -64,11 +91,11 @@ def _assert_adapters_trained_base_frozen(watch, heads=()):
 
 @pytest.mark.slow
 def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, padded_data, tmp_path):
-    """Loss on the same 4 rows goes down, the adapters move, the 4-bit weights (Params4bit) stay bit for bit as loaded.
-    The exports: the adapter loads onto the 4-bit base (the trained model's logits exactly) and onto the
-    full-precision base (off by the quantization's error); the merged model (the base dequantized in the compute
-    dtype, the adapters merged) loads with from_pretrained and gives the quantized model's logits up to float
-    rounding, far inside that error."""
+    """NF4 with double quantization. Loss on the same 4 rows goes down, the adapters move, the 4-bit weights
+    (Params4bit) stay bit for bit as loaded. The exports: the adapter loads onto the 4-bit base (the trained model's
+    logits exactly) and onto the full-precision base (off by the quantization's error); the merged model (the base
+    dequantized in the compute dtype, the adapters merged) loads with from_pretrained and gives the quantized model's
+    logits up to float rounding, far inside that error."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -76,31 +103,44 @@ def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, p
     from toolkit.model import load_model
 
     out = tmp_path / "lm"
-    watch, summary, losses = _train({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
-                                     "output_dir": str(out), "merge_lora": True})
+    values = {**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama, "output_dir": str(out),
+              "merge_lora": True, "save_steps": 2}
+    watch, summary, losses = _train(values)
     _assert_adapters_trained_base_frozen(watch)
     assert losses[-1] < losses[0], losses
     assert watch.model.is_loaded_in_4bit
 
-    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
-
-    def logits(model):
-        with torch.no_grad():
-            return model.eval()(input_ids=ids).logits
-
-    trained = logits(watch.model)
-    args = dict(model_name_or_path=tiny_llama, use_peft=True)
-    on_4bit = PeftModel.from_pretrained(load_model(ModelArguments(**args, load_in_4bit=True,
-                                                                  use_bnb_nested_quant=True)), str(out / "final"))
-    on_full = PeftModel.from_pretrained(load_model(ModelArguments(**args)), str(out / "final"))
-    merged = AutoModelForCausalLM.from_pretrained(str(out / "final" / "merged"))
-    assert torch.equal(logits(on_4bit), trained)
-    quantization_error = float((logits(on_full) - trained).abs().max())
-    merge_error = float((logits(merged) - trained).abs().max())
-    print(f"logits max|d| from the trained 4-bit model: full-precision base + adapter {quantization_error:.2e}, "
-          f"merged {merge_error:.2e}")
-    assert merged.dtype == torch.float32 and not hasattr(merged.config, "quantization_config")
+    on_4bit = PeftModel.from_pretrained(load_model(ModelArguments(model_name_or_path=tiny_llama, use_peft=True,
+                                                                  load_in_4bit=True, use_bnb_nested_quant=True)),
+                                        str(out / "final"))
+    assert torch.equal(_logits(on_4bit), _logits(watch.model))
+    quantization_error, merge_error = _export_errors(watch, str(out / "final"), values, AutoModelForCausalLM)
+    print(f"nf4 + double quantization: logits max|d| from the trained 4-bit model: full-precision base + adapter "
+          f"{quantization_error:.2e}, merged {merge_error:.2e}")
     assert merge_error <= 1e-4 and merge_error < quantization_error / 100, (merge_error, quantization_error)
+    _assert_resume_refused(out, values, 2, [("bnb_4bit_quant_type", {"bnb_4bit_quant_type": "fp4"}),
+                                            ("use_bnb_nested_quant", {"use_bnb_nested_quant": False}),
+                                            ("load_in_4bit", {"load_in_4bit": False})])
+
+
+def _assert_resume_refused(run, values: dict, step: int, cases) -> None:
+    """The run's step-``step`` checkpoint resumed (in a copy of ``run``'s checkpoint) with each case's fields changed:
+    refused with one line naming the field, before the weights load (the base is loaded again on resume: quantized
+    otherwise, the adapters would train on another base, silently for another quant type, with a raw size-mismatch
+    error after the weights loaded for another layout)."""
+    import shutil
+
+    from helpers import train_in_process
+
+    checkpoint = os.path.join(str(run), "checkpoints", f"step-{step}")
+    for field, change in cases:
+        out = os.path.join(os.path.dirname(str(run)), f"resumed-{field}")
+        shutil.copytree(checkpoint, os.path.join(out, "checkpoints", f"step-{step}"))
+        resumed = {k: v for k, v in values.items() if k != "validation_file"}
+        with pytest.raises(ConfigError, match=f"^{field}: cannot resume from .*: its base was loaded with {field} "):
+            train_in_process({**resumed, **change, "output_dir": out, "resume_from_checkpoint": "latest",
+                              "max_steps": step + 1})
+        assert not os.path.exists(os.path.join(out, "metrics.jsonl")), field
 
 
 def test_quantized_fields_are_refused_where_they_cannot_work(tiny_llama):
@@ -132,29 +172,39 @@ def test_without_bitsandbytes_the_fields_name_the_extra(tiny_llama, monkeypatch)
 def test_chat_sft_trains_adapters_on_a_4bit_base(tiny_llama, chats, tmp_path):
     from toolkit.chat import ChatSFT
 
-    watch, _, losses = _train({**RUN, **QLORA, **chats, "model_name_or_path": tiny_llama, "max_steps": 3,
-                               "learning_rate": 1e-2, "output_dir": str(tmp_path / "sft"), "save_final_model": False}, task=ChatSFT())
+    watch, _, losses = _train({**RUN, **QLORA, **chats, "model_name_or_path": tiny_llama, "learning_rate": 1e-2,
+                               "output_dir": str(tmp_path / "sft"), "save_final_model": False}, task=ChatSFT())
     _assert_adapters_trained_base_frozen(watch)
     assert losses[-1] < losses[0], losses
 
 
 @pytest.mark.slow
 def test_classifier_trains_adapters_and_a_full_precision_head_on_a_4bit_base(tiny_llama, classify_files, tmp_path):
-    """The new head (Llama's ``score``) is not quantized: peft trains it whole (modules_to_save) beside the adapters."""
+    """FP4, no double quantization. The new head (Llama's ``score``) is not quantized: peft trains it whole
+    (modules_to_save) beside the adapters. The merged export loads as a classifier and gives the 4-bit model's logits
+    up to float rounding."""
     import bitsandbytes as bnb
+    from transformers import AutoModelForSequenceClassification
 
     from toolkit.classification import SequenceClassification
 
-    watch, _, losses = _train({**RUN, **QLORA, **classify_files, "model_name_or_path": tiny_llama, "max_steps": 3,
-                               "max_train_samples": 12, "per_device_train_batch_size": 12, "learning_rate": 1e-2,
-                               "output_dir": str(tmp_path / "cls"), "save_final_model": False},
-                              task=SequenceClassification())
+    out = tmp_path / "cls"
+    values = {**RUN, **QLORA, **classify_files, "model_name_or_path": tiny_llama, "bnb_4bit_quant_type": "fp4",
+              "use_bnb_nested_quant": False, "max_train_samples": 12, "per_device_train_batch_size": 12,
+              "learning_rate": 1e-2, "output_dir": str(out), "merge_lora": True}
+    watch, _, losses = _train(values, task=SequenceClassification())
     moved = _assert_adapters_trained_base_frozen(watch, heads=("score",))
     assert any("score.modules_to_save" in n for n in moved), moved
     heads = [m for n, m in watch.model.named_modules() if n.endswith("score.modules_to_save.default")]
     assert heads and type(heads[0]) is torch.nn.Linear and heads[0].weight.dtype == torch.float32
     assert not isinstance(heads[0], bnb.nn.Linear4bit)
+    assert all(m.weight.quant_type == "fp4" for m in watch.model.modules() if isinstance(m, bnb.nn.Linear4bit))
     assert losses[-1] < losses[0], losses
+    quantization_error, merge_error = _export_errors(watch, str(out / "final"), values,
+                                                     AutoModelForSequenceClassification)
+    print(f"fp4 classifier: logits max|d| from the trained 4-bit model: full-precision base + adapter "
+          f"{quantization_error:.2e}, merged {merge_error:.2e}")
+    assert merge_error <= 1e-4 and merge_error < quantization_error / 100, (merge_error, quantization_error)
 
 
 @pytest.mark.slow
@@ -167,7 +217,7 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
 
     out = str(tmp_path / "dpo")
     watch, _, losses = _train({**RUN, **QLORA, **pairs, "model_name_or_path": tiny_llama, "block_size": 256,
-                               "config_overrides": "max_position_embeddings=256", "max_steps": 3,
+                               "config_overrides": "max_position_embeddings=256",
                                "per_device_train_batch_size": 4, "learning_rate": 0.1, "output_dir": out,
                                "save_final_model": False}, task=DPO())
     _assert_adapters_trained_base_frozen(watch)
@@ -175,8 +225,8 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
 
 
 def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
-    """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, an 8-bit base on several ranks, a
-    chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
+    """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, pipeline parallelism (whose
+    launches are ddp.yaml's and fsdp.yaml's), an 8-bit base on several ranks, a chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
     refuses); one line naming the field."""
     from toolkit.config import config_from_dict
     from toolkit.quantization import check_run
@@ -188,7 +238,11 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
     for strategy in ("deepspeed-zero3", "fsdp1", "tp"):
         with pytest.raises(ConfigError, match=f"load_in_4bit: a 4bit base is not supported under {strategy}"):
             check_run(cfg, strategy)
-    cfg.train.loss_chunk_size = 16
+    cfg.train.pipeline_parallel_size = 2  # under ddp.yaml or fsdp.yaml, whose strategy alone passes
+    for strategy in ("ddp", "fsdp2"):
+        with pytest.raises(ConfigError, match="load_in_4bit: a 4bit base is not supported under pipeline parallelism"):
+            check_run(cfg, strategy)
+    cfg.train.pipeline_parallel_size, cfg.train.loss_chunk_size = 1, 16
     with pytest.raises(ConfigError, match="load_in_4bit: loss_chunk_size with a quantized base"):
         check_run(cfg, "ddp")
     cfg.train.loss_chunk_size, cfg.train.precompute_ref_log_probs = 0, True
@@ -198,23 +252,63 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
     check_run(cfg, "single")
     with pytest.raises(ConfigError, match="load_in_8bit: a 8bit base is not supported under ddp"):
         check_run(cfg, "ddp")
+    # 8-bit AdamW, on any base: its update kernel takes no DTensor (FSDP2, TP: a raw error at the first step)
+    cfg.model.load_in_8bit, cfg.model.use_peft, cfg.train.optim = False, False, "adamw_bnb_8bit"
+    for strategy in ("single", "ddp", "deepspeed-zero2"):
+        check_run(cfg, strategy)
+    for strategy in ("fsdp2", "fsdp1", "deepspeed-zero3", "tp"):
+        with pytest.raises(ConfigError, match=f"optim: adamw_bnb_8bit .bitsandbytes' 8-bit AdamW. is not supported "
+                                              f"under {strategy} .checked: single, ddp, deepspeed-zero2.; use optim: "
+                                              "adamw_torch"):
+            check_run(cfg, strategy)
+    cfg.train.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="optim: adamw_bnb_8bit .* not supported under pipeline parallelism"):
+        check_run(cfg, "ddp")
+
+
+def _checkpoint(run: str, step: int) -> dict:
+    """A checkpoint's weights (model.safetensors) and optimizer state (optimizer.bin: bitsandbytes' state_dict, its
+    quantized moments nested under one key), flattened to {name: tensor or number}."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(run, "checkpoints", f"step-{step}")
+    flat = {f"model.{k}": v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+
+    walk("optimizer", torch.load(os.path.join(folder, "optimizer.bin"), weights_only=True)["state"])
+    return flat
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
-def test_8bit_adamw_trains_with_8bit_state(tiny_llama, padded_data, tmp_path, optim):
+def test_8bit_adamw_trains_with_8bit_state_and_resumes_exactly(tiny_llama, padded_data, tmp_path, optim):
     """Full fine-tuning (adamw_bnb_8bit), and adapters on an 8-bit base with the embedding trained whole
     (paged_adamw_8bit, lora_modules_to_save): the loss on the same rows goes down and the moments of every tensor of
     at least 4096 elements (bitsandbytes' min_8bit_size; smaller ones, such as this tiny model's adapters, keep
-    32-bit state) are uint8: about 2 bytes a parameter instead of AdamW's 8."""
+    32-bit state) are uint8: about 2 bytes a parameter instead of AdamW's 8. The step-2 checkpoint resumed to step 3
+    ends with the straight run's step-3 checkpoint bit for bit: the weights, the 8-bit moments, their block maxima and
+    the step counts (accelerate's save_state / load_state through bitsandbytes' state_dict). On the 8-bit base the
+    merged export is off the trained model by less than the quantization's own error, but not by float rounding
+    only: LLM.int8 quantizes the activations too (per row, to int8), which no dequantized weight can reproduce."""
+    import shutil
+
     import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
 
     from toolkit.quantization import optimizer_state_bytes
 
     lora = {} if optim == "adamw_bnb_8bit" else {**QLORA, "load_in_4bit": False, "load_in_8bit": True,
                                                    "lora_modules_to_save": "embed_tokens"}
-    watch, _, losses = _train({**RUN, **lora, **padded_data, "model_name_or_path": tiny_llama, "optim": optim,
-                               "learning_rate": 1e-2, "output_dir": str(tmp_path / optim), "save_final_model": False})
+    values = {**RUN, **lora, **padded_data, "model_name_or_path": tiny_llama, "optim": optim, "learning_rate": 1e-2,
+              "max_steps": 3, "save_steps": 1, "save_final_model": bool(lora), "merge_lora": bool(lora)}
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    watch, _, losses = _train({**values, "output_dir": straight})
     assert losses[-1] < losses[0], losses
     inner = watch.optimizer.optimizer
     assert isinstance(inner, bnb.optim.PagedAdamW8bit if optim.startswith("paged") else bnb.optim.AdamW8bit)
@@ -227,6 +321,27 @@ def test_8bit_adamw_trains_with_8bit_state(tiny_llama, padded_data, tmp_path, op
     if optim.startswith("paged"):
         assert [m for m in watch.model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
         assert any("embed_tokens.modules_to_save" in n for n, p in watch.model.named_parameters() if p.requires_grad)
+        quantization_error, merge_error = _export_errors(watch, os.path.join(straight, "final"), values,
+                                                         AutoModelForCausalLM)
+        print(f"8-bit base: logits max|d| from the trained 8-bit model: full-precision base + adapter "
+              f"{quantization_error:.2e}, merged {merge_error:.2e}")
+        assert merge_error < quantization_error, (merge_error, quantization_error)
+
+    shutil.copytree(os.path.join(straight, "checkpoints", "step-2"), os.path.join(resumed, "checkpoints", "step-2"))
+    _, _, resumed_losses = _train({**values, "output_dir": resumed, "resume_from_checkpoint": "latest",
+                                   "save_final_model": False, "merge_lora": False})
+    assert resumed_losses == losses[2:]
+    expected, got = _checkpoint(straight, 3), _checkpoint(resumed, 3)
+    assert expected.keys() == got.keys()
+    assert any(torch.is_tensor(v) and v.dtype == torch.uint8 for k, v in expected.items() if k.startswith("optim"))
+    different = [k for k, v in expected.items()
+                 if not (torch.equal(v, got[k]) if torch.is_tensor(v) else v == got[k])]
+    assert not different, different
+    if lora:  # an 8-bit base's checkpoint resumed onto a 4-bit one; and a full-precision run's onto an 8-bit one
+        _assert_resume_refused(straight, values, 2, [("load_in_4bit", {"load_in_4bit": True, "load_in_8bit": False})])
+    else:
+        _assert_resume_refused(straight, values, 2, [("load_in_8bit", {**QLORA, "load_in_4bit": False,
+                                                                        "load_in_8bit": True})])
 
 
 def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
@@ -243,3 +358,28 @@ def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
         ops.logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "x")
         ops.logger.warning("another warning")
     assert [r.getMessage() for r in caplog.records] == ["another warning"]
+
+
+def test_toolkit_train_refuses_a_quantized_base_before_launching(capsys, tiny_llama, chats, padded_data, tmp_path):
+    """``toolkit train`` checks the quantized base against the launch it would start (the strategy from the launch
+    config's environment, the fields): one line, exit 2, nothing launched."""
+    from toolkit import launch
+
+    qlora = ["--use_peft", "true", "--load_in_4bit", "true", "--output_dir", str(tmp_path / "out")]
+    sft = ["sft", "--model", tiny_llama, "--dataset", chats["train_file"], "--chat_template", chats["chat_template"]]
+    lm = ["lm", "--model", tiny_llama, "--dataset", padded_data["train_file"]]
+    four = "load_in_4bit: a 4bit base is not supported under "
+    cases = [(sft, ["--strategy", "zero3", "--num_processes", "2"], four + "deepspeed-zero3"),
+             (lm, ["--strategy", "fsdp1", "--num_processes", "2"], four + "fsdp1"),
+             (lm, ["--strategy", "tp", "--num_processes", "2"], four + "tp"),
+             (lm, ["--strategy", "hsdp", "--num_processes", "4"], four + "hsdp"),  # FSDP2 on a 2 x 2 mesh
+             (lm, ["--strategy", "ddp", "--num_processes", "2", "--pipeline_parallel_size", "2",
+                   "--gradient_accumulation_steps", "2"], four + "pipeline parallelism"),
+             (lm, ["--strategy", "fsdp", "--num_processes", "2", "--load_in_4bit", "false", "--optim",
+                   "adamw_bnb_8bit"], "optim: adamw_bnb_8bit (bitsandbytes' 8-bit AdamW) is not supported under fsdp2")]
+    for task, strategy, words in cases:
+        assert launch.main([*task, *qlora, *strategy]) == 2, strategy
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"config error: {words}"), err
+        assert "launching" not in captured.out

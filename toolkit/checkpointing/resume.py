@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from toolkit import layout
+from toolkit import layout, quantization
 from toolkit.checkpointing import convert
 from toolkit.distributed import data_parallel_size, strategy_name
 from toolkit.errors import ConfigError
@@ -60,6 +60,8 @@ def order_record(cfg, train_dataset) -> dict:
         "train_data_sha": train_dataset.spec.fingerprint() if stream else data_fingerprint(train_dataset),
         "shuffle_buffer_size": train_dataset.spec.window if stream else None,
         **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
+        # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.quantization)
+        "quantized_base": quantization.base_record(cfg.model),
     }
 
 
@@ -147,6 +149,8 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
         raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
                                                     "checkpoint of this toolkit (or one older than 0.2)")
     check_stream_files(checkpoint, saved["order"].get("stream_files"), order.get("stream_files"))
+    if "quantized_base" in saved["order"]:  # recorded since QLoRA's resume checks; not by earlier checkpoints
+        quantization.check_same_base(checkpoint, saved["order"]["quantized_base"], order["quantized_base"])
     for key, field_name in ORDER_FIELDS.items():
         if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")
