@@ -452,6 +452,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     if pipelined:  # this rank's stages and its replica's rows (toolkit.pipeline), not wrapped by accelerate
         model, *loaders = build_pipeline(accelerator, args, model, train_dataset, eval_dataset, sampler, collator)
     optimizer = build_optimizer(model, args)
+    upstream.import_peft()  # before the scheduler's import imports peft, and peft bitsandbytes
     from transformers import get_scheduler
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,

@@ -214,9 +214,10 @@ def save_smollm2(path) -> str:
 
     gguf = Path(smollm2_gguf_path())
     src, name = str(gguf.parent), gguf.name
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    with gguf_name_map_built_once():
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    with gguf_read_once():
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        with gguf_name_map_built_once():
+            model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
 
     # Without the `kernels` package transformers dequantizes every GGUF weight into ordinary fp32 nn.Linear
     # layers, but still leaves a GgufHfQuantizer on the model and a `quantization_config` in its config, and
@@ -270,6 +271,33 @@ def gguf_name_map_built_once():
         yield gguf.get_tensor_name_map
     finally:
         gguf.get_tensor_name_map = built
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """While converting a GGUF checkpoint, parse each GGUF file once.
+
+    transformers reads the file three times, for the tokenizer, the config and the weights (``load_gguf_checkpoint``
+    makes a ``gguf.GGUFReader`` each time), and a reader's construction parses every metadata field, SmolLM2's
+    49152-token vocabulary and merges included: about two thirds of the conversion's time went to the two extra
+    parses (docs/pitfalls.md#gguf-read-thrice). A reader is only read from (a memory map of the file), so one per path
+    serves every call."""
+    import gguf
+
+    made = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = made(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader = made
 
 
 # --- all-MiniLM-L6-v2 (sequence classification) -----------------------------------------------------------------

@@ -13,19 +13,28 @@ import sys
 
 import pytest
 import yaml
-from helpers import RECIPE, SCRIPTS, args_from, launch, run, tree_hash
+from helpers import RECIPE, SCRIPTS, Runs, args_from, run, tree_hash
 
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 BASE = dict(packing=False, block_size=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
             save_steps=1, logging_steps=1, seed=7, report_to="none", optim="sgd", learning_rate=0.1)
+EXISTING_COMMON = {k: v for k, v in BASE.items() if k not in ("per_device_train_batch_size",
+                                                              "gradient_accumulation_steps")}
+
+
+def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+    """The finished run every case points at, planned (conftest's run_pool): it joins the session's one-process
+    launch, run beside tests/unit."""
+    runs = Runs(tmp_path_factory.mktemp("battery"), tiny_model, padded_data, EXISTING_COMMON, pool=pool)
+    runs.plan("existing", None, 1, 2, 2, {}, probe=False)
+    return {"existing_runs": runs}
 
 
 @pytest.fixture(scope="module")
-def existing(tmp_path_factory, tiny_model, padded_data):
-    """A finished 2-step run (1 process) whose folder every case points at."""
-    out = str(tmp_path_factory.mktemp("battery") / "existing")
-    launch(args_from({**BASE, **padded_data, "model_name_or_path": tiny_model, "output_dir": out}), num_processes=1)
+def existing(run_pool):
+    """A finished 2-step run (1 process x 2 x 2) whose folder every case points at."""
+    out = run_pool.modules[(__name__, "existing_runs")].get("existing", None, 1, 2, 2, {})
     assert os.path.isfile(os.path.join(out, "checkpoints", "step-2", "toolkit_state.json"))
     return out
 

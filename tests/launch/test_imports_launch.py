@@ -1,9 +1,10 @@
 """Parsing a config in a fresh interpreter (a subprocess) imports neither torch nor accelerate; a run's imports load
-transformers' modeling code without scipy.optimize (toolkit.upstream). The import graph itself, read from the source
-with ``ast``, is checked in tests/unit/test_imports.py."""
+transformers' modeling code without scipy.optimize, and its schedulers' peft without bitsandbytes (toolkit.upstream).
+The import graph itself, read from the source with ``ast``, is checked in tests/unit/test_imports.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -34,30 +35,58 @@ def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
     assert result["loaded"] == [], f"parsing a config imported {result['loaded']}"
 
 
-def test_a_runs_imports_leave_scipy_optimize_out_until_a_matcher_is_called():
-    """transformers' modeling code imports its object-detection losses, which import scipy.optimize wherever scipy is
-    installed (0.5 s a process here: docs/pitfalls.md#scipy-import): the plain import shows it. After what a
-    rank imports (toolkit.build, toolkit.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
-    matcher still gives scipy's answer, importing scipy's own module when called."""
+@pytest.fixture(scope="module")
+def imports() -> list[dict]:
+    """What a plain import of transformers loads, and what a rank's imports load (toolkit.build, toolkit.loop, a model
+    class, the schedulers as toolkit.loop imports them, peft): two fresh interpreters, run side by side."""
     pytest.importorskip("scipy")  # the cost exists only where scipy is installed
-    report = "print(json.dumps({'scipy.optimize': 'scipy.optimize' in sys.modules, 'modeling': %s}))"
-    plain = "import json, sys\nimport transformers.modeling_utils\n" + report % "'transformers.modeling_utils' in sys.modules"
+    plain = (
+        "import json, sys\n"
+        "import transformers.modeling_utils\n"
+        "modeling = 'transformers.modeling_utils' in sys.modules\n"
+        "print(json.dumps({'scipy.optimize': 'scipy.optimize' in sys.modules, 'modeling': modeling}))\n"
+    )
     ours = (
         "import json, sys\n"
         "import toolkit.build, toolkit.loop\n"
-        "from transformers import AutoModelForCausalLM, get_scheduler\n"
+        "from toolkit import upstream\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "upstream.import_peft()\n"
+        "from transformers import get_scheduler\n"
         "import peft, transformers.modeling_utils\n"
         "loaded = 'scipy.optimize' in sys.modules\n"
+        "bnb = 'bitsandbytes' in sys.modules\n"
         "from transformers.loss.loss_for_object_detection import linear_sum_assignment\n"
         "rows, cols = linear_sum_assignment([[4, 1, 3], [2, 0, 5], [3, 2, 2]])\n"
         "print(json.dumps({'scipy.optimize': loaded, 'modeling': 'transformers.modeling_utils' in sys.modules,\n"
-        "                  'cols': cols.tolist(), 'real_after_call': sys.modules['scipy.optimize'].__file__ is not None}))\n"
+        "                  'cols': cols.tolist(), 'real_after_call': sys.modules['scipy.optimize'].__file__ is not None,\n"
+        "                  'bitsandbytes': bnb, 'peft': 'peft' in sys.modules}))\n"
     )
     procs = run_all([[sys.executable, "-c", plain], [sys.executable, "-c", ours]])
     results = []
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert results[0] == {"scipy.optimize": True, "modeling": True}  # the upstream cost, without toolkit
-    assert results[1]["modeling"] and not results[1]["scipy.optimize"]
-    assert results[1]["cols"] == [1, 0, 2] and results[1]["real_after_call"]  # scipy's optimal assignment
+    return results
+
+
+def test_a_runs_imports_leave_scipy_optimize_out_until_a_matcher_is_called(imports):
+    """transformers' modeling code imports its object-detection losses, which import scipy.optimize wherever scipy is
+    installed (0.5 s a process here: docs/pitfalls.md#scipy-import): the plain import shows it. After what a
+    rank imports (toolkit.build, toolkit.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
+    matcher still gives scipy's answer, importing scipy's own module when called."""
+    plain, ours = imports
+    assert plain["scipy.optimize"] and plain["modeling"]  # the upstream cost, without toolkit
+    assert ours["modeling"] and not ours["scipy.optimize"]
+    assert ours["cols"] == [1, 0, 2] and ours["real_after_call"]  # scipy's optimal assignment
+
+
+def test_a_runs_schedulers_import_peft_without_bitsandbytes_until_it_is_used(imports):
+    """transformers' schedulers import peft, and peft bitsandbytes wherever it is installed (with torch's compiler:
+    docs/pitfalls.md#bitsandbytes-import; not shown here: it costs a process 3 s). After what a rank imports, peft is
+    loaded but bitsandbytes is not (that the stand-in peft holds reaches the real module on first use: tests/unit/test_imports.py).
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:  # (not importorskip: it would import it, 2-3 s)
+        pytest.skip("the cost exists only where bitsandbytes is installed")
+    ours = imports[1]
+    assert ours["peft"] and not ours["bitsandbytes"]

@@ -16,6 +16,9 @@ import pytest
 import yaml
 from helpers import CONFIGS, Runs, args_from, copy_checkpoint, launch, load_weights, max_abs_diff
 
+from toolkit import launch as toolkit_launch
+from toolkit.errors import ConfigError
+
 pytestmark = pytest.mark.slow
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
@@ -126,16 +129,23 @@ def test_tensor_parallel_checkpoint_resumes_exactly(tp_runs):
 @pytest.mark.parametrize("case", ["no_plan", "dp_shard_x_tp", "uneven_heads"])
 def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data, case):
     """Refused before the weights load, naming the field: a model without a TP plan (GPT-2), FSDP sharding with TP
-    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), a tp_size that splits heads."""
-    config, world, model, extra = "tp.yaml", 2, tiny_llama, ()
+    (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), a tp_size that splits heads.
+    The two refused by the checks a rank runs before its weights (``distributed.check_launch``,
+    ``build.check_inputs``) are checked in this process, in the environment accelerate's launcher gives the ranks
+    (``toolkit.launch.check``, as ``toolkit train`` does before it launches); FSDP sharding with TP, refused once the
+    rank's Accelerator is made, by a real 4-rank launch."""
+    config, world, model = os.path.join(CONFIGS, "tp.yaml"), 2, tiny_llama
     if case == "no_plan":
         model, words = tiny_model, "parallelism_config_tp_size: a gpt2 model has no tensor-parallel plan"
     elif case == "uneven_heads":  # the tiny Llama has 4 heads and 2 KV heads
-        world, extra = 3, ("--parallelism_config_tp_size", "3")
+        spec = yaml.safe_load(open(config))
+        spec["parallelism_config"]["parallelism_config_tp_size"] = world = 3  # what --parallelism_config_tp_size 3 sets
+        config = str(tmp_path / "tp3.yaml")
+        yaml.safe_dump(spec, open(config, "w"))
         words = ("parallelism_config_tp_size: tp_size 3 does not divide this llama model's heads "
                  "(num_attention_heads 4, num_key_value_heads 2)")
     else:
-        spec = yaml.safe_load(open(os.path.join(CONFIGS, "tp.yaml")))
+        spec = yaml.safe_load(open(config))
         spec["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
         spec["num_processes"] = world = 4
         config = str(tmp_path / "dp_shard_tp.yaml")
@@ -143,7 +153,12 @@ def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data,
         words = "parallelism_config_tp_size: tensor parallelism (tp_size 2) with data parallelism"
     cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": model,
            "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2}
-    proc = launch(args_from({k: v for k, v in cfg.items() if v is not None}), num_processes=world, config=config,
-                  check=False, launcher_args=extra)
-    assert proc.returncode == 1 and f"config error: {words}" in proc.stderr, proc.stderr[-3000:]
+    argv = args_from({k: v for k, v in cfg.items() if v is not None})
+    if case == "dp_shard_x_tp":
+        proc = launch(argv, num_processes=world, config=config, check=False)
+        assert proc.returncode == 1 and f"config error: {words}" in proc.stderr, proc.stderr[-3000:]
+    else:
+        with pytest.raises(ConfigError) as refused:
+            toolkit_launch.check("causal-lm", config, world, argv)
+        assert f"config error: {refused.value}".startswith(f"config error: {words}")
     assert not os.path.exists(tmp_path / "out" / "final")

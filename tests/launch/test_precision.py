@@ -9,7 +9,10 @@ transformers 5 loads a checkpoint in the dtype it was stored in, and most Hub re
 import os
 
 import pytest
-from helpers import Runs, args_from, launch, load_weights, max_abs_diff
+from helpers import CONFIGS, Runs, args_from, launch, load_weights, max_abs_diff
+
+from toolkit import launch as toolkit_launch
+from toolkit.errors import ConfigError
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, max_grad_norm=0,
@@ -60,20 +63,20 @@ def test_torch_dtype_auto_keeps_the_stored_dtype(tmp_path, stored, padded_data):
     assert _dtypes(str(out / "final")) == {"BF16"}
 
 
-@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
 def test_fp16_on_a_cpu_is_refused(tmp_path, tiny_model, padded_data):
-    """accelerate would run fp16 on a CPU as plain fp32, exit 0: refused before the weights load."""
+    """accelerate would run fp16 on a CPU as plain fp32, exit 0: refused before the weights load. Checked in this
+    process, in the environment ``accelerate launch --mixed_precision fp16`` gives 2 DDP ranks (``toolkit.launch.check``:
+    the checks a rank runs before its Accelerator, ``distributed.check_launch``, and before its weights)."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-    proc = launch(args_from(cfg), check=False, launcher_args=("--mixed_precision", "fp16"))
-    assert proc.returncode != 0, proc.stderr[-2000:]  # each rank exits 2; the launcher reports 1
-    assert "config error: mixed_precision: fp16 needs a GPU" in proc.stderr
-    assert "Loading weights" not in proc.stdout + proc.stderr and not os.path.exists(tmp_path / "out" / "final")
+    with pytest.raises(ConfigError) as refused:
+        toolkit_launch.check("causal-lm", os.path.join(CONFIGS, "ddp.yaml"), 2, args_from(cfg), mixed_precision="fp16")
+    assert f"config error: {refused.value}".startswith("config error: mixed_precision: fp16 needs a GPU")
+    assert not os.path.exists(tmp_path / "out" / "final")
 
 
 def _with_mixed_precision(folder, config: str, precision: str) -> str:
     import yaml
-    from helpers import CONFIGS
 
     data = yaml.safe_load(open(os.path.join(CONFIGS, config)))
     data["mixed_precision"] = precision

@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 from helpers import (
+    CONFIGS,
     ROOT,
     Runs,
     args_from,
@@ -33,6 +34,9 @@ from helpers import (
     max_abs_diff,
     read_probes,
 )
+
+from toolkit import launch as toolkit_launch
+from toolkit.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +80,14 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
 
 
 def test_sft_refuses_wrapped_packing_before_any_weights_load(tmp_path, tiny_model, chats):
-    """packing: true packs whole chats (bfd, below); wrapped would let a chat attend to the one before it."""
-    proc = launch(args_from({**SGD, **chats, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "p"),
-                             "packing": True, "packing_strategy": "wrapped"}), num_processes=1, script=SFT, check=False)
-    assert proc.returncode == 2 and "packing_strategy: chat SFT packs whole chats only" in proc.stderr
+    """packing: true packs whole chats (bfd, below); wrapped would let a chat attend to the one before it. Checked in
+    this process: what recipes/sft.py checks before its weights load (``toolkit.launch.check``, as ``toolkit train``
+    does; a recipe's config error as one line and exit 2: tests/launch/test_launcher_errors.py, test_battery.py)."""
+    with pytest.raises(ConfigError) as refused:
+        toolkit_launch.check("chat-sft", os.path.join(CONFIGS, "ddp.yaml"), 1, args_from(
+            {**SGD, **chats, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "p"), "packing": True,
+             "packing_strategy": "wrapped"}))
+    assert str(refused.value).startswith("packing_strategy: chat SFT packs whole chats only")
     assert not os.path.exists(tmp_path / "p")
 
 

@@ -9,6 +9,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,13 +52,16 @@ SIGKILL = {"max_steps": 9, "save_steps": 1, "save_total_limit": 2}
 SIGKILL_CONFIGS = ["ddp.yaml", "zero3.yaml", "fsdp.yaml"]
 NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at lr 1e20 blows the weights up
 SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
+OVERWRITTEN = {"max_steps": 2, "save_steps": 1}  # the earlier run of the overwrite test, one process x 8
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
-    """Planned (conftest's run_pool): they join the session's 2-rank DDP launch."""
+    """Planned (conftest's run_pool): they join the session's 2-rank DDP launch, and the overwrite test's earlier run
+    the one-process launch (run beside tests/unit)."""
     r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False)
     r.plan("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED, probe=False)
+    r.plan("overwritten", None, 1, 8, 1, OVERWRITTEN, probe=False)
     return {"runs": r}
 
 
@@ -190,14 +194,15 @@ def _tree(folder: str) -> dict:
 
 
 @pytest.mark.slow
-def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(tmp_path, tiny_model, padded_data):
+def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(runs, tmp_path, tiny_model, padded_data):
     """overwrite_output_dir once left the earlier run's checkpoints/ and latest in place (a new run that died before
     its first save then "resumed" the old one): they are moved to replaced-<time>/, byte for byte. A killed save's
-    leftovers (step-N.tmp, final.tmp) are removed, and final/ appears only complete (written as final.tmp, renamed)."""
+    leftovers (step-N.tmp, final.tmp) are removed, and final/ appears only complete (written as final.tmp, renamed).
+    The earlier run is planned (one process, in the pool's one-process launch) and copied here."""
     out = tmp_path / "run"
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "max_steps": 2, "save_steps": 1,
+    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **OVERWRITTEN,
            "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "output_dir": str(out)}
-    launch(args_from(cfg), num_processes=1)
+    shutil.copytree(runs.get("overwritten", None, 1, 8, 1, OVERWRITTEN), out)
     earlier = _tree(str(out))
     assert "checkpoints/step-2/toolkit_state.json" in earlier and "final/model.safetensors" in earlier
     (out / "checkpoints" / "step-3.tmp").mkdir()  # what a save killed mid-way leaves

