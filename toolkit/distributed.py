@@ -178,6 +178,8 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     _check_mixed_precision(mixed_precision)
     _check_skip_nonfinite(args, launched_strategy())
     _check_parallel_sizes()
+    if launched_parallel_sizes():
+        _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
     _check_pipeline_launch(args, launched_strategy())
 
 
@@ -489,19 +491,24 @@ def tensor_parallel_size(accelerator: Accelerator) -> int:
 def check_parallelism(accelerator: Accelerator) -> None:
     """Refuse, before the weights load, the ParallelismConfig combinations these versions cannot run."""
     config = getattr(accelerator, "parallelism_config", None)
-    if config is None:
-        return
-    if config.tp_size > 1 and config.dp_shard_size * config.dp_replicate_size > 1:
+    if config is not None:
+        _refuse_parallel_sizes(config.tp_size, config.dp_shard_size, config.dp_replicate_size, config.cp_size)
+
+
+def _refuse_parallel_sizes(tp: int, dp_shard: int, dp_replicate: int, cp: int) -> None:
+    """What ``check_parallelism`` refuses, from the sizes alone: also checked from the launch's environment
+    (``check_launch``), so ``toolkit train`` refuses it before it launches."""
+    if tp > 1 and dp_shard * dp_replicate > 1:
         # accelerate 1.16's _prepare_tp imports ReplicateParallel from transformers.integrations.tensor_parallel,
         # which transformers 5.24 no longer has (measured: ImportError); via transformers' own DistributedConfig the
         # TP mesh refuses a world larger than tp_size ("The parallel mesh requires 2 processes, but world_size is 4").
-        raise ConfigError("parallelism_config_tp_size", f"tensor parallelism (tp_size {config.tp_size}) with data "
-                                                        f"parallelism (dp_shard_size {config.dp_shard_size}, "
-                                                        f"dp_replicate_size {config.dp_replicate_size}): dp_shard x tp "
+        raise ConfigError("parallelism_config_tp_size", f"tensor parallelism (tp_size {tp}) with data "
+                                                        f"parallelism (dp_shard_size {dp_shard}, "
+                                                        f"dp_replicate_size {dp_replicate}): dp_shard x tp "
                                                         "fails with accelerate 1.16 + transformers 5.24 (ImportError: "
                                                         "ReplicateParallel) and dp_replicate x tp is untested here; "
                                                         "use tp alone (tp.yaml), or HSDP/FSDP without tp")
-    if config.cp_size > 1:
+    if cp > 1:
         raise ConfigError("parallelism_config_cp_size", "context parallelism is not supported by the toolkit yet")
 
 
