@@ -62,15 +62,20 @@ def _size(modules) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
+def _check_layers(stages: int, layers: int | None) -> None:
+    """Every stage holds at least one whole decoder layer (``cut``; from a model's config before its weights load)."""
+    if layers is not None and layers < stages:
+        raise ConfigError("pipeline_parallel_size", f"{stages} stages need at least {stages} decoder layers; the model "
+                                                    f"has {layers}: lower pipeline_parallel_size or "
+                                                    "pipeline_stages_per_rank")
+
+
 def cut(model, stages: int) -> list[range]:
     """Whole decoder layers per stage, balanced by parameters (the embedding counts on the first stage, the final
     norm and the head on the last; a tied head counts too: it is a copy there). Greedy: each stage closes when the
     running sum reaches its share of the total. Every stage gets at least one layer."""
     embed, layers, final = _parts(model, family(model))
-    if len(layers) < stages:
-        raise ConfigError("pipeline_parallel_size", f"{stages} stages need at least {stages} decoder layers; the model "
-                                                    f"has {len(layers)}: lower pipeline_parallel_size or "
-                                                    "pipeline_stages_per_rank")
+    _check_layers(stages, len(layers))
     weights = [_size(embed) + _size([layers[0]])] + [_size([m]) for m in layers[1:]]
     weights[-1] += sum(p.numel() for m in final for p in m.parameters())  # counted even when tied
     total, bounds, running, start = sum(weights), [], 0, 0
@@ -401,6 +406,8 @@ def check_run(cfg, task, model_config) -> None:
     own process): a pipeline run's task, LoRA and architecture, from the config alone."""
     if cfg.train.pipeline_parallel_size > 1:
         _check(cfg.model.use_peft, task, model_config)
+        _check_layers(cfg.train.pipeline_parallel_size * cfg.train.pipeline_stages_per_rank,
+                      getattr(model_config, "num_hidden_layers", None))
 
 
 def _check(peft: bool, task, model_config) -> None:

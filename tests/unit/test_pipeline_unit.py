@@ -133,7 +133,9 @@ def test_a_zero_checkpoint_is_refused_under_a_pipeline_naming_its_launch():
 
 @pytest.mark.parametrize("task_name, extra, field", [
     ("classify", {}, "pipeline_parallel_size"), ("dpo", {}, "pipeline_parallel_size"),
-    ("gpt2", {"use_peft": True}, "use_peft")])
+    ("gpt2", {"use_peft": True}, "use_peft"),
+    # more stages (2 ranks x 2 stages each) than the tiny GPT-2's 2 decoder layers: the cut's refusal, from the config
+    ("gpt2", {"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2}, "pipeline_parallel_size")])
 def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(tiny_model, padded_data, tmp_path,
                                                                               task_name, extra, field):
     """A recipe's run under a pipeline: its task and LoRA are refused by ``build.check_inputs`` (which ``toolkit
@@ -151,6 +153,8 @@ def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(ti
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg, task)
     assert e.value.field_name == field and "pipeline" in str(e.value)
+    if "pipeline_stages_per_rank" in extra:
+        assert "4 stages need at least 4 decoder layers; the model has 2" in str(e.value)
 
 
 def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
@@ -198,6 +202,26 @@ def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world,
     with pytest.raises(ConfigError) as e:
         _check_pipeline_launch(args, launched_strategy())
     assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
+
+
+def test_fp16_under_a_pipeline_refused_before_the_launch(monkeypatch):
+    """fp16's loss scaling is refused by ``check_launch`` (``toolkit train`` runs it before launching, every rank
+    before its data and weights load), not by the stages' build after them; on a GPU host as on this CPU one."""
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import check_launch
+    from toolkit.errors import ConfigError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    for asked in ({"mixed_precision": "fp16"}, {}):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+        with pytest.raises(ConfigError) as e:
+            check_launch(args, **asked)
+        assert e.value.field_name == "mixed_precision" and "pipeline parallelism" in str(e.value)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    check_launch(args)  # bf16 runs under a pipeline (autocast around the schedule)
 
 
 def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama, capsys):
