@@ -18,7 +18,8 @@ whose loss is each micro-batch's summed token loss / the target tokens of the WH
     then the same clip on every rank.
 
 Padded rows: the attention mask travels with each micro-batch to every stage (a keyword argument of the stage
-forward), and each stage builds the causal mask from it as the model does. Padding-free packing is refused.
+forward), and each stage builds each layer's mask from it as the model does (causal, or a sliding window:
+Mistral's, Qwen2's sliding layers). Padding-free packing is refused.
 Every micro-batch of a step is padded to the step's longest row; the stages are set up once per row length seen.
 """
 
@@ -99,6 +100,16 @@ def stage_parameters(model, stages: int) -> list[int]:
     return held
 
 
+def _attention_types(config) -> list[str]:
+    """Each decoder layer's attention, as the model's own forward picks its mask: Qwen2's ``layer_types``; Mistral's
+    sliding window on every layer when ``sliding_window`` is set; full causal attention otherwise (Llama, GPT-2)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    return ["sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"] * n
+
+
 class Stage(nn.Module):
     """One stage: forward(ids or hidden states, attention_mask) -> hidden states (the last stage: logits)."""
 
@@ -111,10 +122,18 @@ class Stage(nn.Module):
         self.final = nn.ModuleList(final if last else [])
         # rotary embeddings hold buffers only (no parameters): every Llama stage computes its own
         self.rotary = model.model.rotary_emb if kind == "llama" else None
+        self.attention_types = [_attention_types(model.config)[i] for i in layers]
+
+    def _masks(self, h: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        """The mask each attention type of this stage's layers takes, as the whole model builds them (a sliding
+        window's too: Mistral's, Qwen2's sliding layers)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
+                                  position_ids=positions) for kind in set(self.attention_types)}
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         if self.first:
             h = self.embed[0](x)
@@ -122,15 +141,15 @@ class Stage(nn.Module):
                 h = self.embed[2](h + self.embed[1](positions))
         else:
             h = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
-                                  position_ids=positions)
+        masks = self._masks(h, attention_mask, positions)
         if self.kind == "llama":
             rope = self.rotary(h, position_ids=positions)
-            for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions, use_cache=False)
+            for layer, kind in zip(self.layers, self.attention_types):
+                h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=positions,
+                          use_cache=False)
         else:
             for layer in self.layers:
-                h = layer(h, None, mask, use_cache=False, position_ids=positions)
+                h = layer(h, None, masks["full_attention"], use_cache=False, position_ids=positions)
         h = h[0] if isinstance(h, tuple) else h
         for module in self.final:
             h = module(h)

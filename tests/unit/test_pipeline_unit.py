@@ -34,6 +34,30 @@ def test_stages_chained_give_the_whole_models_logits_on_padded_rows(fixture, req
     assert (staged[real] - whole[real]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_stages_keep_a_sliding_window_as_the_whole_model_does(kind):
+    """Mistral's sliding window (every layer) and Qwen2's sliding layers (``layer_types``): each stage builds the mask
+    each of its layers takes, so rows longer than the window give the whole model's logits; 3 layers cut into 2
+    stages and into 3 (a count the stages do not divide, and one layer each)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from toolkit.pipeline import cut
+
+    small = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                 num_hidden_layers=3, sliding_window=4)
+    torch.manual_seed(0)
+    model = (MistralForCausalLM(MistralConfig(**small)) if kind == "mistral" else
+             Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, max_window_layers=1))).eval()
+    ids = torch.randint(0, 50, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        for stages in (2, 3):
+            assert (_chained(model, cut(model, stages), ids, mask)[real] - whole[real]).abs().max() < 1e-5
+
+
 def test_cut_balances_whole_layers_by_parameters(tiny_llama):
     """Whole layers, every stage at least one, the embedding counted on the first stage and the head on the last;
     more stages than layers is refused naming the field."""
