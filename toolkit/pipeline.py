@@ -20,7 +20,7 @@ whose loss is each micro-batch's summed token loss / the target tokens of the WH
 Padded rows: the attention mask travels with each micro-batch to every stage (a keyword argument of the stage
 forward), and each stage builds each layer's mask from it as the model does (causal, or a sliding window:
 Mistral's, Qwen2's sliding layers). Padding-free packing is refused.
-Every micro-batch of a step is padded to the step's longest row; the stages are set up once per row length seen.
+Every micro-batch of a step is padded to the step's longest row; the stages are set up anew when that length changes.
 """
 
 from __future__ import annotations
@@ -217,9 +217,13 @@ class PipelineModel(nn.Module):
 
     def _schedule(self, length: int):
         """The stages and schedule for rows of ``length`` tokens (torch infers the shapes sent between stages once
-        per stage object)."""
+        per stage object). Only the current length's are held: each stage object keeps its micro-batches' receive
+        buffers, so padded rows of many lengths would hold one set of activations per length seen (a new length costs
+        one shape inference: the stages' forward on the meta device, and its shapes sent on)."""
         if length not in self._schedules:
             from torch.distributed import pipelining
+
+            self._schedules.clear()
 
             stages = [pipelining.PipelineStage(module, s, self.n_stages, self.device, group=self.pp_group)
                       for module, s in zip(self.stage_modules, self.stage_ids)]

@@ -281,3 +281,44 @@ def test_padding_free_packing_and_streaming_refused_under_a_pipeline(tiny_model,
         config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
                           "pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
     assert e.value.field_name == field and "pipeline parallelism" in str(e.value)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone (torch's pipeline stages need one), gone after the test."""
+    import torch.distributed as dist
+    from helpers import free_port
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_stages_hold_one_row_length_at_a_time(one_rank_group, tiny_llama):
+    """Each row length a step is padded to sets the stages up anew (torch infers the shapes sent between stages once
+    per stage object, and each keeps its micro-batches' receive buffers): only the current length's stages are held,
+    or padded rows of many lengths pile up one set of activation buffers per length seen. Two stages on one rank
+    (interleaved), steps of three lengths: each step's loss is still the whole model's."""
+    from toolkit.loss import token_losses
+    from toolkit.pipeline import PipelineModel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    whole = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    staged = PipelineModel(model, one_rank_group, "interleaved_1f1b", 2, 2)
+    torch.manual_seed(0)
+    for length in (7, 12, 9):
+        ids = torch.randint(0, model.config.vocab_size, (4, length))
+        mask = torch.ones_like(ids)
+        mask[1, length - 3:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        micro = [{"input_ids": ids[i:i + 2], "attention_mask": mask[i:i + 2], "labels": labels[i:i + 2]}
+                 for i in (0, 2)]
+        loss = staged.forward_backward(micro, (labels[:, 1:] != -100).sum())
+        with torch.no_grad():
+            expected = token_losses(whole(input_ids=ids, attention_mask=mask).logits, labels)[0].sum()
+        assert abs(float(loss) - float(expected)) <= 1e-5 * float(expected)
+        assert list(staged._schedules) == [length]
