@@ -175,6 +175,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     """The recipe's fields against the launch this process is in (its environment, as ``accelerate launch`` set it):
     what ``make_accelerator`` refuses before the process group, and ``toolkit train`` before it launches."""
     _check_accumulation_env(args)
+    _check_pipeline_precision(args, mixed_precision)  # before the CPU's fp16 line: a GPU host's too
     _check_mixed_precision(mixed_precision)
     _check_skip_nonfinite(args, launched_strategy())
     _check_parallel_sizes()
@@ -227,6 +228,14 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
             f"{accelerator.gradient_accumulation_steps}; remove the value from the accelerate config",
         )
     return accelerator
+
+
+def _check_pipeline_precision(args: TrainingArguments, asked: str | None) -> None:
+    # the stages' schedule has no loss scaler (toolkit.pipeline.build refuses it too, for an Accelerator made elsewhere)
+    asked = asked or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if args.pipeline_parallel_size > 1 and asked == "fp16":
+        raise ConfigError("mixed_precision", "fp16 loss scaling is not supported under pipeline parallelism: use bf16 "
+                                             "or no mixed precision")
 
 
 def _check_pipeline_launch(args: TrainingArguments, strategy: str) -> None:

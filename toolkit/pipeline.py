@@ -18,8 +18,9 @@ whose loss is each micro-batch's summed token loss / the target tokens of the WH
     then the same clip on every rank.
 
 Padded rows: the attention mask travels with each micro-batch to every stage (a keyword argument of the stage
-forward), and each stage builds the causal mask from it as the model does. Padding-free packing is refused.
-Every micro-batch of a step is padded to the step's longest row; the stages are set up once per row length seen.
+forward), and each stage builds each layer's mask from it as the model does (causal, or a sliding window:
+Mistral's, Qwen2's sliding layers). Padding-free packing is refused.
+Every micro-batch of a step is padded to the step's longest row; the stages are set up anew when that length changes.
 """
 
 from __future__ import annotations
@@ -62,15 +63,20 @@ def _size(modules) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
+def _check_layers(stages: int, layers: int | None) -> None:
+    """Every stage holds at least one whole decoder layer (``cut``; from a model's config before its weights load)."""
+    if layers is not None and layers < stages:
+        raise ConfigError("pipeline_parallel_size", f"{stages} stages need at least {stages} decoder layers; the model "
+                                                    f"has {layers}: lower pipeline_parallel_size or "
+                                                    "pipeline_stages_per_rank")
+
+
 def cut(model, stages: int) -> list[range]:
     """Whole decoder layers per stage, balanced by parameters (the embedding counts on the first stage, the final
     norm and the head on the last; a tied head counts too: it is a copy there). Greedy: each stage closes when the
     running sum reaches its share of the total. Every stage gets at least one layer."""
     embed, layers, final = _parts(model, family(model))
-    if len(layers) < stages:
-        raise ConfigError("pipeline_parallel_size", f"{stages} stages need at least {stages} decoder layers; the model "
-                                                    f"has {len(layers)}: lower pipeline_parallel_size or "
-                                                    "pipeline_stages_per_rank")
+    _check_layers(stages, len(layers))
     weights = [_size(embed) + _size([layers[0]])] + [_size([m]) for m in layers[1:]]
     weights[-1] += sum(p.numel() for m in final for p in m.parameters())  # counted even when tied
     total, bounds, running, start = sum(weights), [], 0, 0
@@ -94,6 +100,16 @@ def stage_parameters(model, stages: int) -> list[int]:
     return held
 
 
+def _attention_types(config) -> list[str]:
+    """Each decoder layer's attention, as the model's own forward picks its mask: Qwen2's ``layer_types``; Mistral's
+    sliding window on every layer when ``sliding_window`` is set; full causal attention otherwise (Llama, GPT-2)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    return ["sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"] * n
+
+
 class Stage(nn.Module):
     """One stage: forward(ids or hidden states, attention_mask) -> hidden states (the last stage: logits)."""
 
@@ -106,10 +122,18 @@ class Stage(nn.Module):
         self.final = nn.ModuleList(final if last else [])
         # rotary embeddings hold buffers only (no parameters): every Llama stage computes its own
         self.rotary = model.model.rotary_emb if kind == "llama" else None
+        self.attention_types = [_attention_types(model.config)[i] for i in layers]
+
+    def _masks(self, h: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        """The mask each attention type of this stage's layers takes, as the whole model builds them (a sliding
+        window's too: Mistral's, Qwen2's sliding layers)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
+                                  position_ids=positions) for kind in set(self.attention_types)}
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         if self.first:
             h = self.embed[0](x)
@@ -117,15 +141,15 @@ class Stage(nn.Module):
                 h = self.embed[2](h + self.embed[1](positions))
         else:
             h = x
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask, cache=None,
-                                  position_ids=positions)
+        masks = self._masks(h, attention_mask, positions)
         if self.kind == "llama":
             rope = self.rotary(h, position_ids=positions)
-            for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions, use_cache=False)
+            for layer, kind in zip(self.layers, self.attention_types):
+                h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=positions,
+                          use_cache=False)
         else:
             for layer in self.layers:
-                h = layer(h, None, mask, use_cache=False, position_ids=positions)
+                h = layer(h, None, masks["full_attention"], use_cache=False, position_ids=positions)
         h = h[0] if isinstance(h, tuple) else h
         for module in self.final:
             h = module(h)
@@ -193,9 +217,13 @@ class PipelineModel(nn.Module):
 
     def _schedule(self, length: int):
         """The stages and schedule for rows of ``length`` tokens (torch infers the shapes sent between stages once
-        per stage object)."""
+        per stage object). Only the current length's are held: each stage object keeps its micro-batches' receive
+        buffers, so padded rows of many lengths would hold one set of activations per length seen (a new length costs
+        one shape inference: the stages' forward on the meta device, and its shapes sent on)."""
         if length not in self._schedules:
             from torch.distributed import pipelining
+
+            self._schedules.clear()
 
             stages = [pipelining.PipelineStage(module, s, self.n_stages, self.device, group=self.pp_group)
                       for module, s in zip(self.stage_modules, self.stage_ids)]
@@ -401,6 +429,8 @@ def check_run(cfg, task, model_config) -> None:
     own process): a pipeline run's task, LoRA and architecture, from the config alone."""
     if cfg.train.pipeline_parallel_size > 1:
         _check(cfg.model.use_peft, task, model_config)
+        _check_layers(cfg.train.pipeline_parallel_size * cfg.train.pipeline_stages_per_rank,
+                      getattr(model_config, "num_hidden_layers", None))
 
 
 def _check(peft: bool, task, model_config) -> None:

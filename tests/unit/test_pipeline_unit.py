@@ -34,6 +34,30 @@ def test_stages_chained_give_the_whole_models_logits_on_padded_rows(fixture, req
     assert (staged[real] - whole[real]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_stages_keep_a_sliding_window_as_the_whole_model_does(kind):
+    """Mistral's sliding window (every layer) and Qwen2's sliding layers (``layer_types``): each stage builds the mask
+    each of its layers takes, so rows longer than the window give the whole model's logits; 3 layers cut into 2
+    stages and into 3 (a count the stages do not divide, and one layer each)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from toolkit.pipeline import cut
+
+    small = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                 num_hidden_layers=3, sliding_window=4)
+    torch.manual_seed(0)
+    model = (MistralForCausalLM(MistralConfig(**small)) if kind == "mistral" else
+             Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, max_window_layers=1))).eval()
+    ids = torch.randint(0, 50, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask).logits
+        for stages in (2, 3):
+            assert (_chained(model, cut(model, stages), ids, mask)[real] - whole[real]).abs().max() < 1e-5
+
+
 def test_cut_balances_whole_layers_by_parameters(tiny_llama):
     """Whole layers, every stage at least one, the embedding counted on the first stage and the head on the last;
     more stages than layers is refused naming the field."""
@@ -133,7 +157,9 @@ def test_a_zero_checkpoint_is_refused_under_a_pipeline_naming_its_launch():
 
 @pytest.mark.parametrize("task_name, extra, field", [
     ("classify", {}, "pipeline_parallel_size"), ("dpo", {}, "pipeline_parallel_size"),
-    ("gpt2", {"use_peft": True}, "use_peft")])
+    ("gpt2", {"use_peft": True}, "use_peft"),
+    # more stages (2 ranks x 2 stages each) than the tiny GPT-2's 2 decoder layers: the cut's refusal, from the config
+    ("gpt2", {"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2}, "pipeline_parallel_size")])
 def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(tiny_model, padded_data, tmp_path,
                                                                               task_name, extra, field):
     """A recipe's run under a pipeline: its task and LoRA are refused by ``build.check_inputs`` (which ``toolkit
@@ -151,6 +177,8 @@ def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(ti
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg, task)
     assert e.value.field_name == field and "pipeline" in str(e.value)
+    if "pipeline_stages_per_rank" in extra:
+        assert "4 stages need at least 4 decoder layers; the model has 2" in str(e.value)
 
 
 def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
@@ -200,6 +228,26 @@ def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world,
     assert e.value.field_name == "pipeline_parallel_size" and message in str(e.value)
 
 
+def test_fp16_under_a_pipeline_refused_before_the_launch(monkeypatch):
+    """fp16's loss scaling is refused by ``check_launch`` (``toolkit train`` runs it before launching, every rank
+    before its data and weights load), not by the stages' build after them; on a GPU host as on this CPU one."""
+    from toolkit.config import TrainingArguments
+    from toolkit.distributed import check_launch
+    from toolkit.errors import ConfigError
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = TrainingArguments(output_dir="unused", pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    for asked in ({"mixed_precision": "fp16"}, {}):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+        with pytest.raises(ConfigError) as e:
+            check_launch(args, **asked)
+        assert e.value.field_name == "mixed_precision" and "pipeline parallelism" in str(e.value)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    check_launch(args)  # bf16 runs under a pipeline (autocast around the schedule)
+
+
 def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama, capsys):
     """``toolkit plan --pipeline-parallel-size``: the stages' parameters are the cut's (adding up to the model's, the
     head once more where tied), GPipe keeps m micro-batches in flight and 1F1B at most P - i, so 1F1B is never
@@ -233,3 +281,44 @@ def test_padding_free_packing_and_streaming_refused_under_a_pipeline(tiny_model,
         config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
                           "pipeline_parallel_size": 2, "gradient_accumulation_steps": 4, **fields})
     assert e.value.field_name == field and "pipeline parallelism" in str(e.value)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone (torch's pipeline stages need one), gone after the test."""
+    import torch.distributed as dist
+    from helpers import free_port
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_stages_hold_one_row_length_at_a_time(one_rank_group, tiny_llama):
+    """Each row length a step is padded to sets the stages up anew (torch infers the shapes sent between stages once
+    per stage object, and each keeps its micro-batches' receive buffers): only the current length's stages are held,
+    or padded rows of many lengths pile up one set of activation buffers per length seen. Two stages on one rank
+    (interleaved), steps of three lengths: each step's loss is still the whole model's."""
+    from toolkit.loss import token_losses
+    from toolkit.pipeline import PipelineModel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    whole = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    staged = PipelineModel(model, one_rank_group, "interleaved_1f1b", 2, 2)
+    torch.manual_seed(0)
+    for length in (7, 12, 9):
+        ids = torch.randint(0, model.config.vocab_size, (4, length))
+        mask = torch.ones_like(ids)
+        mask[1, length - 3:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        micro = [{"input_ids": ids[i:i + 2], "attention_mask": mask[i:i + 2], "labels": labels[i:i + 2]}
+                 for i in (0, 2)]
+        loss = staged.forward_backward(micro, (labels[:, 1:] != -100).sum())
+        with torch.no_grad():
+            expected = token_losses(whole(input_ids=ids, attention_mask=mask).logits, labels)[0].sum()
+        assert abs(float(loss) - float(expected)) <= 1e-5 * float(expected)
+        assert list(staged._schedules) == [length]
