@@ -112,7 +112,9 @@ if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
 fi
 if python -c "import sys, torch, importlib.util; sys.exit(not (torch.cuda.is_available() and importlib.util.find_spec('bitsandbytes')))"; then
   python -m toolkit.offline smollm2 "$WORK/smollm2" >/dev/null
-  python -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 \
+  # every visible GPU: the 4-bit base sharded across them (bf16 storage, so FSDP2 can shard it: docs/memory.md)
+  GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+  python -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes "$GPUS" \
     recipes/gpt2.py --model_name_or_path "$WORK/smollm2" --dataset_name pydoc --block_size 1024 \
     --use_peft true --lora_r 16 --lora_target_modules all-linear --load_in_4bit true --use_bnb_nested_quant true \
     --torch_dtype bfloat16 --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 \
