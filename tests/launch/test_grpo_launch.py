@@ -1,7 +1,8 @@
 """recipes/grpo.py launched: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 completions
 (SGD, 1e-6) under DDP, ZeRO-2, ZeRO-3 and FSDP2, sampling included (the same rewards at every step); with beta > 0 (a live
 reference sharded like the policy) and num_iterations 2 under ZeRO-3; with LoRA (the adapter disabled as the
-reference) under DDP; and a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends. Every
+reference) under DDP; a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends, and one
+under ZeRO-3 from a step whose next step reuses a batch (num_iterations 2) too. Every
 run joins the shared launch of its config and world size (helpers.Runs.plan): no launch of its own."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _grpo(tiny_model) -> dict:
 
 
 def _kl(tiny_model) -> dict:
-    return {**_grpo(tiny_model), "beta": 0.04, "num_iterations": 2, "loss_type": "grpo", "max_steps": 4}
+    # a checkpoint every step: step-1's holds the batch step 1 reuses (kl_resumed starts there)
+    return {**_grpo(tiny_model), "beta": 0.04, "num_iterations": 2, "loss_type": "grpo", "save_steps": 1}
 
 
 def _lora(tiny_model) -> dict:
@@ -41,10 +43,14 @@ def plan_runs(pool, tmp_path_factory, tiny_model):
         r.plan(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg, recipe="grpo", probe=False)
     for strategy in STRATEGIES:
         r.plan(f"grpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _grpo(tiny_model), recipe="grpo", probe=False)
+    # 4 ranks x 1 x 2: every group of 4 completions spans the 4 ranks (joins test_pipeline's 4-rank FSDP2 launch)
+    r.plan("grpo_fsdp4", "fsdp.yaml", 4, 1, 2, _grpo(tiny_model), recipe="grpo", probe=False)
     r.plan("kl_zero3", "zero3.yaml", 2, 2, 2, _kl(tiny_model), recipe="grpo", probe=False)
     r.plan("lora_ddp", "ddp.yaml", 2, 2, 2, _lora(tiny_model), recipe="grpo", probe=False)
     r.plan("grpo_resumed", "ddp.yaml", 2, 2, 2, {**_grpo(tiny_model), "resume_from_checkpoint": "latest"},
            copy_from=("grpo_ddp", 2), recipe="grpo", probe=False)
+    r.plan("kl_resumed", "zero3.yaml", 2, 2, 2, {**_kl(tiny_model), "resume_from_checkpoint": "latest"},
+           copy_from=("kl_zero3", 1), recipe="grpo", probe=False)
     return {"runs": r}
 
 
@@ -70,10 +76,10 @@ def _final(run: str) -> dict:
     return load_weights(final)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "fsdp4"])
 def test_two_ranks_equal_one_process_sampling_included(runs, strategy, tiny_model):
-    """The same rewards at each step (the same completions drawn on 1 and 2 ranks, whichever rank and micro-batch a
-    completion lands on), the same final weights within 1e-6; the weights moved."""
+    """The same rewards at each step (the same completions drawn on 1 and 2 ranks, and on 4 under FSDP2, whichever
+    rank and micro-batch a completion lands on), the same final weights within 1e-6; the weights moved."""
     one, two = runs.get_planned("grpo_one"), runs.get_planned(f"grpo_{strategy}")
     assert _rewards(two) == pytest.approx(_rewards(one), abs=1e-6) and len(_rewards(one)) == 3
     assert len(set(_rewards(one))) == 3  # each step drew other completions
@@ -101,6 +107,17 @@ def test_resume_equals_the_straight_run(runs):
     straight, resumed = runs.get_planned("grpo_ddp"), runs.get_planned("grpo_resumed")
     assert _rewards(resumed)[-1] == _rewards(straight)[-1]
     assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
+
+
+def test_a_resume_at_a_reused_batch_is_bit_identical_under_zero3(runs):
+    """num_iterations 2 under ZeRO-3 with the live reference: resumed from step-1's checkpoint, whose next step trains
+    again on step 0's completions (held in the checkpoint, every rank's rows gathered), the run ends bit-identical to
+    the straight one, with the same rewards and the summary's reward_start the run's first (before: refused)."""
+    straight, resumed = runs.get_planned("kl_zero3"), runs.get_planned("kl_resumed")
+    assert len(_rewards(straight)) == 2 and _rewards(resumed) == _rewards(straight)[1:]  # generated at steps 0, 2
+    assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
+    summary = [json.load(open(os.path.join(run, "summary.json"))) for run in (straight, resumed)]
+    assert summary[1]["reward_start"] == summary[0]["reward_start"] and summary[1]["steps"] == 3
 
 
 @pytest.mark.slow
