@@ -337,27 +337,8 @@ def _values(tiny_model, tmp_path, **over) -> dict:
     return values
 
 
-def test_a_grpo_run_logs_trls_metrics_and_the_reward(tiny_model, tmp_path):
-    import json
-
-    from helpers import train_in_process
-
-    from toolkit.grpo import GRPO
-
-    summary = train_in_process(_values(tiny_model, tmp_path), task=GRPO())
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    logged = [r for r in rows if "reward" in r]
-    assert len(logged) == 2
-    for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/arithmetic_format/mean",
-                 "completions/mean_length", "completions/clipped_ratio", "entropy", "frac_reward_zero_std",
-                 "clip_ratio/region_mean", "time/generation_s", "time/training_s"):
-        assert name in logged[0], (name, sorted(logged[0]))
-    assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0
-    assert summary["reward_start"] == logged[0]["reward"] and summary["reward_end"] == logged[1]["reward"]
-
-
-def test_a_resume_before_a_reused_batch_is_exact(tiny_model, tmp_path, monkeypatch):
-    """num_iterations 2, beta > 0: the checkpoint after step 1, whose step 2 trains again on step 1's completions,
+def test_a_run_logs_trls_metrics_and_resumes_before_a_reused_batch_exactly(tiny_model, tmp_path, monkeypatch):
+    """A run logs TRL's metrics and summary.json its first and last mean reward. num_iterations 2, beta > 0: the checkpoint after step 1, whose step 2 trains again on step 1's completions,
     holds that batch (its completions, advantages, old and reference log-probs, which step 1's weights made and no
     checkpoint's weights can make again). A resume from it on another micro-batch split (2 x 4 instead of 4 x 2)
     ends where the uninterrupted run ends (1e-6), and its summary's reward_start and reward_end are the run's. Before,
@@ -370,9 +351,18 @@ def test_a_resume_before_a_reused_batch_is_exact(tiny_model, tmp_path, monkeypat
 
     monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
     values = _values(tiny_model, tmp_path, num_iterations=2, save_final_model=True, beta=0.04, loss_type="grpo",
-                     save_steps=1, reward_funcs=["grpo_rewards:vowels"])  # rewards a random model earns unequally
+                     save_steps=1, reward_funcs=["arithmetic_correct", "grpo_rewards:vowels"])  # vowels: unequal
     out = tmp_path / "run"
     straight = train_in_process(values, task=GRPO())
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    logged = [r for r in rows if "reward" in r]
+    assert len(logged) == 1 and logged[0]["step"] == 1  # step 2 reuses step 1's completions: nothing generated
+    for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/vowels/std", "kl", "entropy",
+                 "completions/mean_length", "completions/mean_terminated_length", "completions/clipped_ratio",
+                 "frac_reward_zero_std", "clip_ratio/region_mean", "time/generation_s", "time/training_s"):
+        assert name in logged[0], (name, sorted(logged[0]))
+    assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0 and rows[-1]["kl"] > 0
+    assert straight["reward_start"] == straight["reward_end"] == logged[0]["reward"]
     reference = load_weights(str(out / "final"))
     state = json.load(open(out / "checkpoints" / "step-1" / "toolkit_state.json"))["task"]
     assert state["batch"]["step"] == 0 and len(state["batch"]["rows"]) == 8
