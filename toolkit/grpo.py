@@ -93,7 +93,8 @@ class GRPO(CausalLM):
                                            f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
         refusals = {"packing": cfg.data.packing, "loss_chunk_size": args.loss_chunk_size,
                     "precompute_ref_log_probs": args.precompute_ref_log_probs,
-                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file}
+                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file,
+                    "eval_steps": args.eval_steps, "eval_on_start": args.eval_on_start}  # else silently no evaluation
         for field, value in refusals.items():
             if value:
                 raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "

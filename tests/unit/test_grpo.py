@@ -455,6 +455,8 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     ({"num_generations": 3}, "num_generations", "global batch of 8 completions"),
     ({"reward_funcs": ["no_such_module:f"]}, "reward_funcs", "cannot import 'no_such_module:f'"),
     ({"reward_funcs": ["arithmetic_correct"], "reward_weights": [1.0, 2.0]}, "reward_weights", "2 weights for 1"),
+    ({"eval_steps": 5}, "eval_steps", "there is no held-out evaluation"),  # before: accepted, nothing evaluated
+    ({"eval_on_start": True}, "eval_on_start", "there is no held-out evaluation"),
 ])
 def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, message):
     from toolkit.config import config_from_dict
