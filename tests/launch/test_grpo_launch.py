@@ -43,8 +43,10 @@ def plan_runs(pool, tmp_path_factory, tiny_model):
         r.plan(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg, recipe="grpo", probe=False)
     for strategy in STRATEGIES:
         r.plan(f"grpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _grpo(tiny_model), recipe="grpo", probe=False)
-    # 4 ranks x 1 x 2: every group of 4 completions spans the 4 ranks (joins test_pipeline's 4-rank FSDP2 launch)
-    r.plan("grpo_fsdp4", "fsdp.yaml", 4, 1, 2, _grpo(tiny_model), recipe="grpo", probe=False)
+    # 4 ranks x 1 x 2: every group of 4 completions spans the 4 ranks (joins test_pipeline's 4-rank FSDP2 launch);
+    # 2 steps, no checkpoint (against grpo_one's step-2 checkpoint)
+    r.plan("grpo_fsdp4", "fsdp.yaml", 4, 1, 2, {**_grpo(tiny_model), "max_steps": 2, "save_steps": 100},
+           recipe="grpo", probe=False)
     r.plan("kl_zero3", "zero3.yaml", 2, 2, 2, _kl(tiny_model), recipe="grpo", probe=False)
     r.plan("lora_ddp", "ddp.yaml", 2, 2, 2, _lora(tiny_model), recipe="grpo", probe=False)
     r.plan("grpo_resumed", "ddp.yaml", 2, 2, 2, {**_grpo(tiny_model), "resume_from_checkpoint": "latest"},
@@ -76,10 +78,19 @@ def _final(run: str) -> dict:
     return load_weights(final)
 
 
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "fsdp4"])
+def test_four_ranks_equal_one_process_sampling_included(runs):
+    """4 ranks x 1 x 2 under FSDP2 (each group of 4 completions drawn and scored on 4 ranks, its statistics
+    gathered): the rewards of one process's first 2 steps, and its weights at step 2 (its checkpoint) within 1e-6."""
+    one, four = runs.get_planned("grpo_one"), runs.get_planned("grpo_fsdp4")
+    assert _rewards(four) == pytest.approx(_rewards(one)[:2], abs=1e-6) and len(_rewards(four)) == 2
+    diff = max_abs_diff(load_weights(os.path.join(one, "checkpoints", "step-2")), _final(four))
+    assert diff <= 1e-6, diff
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_equal_one_process_sampling_included(runs, strategy, tiny_model):
-    """The same rewards at each step (the same completions drawn on 1 and 2 ranks, and on 4 under FSDP2, whichever
-    rank and micro-batch a completion lands on), the same final weights within 1e-6; the weights moved."""
+    """The same rewards at each step (the same completions drawn on 1 and 2 ranks, whichever rank and micro-batch a
+    completion lands on), the same final weights within 1e-6; the weights moved."""
     one, two = runs.get_planned("grpo_one"), runs.get_planned(f"grpo_{strategy}")
     assert _rewards(two) == pytest.approx(_rewards(one), abs=1e-6) and len(_rewards(one)) == 3
     assert len(set(_rewards(one))) == 3  # each step drew other completions
