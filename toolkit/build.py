@@ -95,10 +95,11 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     checkpointing, resume = cfg.train.gradient_checkpointing, None
     if accelerator is not None:  # checked here so that a run that cannot go on stops before the weights load
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
+        repeats = task.sample_repeats(cfg)  # GRPO: each prompt num_generations times, a completion per row
         if not cfg.data.streaming:
-            require_one_global_batch(len(lm["train"]), cfg.train.per_device_train_batch_size,
+            require_one_global_batch(len(lm["train"]) * repeats, cfg.train.per_device_train_batch_size,
                                      data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
-        resume = plan_resume(cfg, accelerator, lm["train"])  # refuses a resume that cannot continue; carried to train
+        resume = plan_resume(cfg, accelerator, lm["train"], repeats)  # refuses a resume that cannot go on; to train
     tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
     model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size,
                        device=accelerator.device if accelerator is not None else None)

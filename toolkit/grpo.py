@@ -20,12 +20,14 @@ A step (``step_batches``, the core's per-step hook, then the core's ``train_step
 
 The loss of each ``loss_type`` is TRL's (``toolkit.grpo_loss``), a row sum over the global batch's targets, so N ranks
 x micro b x accumulation k train as one process with N*b*k completions. ``num_iterations`` > 1: the next
-``num_iterations - 1`` optimizer steps reuse the batch (their own prompts are not used); a checkpoint must fall on a
-generation step (``save_steps`` a multiple of it).
+``num_iterations - 1`` optimizer steps reuse the batch (their own prompts are not used); a checkpoint between two
+generations holds the batch (``checkpoint_state``: its completions, advantages and old and reference log-probs, made
+by weights no checkpoint holds), so a resume at any step trains on what the straight run did.
 
 Metrics, named as TRL logs them: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length``, ``/min_length``, ``/max_length``, ``completions/clipped_ratio``,
-``entropy``, ``kl`` (beta > 0), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; and the step's time split,
+``completions/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``, ``entropy``, ``kl``
+(beta > 0), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; and the step's time split,
 ``time/generation_s`` and ``time/training_s`` (seconds per step; this rank's, the main process's logged), and
 ``completions/tokens_per_s`` (this rank's generated tokens over its generation time).
 """
@@ -35,18 +37,21 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
 from toolkit import data
 from toolkit.chat import set_chat_template
-from toolkit.config import GRPO_LOSS_TYPES
+from toolkit.config import GRPO_LOSS_TYPES, max_positions
 from toolkit.distributed import launched_parallel_sizes, launched_strategy
 from toolkit.errors import ConfigError
 from toolkit.grpo_loss import (
     clip_fractions,
+    combine_rewards,
     completion_logps,
     group_advantages,
+    nanstd,
     per_token_losses,
     row_losses_and_targets,
 )
@@ -72,6 +77,8 @@ class GRPO(CausalLM):
     def __init__(self):
         self.cfg, self.funcs, self.weights, self.reference = None, [], [], None
         self.cached, self.cached_step = None, None  # the generated batch num_iterations steps reuse
+        self.restored = None  # (step, {slot: row}): a checkpoint's generated batch, for a resume at a reuse step
+        self.reward_first, self.reward_last = None, None  # a resumed run's, from its checkpoint (summary.json)
         self.window = defaultdict(list)  # per-step metrics since the last log
         self.sums = defaultdict(float)  # masked token sums of the loss's metrics since the last log (this rank)
         self.rewards_seen: list[float] = []  # the mean reward of every generated batch, for the summary
@@ -86,7 +93,8 @@ class GRPO(CausalLM):
                                            f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
         refusals = {"packing": cfg.data.packing, "loss_chunk_size": args.loss_chunk_size,
                     "precompute_ref_log_probs": args.precompute_ref_log_probs,
-                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file}
+                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file,
+                    "eval_steps": args.eval_steps, "eval_on_start": args.eval_on_start}  # else silently no evaluation
         for field, value in refusals.items():
             if value:
                 raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "
@@ -101,9 +109,6 @@ class GRPO(CausalLM):
         if launched_parallel_sizes().get("tp", 1) > 1:
             raise ConfigError("tp_size", "GRPO generates with model.generate per data-parallel rank; tensor "
                                          "parallelism is not supported: launch without it")
-        if args.num_iterations > 1 and args.save_steps and args.save_steps % args.num_iterations:
-            raise ConfigError("save_steps", f"a checkpoint must fall on a generation step: make save_steps a "
-                                            f"multiple of num_iterations ({args.num_iterations})")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # the launch's ranks, before any process group
         batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         if batch % args.num_generations:
@@ -120,7 +125,9 @@ class GRPO(CausalLM):
         return cfg.train.num_generations
 
     def load_raw(self, args):
-        raw = data.load_splits(args, {ARITHMETIC: arithmetic_dataset})
+        # every prompt trains: there is no held-out evaluation, so none is split off (validation_split_percentage's
+        # 5% of a file's prompts were held out and never used)
+        raw = data.load_splits(replace(args, validation_split_percentage=0), {ARITHMETIC: arithmetic_dataset})
         if "prompt" not in raw["train"].column_names:
             raise ConfigError("dataset_name", f"GRPO reads a 'prompt' column (text or messages); the data has "
                                               f"{raw['train'].column_names}")
@@ -150,7 +157,24 @@ class GRPO(CausalLM):
                 ids.append(row[-keep:] if keep else row)  # TRL's left truncation: the prompt's end stays
             return {"input_ids": ids, INDEX: indices}
 
-        return {"train": raw["train"].map(encode, batched=True, with_indices=True, desc="tokenize prompts")}
+        train = raw["train"].map(encode, batched=True, with_indices=True, desc="tokenize prompts")
+        if self.cfg is not None:
+            self.check_lengths(train)
+        return {"train": train}
+
+    def configure_model(self, config, tokenizer) -> None:
+        self.positions = max_positions(config)  # a prompt and its completion must fit (``check_lengths``)
+
+    def check_lengths(self, prompts) -> None:
+        """The longest prompt (as kept) and a whole completion within the model's positions, before the weights
+        load: past them a position embedding's index fails mid-run."""
+        longest = max((len(ids) for ids in prompts["input_ids"]), default=0)
+        need = longest + self.cfg.train.max_completion_length
+        if getattr(self, "positions", None) and need > self.positions:
+            raise ConfigError("max_prompt_length", f"the longest prompt keeps {longest} tokens and a completion takes up "
+                                                   f"to max_completion_length {self.cfg.train.max_completion_length}: "
+                                                   f"{need} positions, more than the model's {self.positions}; lower "
+                                                   "max_prompt_length (or max_completion_length) to fit")
 
     def collator(self, tokenizer):
         return PromptCollator()
@@ -168,11 +192,14 @@ class GRPO(CausalLM):
         mu = self.cfg.train.num_iterations
         self._training_time()  # the previous step's training part, if not yet counted
         if step % mu:
+            if self.cached_step != step - step % mu and self.restored and self.restored[0] == step - step % mu:
+                self.cached, self.cached_step = self._rebuild(accelerator, micro_batches), self.restored[0]
+                self.restored = None
             if self.cached_step != step - step % mu:
-                raise ConfigError("resume_from_checkpoint", f"step {step} reuses the completions generated at step "
-                                                            f"{step - step % mu} (num_iterations {mu}), which a "
-                                                            "checkpoint does not hold: resume from a checkpoint at a "
-                                                            "multiple of num_iterations")
+                raise ConfigError("num_iterations", f"step {step} reuses the completions generated at step "
+                                                    f"{step - step % mu} (num_iterations {mu}), which the checkpoint "
+                                                    "does not hold (written with another num_iterations): resume "
+                                                    "with the checkpoint's num_iterations")
             self.window["time/generation_s"].append(0.0)
             self.generated_at = time.perf_counter()
             return self.cached
@@ -216,7 +243,7 @@ class GRPO(CausalLM):
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      synced_gpus=sharded)
-                out.append(self._completion_batch(batch, ids, mask, completions))
+                out.append({**self._completion_batch(batch, ids, mask, completions), "slots": slots})
                 local.append(self._score(batch, out[-1], slots))
         finally:
             generator.train(was_training)
@@ -252,27 +279,31 @@ class GRPO(CausalLM):
         flat = sorted(((slot, [f[i] for f in p[1]], p[3][i], p[4][i]) for rank in parts for p in rank
                        for i, slot in enumerate(p[0])), key=lambda x: x[0])
         per_func = torch.tensor([x[1] for x in flat], dtype=torch.float32)
-        rewards = (per_func * torch.tensor(self.weights).unsqueeze(0)).sum(1)
-        advantages, group_std = group_advantages(rewards, self.cfg.train.num_generations, self.cfg.train.scale_rewards)
+        rewards = combine_rewards(per_func, self.weights)
+        advantages, std = group_advantages(rewards, self.cfg.train.num_generations, self.cfg.train.scale_rewards)
         for batch, mine in zip(out, local):
             positions = torch.tensor(mine[0])
             batch["advantages"] = advantages[positions].to(batch["input_ids"].device)
-        self._generation_metrics(per_func, rewards, group_std, flat)
+        self._generation_metrics(per_func, rewards, std, flat)
 
-    def _generation_metrics(self, per_func, rewards, group_std, flat) -> None:
+    def _generation_metrics(self, per_func, rewards, std, flat) -> None:
+        """TRL's: means and stds over the rewards that are not NaN (a function's None), frac_reward_zero_std of the
+        std the advantages were scaled by, the lengths of all completions and of those that ended (0 if none)."""
         w, lengths = self.window, torch.tensor([x[2] for x in flat], dtype=torch.float32)
-        w["reward"].append(float(rewards.mean()))
-        w["reward_std"].append(float(rewards.std()))
-        w["frac_reward_zero_std"].append(float(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()))
+        w["reward"].append(float(torch.nanmean(rewards)))
+        w["reward_std"].append(float(nanstd(rewards)))
+        w["frac_reward_zero_std"].append(float(torch.isclose(std, torch.zeros_like(std)).float().mean()))
         for i, (name, _) in enumerate(self.funcs):
             name = name.split(":")[-1]  # TRL's: the function's name (an import path's last part)
-            w[f"rewards/{name}/mean"].append(float(per_func[:, i].mean()))
-            w[f"rewards/{name}/std"].append(float(per_func[:, i].std()))
-        w["completions/mean_length"].append(float(lengths.mean()))
-        w["completions/min_length"].append(float(lengths.min()))
-        w["completions/max_length"].append(float(lengths.max()))
-        w["completions/clipped_ratio"].append(sum(bool(x[3]) for x in flat) / len(flat))
-        self.rewards_seen.append(float(rewards.mean()))
+            w[f"rewards/{name}/mean"].append(float(torch.nanmean(per_func[:, i])))
+            w[f"rewards/{name}/std"].append(float(nanstd(per_func[:, i])))
+        truncated = torch.tensor([bool(x[3]) for x in flat])
+        ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+        for kind, values in (("length", lengths), ("terminated_length", ended)):
+            for stat in ("mean", "min", "max"):
+                w[f"completions/{stat}_{kind}"].append(float(getattr(values, stat)()))
+        w["completions/clipped_ratio"].append(float(truncated.float().mean()))
+        self.rewards_seen.append(float(torch.nanmean(rewards)))
 
     @torch.no_grad()
     def _extra_logps(self, model, out: list[dict]) -> None:
@@ -280,15 +311,20 @@ class GRPO(CausalLM):
         grad, before the batch's first optimizer step."""
         args = self.cfg.train
         for batch in out:
-            _, targets = row_losses_and_targets(torch.zeros(batch["completion_mask"].shape),
-                                                batch["completion_mask"], args.loss_type, args.max_completion_length)
-            batch["num_targets"] = int(targets.sum())
-            batch["num_tokens"] = int(batch["attention_mask"].sum())
-            batch["num_slots"] = batch["input_ids"].numel()
+            self._counts(batch)
             if args.num_iterations > 1:
                 batch["old_logps"] = self._logps(model, batch)[0].detach()
             if args.beta > 0:
                 batch["ref_logps"] = self._reference_logps(model, batch)
+
+    def _counts(self, batch: dict) -> None:
+        """The counts the core's step reads (``toolkit.loop._global_counts``), counted where the batch is built."""
+        args = self.cfg.train
+        _, targets = row_losses_and_targets(torch.zeros(batch["completion_mask"].shape), batch["completion_mask"].cpu(),
+                                            args.loss_type, args.max_completion_length)
+        batch["num_targets"] = int(targets.sum())
+        batch["num_tokens"] = int(batch["attention_mask"].sum())
+        batch["num_slots"] = batch["input_ids"].numel()
 
     def _reference_logps(self, model, batch) -> torch.Tensor:
         if self.reference is not None:
@@ -347,10 +383,79 @@ class GRPO(CausalLM):
         self.sums.clear()
         return row
 
-    def summary(self, accelerator, model) -> dict:
+    def _reward_ends(self) -> tuple:
+        """The run's first and latest mean reward: a resumed run's first is its checkpoint's."""
         seen = self.rewards_seen
-        return {"reward_start": seen[0] if seen else None, "reward_end": seen[-1] if seen else None,
-                "reward_funcs": [name for name, _ in self.funcs], **self.data_record}
+        first = self.reward_first if self.reward_first is not None else seen[0] if seen else None
+        return first, seen[-1] if seen else self.reward_last
+
+    def summary(self, accelerator, model) -> dict:
+        start, end = self._reward_ends()
+        return {"reward_start": start, "reward_end": end, "reward_funcs": [name for name, _ in self.funcs],
+                **self.data_record}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self, step: int) -> dict:
+        """Collective (every rank, at every checkpoint): the run's first and latest mean reward, and, when the step
+        after ``step`` reuses a generated batch (num_iterations > 1), that batch: every rank's rows by their slot in
+        the global batch. Its completions were drawn, and its old log-probs taken, by the weights of the batch's
+        first step, which no checkpoint holds; with them the resume trains on exactly what the straight run did."""
+        from accelerate.utils import gather_object
+
+        start, end = self._reward_ends()
+        state = {"reward_start": start, "reward_end": end}
+        mu = self.cfg.train.num_iterations
+        if step % mu and self.cached_step == step - step % mu:
+            rows = [row for batch in self.cached for row in slot_rows(batch)]
+            if self.accelerator.num_processes > 1:
+                rows = gather_object(rows)
+            state["batch"] = {"step": self.cached_step, "rows": sorted(rows, key=lambda r: r["slot"])}
+        return state
+
+    def load_checkpoint_state(self, saved: dict | None) -> None:
+        """A resume: what ``checkpoint_state`` wrote (None: a checkpoint without it)."""
+        saved = saved or {}
+        self.reward_first, self.reward_last = saved.get("reward_start"), saved.get("reward_end")
+        if saved.get("batch"):
+            self.restored = (saved["batch"]["step"], {row["slot"]: row for row in saved["batch"]["rows"]})
+
+    def _rebuild(self, accelerator, micro_batches: list[dict]) -> list[dict]:
+        """This rank's micro-batches of the restored batch (its slots, as ``_generate`` places them): padded as
+        generated on the same layout (bit-identical then), re-padded on another."""
+        pad, rows_by_slot, out = self.tokenizer.pad_token_id, self.restored[1], []
+        for k, batch in enumerate(micro_batches):
+            slots = self._slots(accelerator, len(batch["rows"]), k)
+            rows = [rows_by_slot[slot] for slot in slots]
+            prompt_ids, prompt_mask = left_pad([r["prompt"] for r in rows], pad)
+            completions = right_pad([r["completion"] for r in rows], pad, torch.long)
+            attention = right_pad([r["attention"] for r in rows], 0, torch.long)
+            rebuilt = {"input_ids": torch.cat([prompt_ids, completions], 1),
+                       "attention_mask": torch.cat([prompt_mask, attention], 1), "completion_ids": completions,
+                       "completion_mask": right_pad([r["mask"] for r in rows], 0, torch.long),
+                       "advantages": torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)}
+            for key in ("old_logps", "ref_logps"):
+                if key in rows[0]:
+                    rebuilt[key] = right_pad([r[key] for r in rows], 0.0, torch.float32)
+            rebuilt = {key: value.to(accelerator.device) for key, value in rebuilt.items()}
+            rebuilt.update(prompt_length=prompt_ids.shape[1], slots=slots)
+            self._counts(rebuilt)
+            out.append(rebuilt)
+        return out
+
+
+def slot_rows(batch: dict) -> list[dict]:
+    """A generated micro-batch as JSON-able rows (``GRPO.checkpoint_state``): the prompt without its padding; the
+    completion, its attention and loss masks and its log-probs as padded here (the width ``GRPO._rebuild`` pads
+    back to on the same layout)."""
+    p, cpu = batch["prompt_length"], {k: v.cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    rows = []
+    for i, slot in enumerate(batch["slots"]):
+        row = {"slot": slot, "prompt": cpu["input_ids"][i, :p][cpu["attention_mask"][i, :p].bool()].tolist(),
+               "completion": cpu["completion_ids"][i].tolist(), "attention": cpu["attention_mask"][i, p:].tolist(),
+               "mask": cpu["completion_mask"][i].tolist(), "advantage": float(cpu["advantages"][i])}
+        row.update({key: cpu[key][i].tolist() for key in ("old_logps", "ref_logps") if key in cpu})
+        rows.append(row)
+    return rows
 
 
 def policy_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,6 +479,12 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
         ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
         mask[i, width - len(s):] = 1
     return ids, mask
+
+
+def right_pad(rows: list[list], value, dtype) -> torch.Tensor:
+    """Rows right-padded with ``value`` to the longest."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
 class PromptCollator:

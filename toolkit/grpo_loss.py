@@ -39,25 +39,43 @@ def completion_logps(logits: torch.Tensor, completion_ids: torch.Tensor,
     return token_logps, entropy
 
 
-def _std(x: torch.Tensor, dim=None) -> torch.Tensor:
-    """Bessel-corrected standard deviation (TRL's ``nanstd`` on rewards without NaN)."""
-    return x.std(dim=dim) if dim is not None else x.std()
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the values that are not NaN (TRL's ``nanstd``: NaN with fewer than
+    two)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = variance.sqrt()
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def combine_rewards(per_func: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Each completion's weighted reward, TRL's: a function's NaN (its None: no reward for this completion) counts
+    as nothing (``nansum``), and a completion no function rewarded is NaN (left out of its group's statistics; its
+    advantage is 0)."""
+    rewards = (per_func * torch.tensor(weights, dtype=per_func.dtype).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = float("nan")
+    return rewards
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int,
                      scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantage of each completion, its group's reward std): the completion's reward minus its group's mean, over
-    the group's std + 1e-4 (``group``), the batch's (``batch``) or not scaled (``none``). ``rewards``: the global
-    batch's weighted rewards, groups of ``num_generations`` consecutive completions."""
+    """(advantage of each completion, the std it is scaled by: its group's, or the batch's with ``batch``), TRL's
+    ``sum_then_normalize``: the completion's reward minus its group's mean, over that std + 1e-4 (``none``: not
+    scaled; the std is still the group's, for ``frac_reward_zero_std``). ``rewards``: the global batch's weighted
+    rewards (``combine_rewards``), groups of ``num_generations`` consecutive completions; a NaN reward is left out of
+    the means and stds and gets advantage 0."""
     grouped = rewards.view(-1, num_generations)
-    mean = grouped.mean(dim=1).repeat_interleave(num_generations)
-    group_std = _std(grouped, dim=1).repeat_interleave(num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
-    if scale_rewards == "group":
-        advantages = advantages / (group_std + 1e-4)
-    elif scale_rewards == "batch":
-        advantages = advantages / (_std(rewards).expand_as(rewards) + 1e-4)
-    return advantages, group_std
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), std
 
 
 def per_token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,

@@ -457,7 +457,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=total_steps)
-    resume = resume or plan_resume(cfg, accelerator, train_dataset)
+    resume = resume or plan_resume(cfg, accelerator, train_dataset, repeats)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
     if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.pipeline itself
         keep_embeddings_out_of_fsdp_units(accelerator, model)
@@ -583,6 +583,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     run = prepare_run(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, resume,
                       repeats=task.sample_repeats(cfg))
     model = run.model
+    run.checkpointer.task = task  # its state (GRPO: a batch the next steps reuse) goes into each checkpoint
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:
         _check_packing(accelerator, model, cfg.data.packing_strategy, train_dataset)

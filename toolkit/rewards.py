@@ -14,8 +14,10 @@ their ``answer`` column; ``arithmetic_correct`` rewards a completion whose last 
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import re
+import sys
 
 from toolkit.errors import ConfigError, TrainingStopped
 
@@ -77,11 +79,13 @@ def _resolve(name: str):
     if not attr:
         raise ConfigError("reward_funcs", f"{name!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                                           "nor an import path 'module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a module beside the user, as `python -m` finds it:
+        sys.path.append(os.getcwd())  # a launched recipe's path starts at recipes/, the `toolkit` command's at bin/
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigError("reward_funcs", f"cannot import {name!r}: {e}; check the module is on PYTHONPATH "
-                                          "and defines the function") from None
+        raise ConfigError("reward_funcs", f"cannot import {name!r}: {e}; check the module is in the current "
+                                          "directory or on PYTHONPATH and defines the function") from None
     if not callable(fn):
         raise ConfigError("reward_funcs", f"{name!r} is not callable")
     return fn
@@ -99,22 +103,25 @@ def check_weights(weights: list[float] | None, funcs: list) -> list[float]:
 def score(funcs: list[tuple[str, object]], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list]) -> tuple[list[list[float]] | None, str | None]:
     """(rewards per function, each a float per completion; None on failure, then) the one line that names the
-    function and what it did wrong: raised, or returned other than a list of len(completions) numbers. The caller
-    raises it on every rank at once (``TrainingStopped``), so no rank waits in a collective for another."""
+    function and what it did wrong: raised, or returned other than a sequence of len(completions) numbers. A None is
+    TRL's "no reward for this completion": NaN here, as TRL converts it (``toolkit.grpo_loss.combine_rewards`` then
+    leaves it out). The caller raises the line on every rank at once (``TrainingStopped``), so no rank waits in a
+    collective for another."""
     out = []
     for name, fn in funcs:
         try:
             values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:  # noqa: BLE001 (any error of the user's function stops the run, naming it)
             return None, f"reward function {name} raised {type(e).__name__}: {e}"
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+        sized = not isinstance(values, (str, bytes, dict)) and hasattr(values, "__len__") and hasattr(values, "__iter__")
+        if not sized or len(values) != len(completions):  # a list, a tuple, a numpy array or a tensor, as TRL takes
+            got = f"{len(values)} values" if sized else type(values).__name__
             return None, f"reward function {name} returned {got} for {len(completions)} completions; return a list " \
                          "of one float per completion"
         try:
-            out.append([float(v) for v in values])
+            out.append([float("nan") if v is None else float(v) for v in values])
         except (TypeError, ValueError):
-            return None, f"reward function {name} returned a value that is not a number: {values!r:.120}"
+            return None, f"reward function {name} returned a value that is not a number: {list(values)!r:.120}"
     return out, None
 
 

@@ -18,6 +18,8 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.bu
     step_batches(accelerator, model, micro_batches, step)   before each step: the micro-batches it trains on
     log_metrics()                       at each logged step: the task's own metrics (GRPO: rewards, lengths, KL)
     summary(accelerator, model)         collective, at the end: entries the task adds to summary.json
+    checkpoint_state(step)              collective, at each checkpoint: the task's JSON-able state (GRPO: a reused batch)
+    load_checkpoint_state(saved)        a resume: what checkpoint_state wrote (None if nothing)
 
 and names ``name``, ``auto_class`` (the transformers Auto class of its model), ``peft_task_type`` (LoRA's),
 ``sequences_per_row`` (the model's rows per dataset row: 1, or 2 for a preference pair), ``best_metric`` (the
@@ -144,6 +146,14 @@ class Task(ABC):
         """Collective (every rank calls it, before the process group ends): entries for the run's summary (by
         default ``data_record``'s)."""
         return dict(self.data_record)
+
+    def checkpoint_state(self, step: int) -> dict | None:
+        """Collective, every rank, at each checkpoint after ``step`` steps: what a resume needs of the task beyond the
+        weights and the order, JSON-able (``toolkit_state.json``'s ``task``), or None."""
+        return None
+
+    def load_checkpoint_state(self, saved: dict | None) -> None:  # noqa: B027 (a hook that does nothing by default)
+        """On a resume, every rank, after the checkpoint loaded: what ``checkpoint_state`` wrote (None without it)."""
 
     @property
     def data_record(self) -> dict:

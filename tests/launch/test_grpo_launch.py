@@ -1,7 +1,8 @@
 """recipes/grpo.py launched: 2 ranks x micro 2 x accumulation 2 end with the weights of 1 process x 8 completions
 (SGD, 1e-6) under DDP, ZeRO-2, ZeRO-3 and FSDP2, sampling included (the same rewards at every step); with beta > 0 (a live
 reference sharded like the policy) and num_iterations 2 under ZeRO-3; with LoRA (the adapter disabled as the
-reference) under DDP; and a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends. Every
+reference) under DDP; a resume from the 2-rank run's step-2 checkpoint ends where the straight run ends, and one
+under ZeRO-3 from a step whose next step reuses a batch (num_iterations 2) too. Every
 run joins the shared launch of its config and world size (helpers.Runs.plan): no launch of its own."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _grpo(tiny_model) -> dict:
 
 
 def _kl(tiny_model) -> dict:
-    return {**_grpo(tiny_model), "beta": 0.04, "num_iterations": 2, "loss_type": "grpo", "max_steps": 4}
+    # a checkpoint every step: step-1's holds the batch step 1 reuses (kl_resumed starts there)
+    return {**_grpo(tiny_model), "beta": 0.04, "num_iterations": 2, "loss_type": "grpo", "save_steps": 1}
 
 
 def _lora(tiny_model) -> dict:
@@ -41,10 +43,16 @@ def plan_runs(pool, tmp_path_factory, tiny_model):
         r.plan(f"{name}_one", "ddp.yaml", 1, 8, 1, cfg, recipe="grpo", probe=False)
     for strategy in STRATEGIES:
         r.plan(f"grpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, _grpo(tiny_model), recipe="grpo", probe=False)
+    # 4 ranks x 1 x 2: every group of 4 completions spans the 4 ranks (joins test_pipeline's 4-rank FSDP2 launch);
+    # 2 steps, no checkpoint (against grpo_one's step-2 checkpoint)
+    r.plan("grpo_fsdp4", "fsdp.yaml", 4, 1, 2, {**_grpo(tiny_model), "max_steps": 2, "save_steps": 100},
+           recipe="grpo", probe=False)
     r.plan("kl_zero3", "zero3.yaml", 2, 2, 2, _kl(tiny_model), recipe="grpo", probe=False)
     r.plan("lora_ddp", "ddp.yaml", 2, 2, 2, _lora(tiny_model), recipe="grpo", probe=False)
     r.plan("grpo_resumed", "ddp.yaml", 2, 2, 2, {**_grpo(tiny_model), "resume_from_checkpoint": "latest"},
            copy_from=("grpo_ddp", 2), recipe="grpo", probe=False)
+    r.plan("kl_resumed", "zero3.yaml", 2, 2, 2, {**_kl(tiny_model), "resume_from_checkpoint": "latest"},
+           copy_from=("kl_zero3", 1), recipe="grpo", probe=False)
     return {"runs": r}
 
 
@@ -68,6 +76,15 @@ def _final(run: str) -> dict:
 
         return {k: v.double() for k, v in load_file(os.path.join(final, "adapter_model.safetensors")).items()}
     return load_weights(final)
+
+
+def test_four_ranks_equal_one_process_sampling_included(runs):
+    """4 ranks x 1 x 2 under FSDP2 (each group of 4 completions drawn and scored on 4 ranks, its statistics
+    gathered): the rewards of one process's first 2 steps, and its weights at step 2 (its checkpoint) within 1e-6."""
+    one, four = runs.get_planned("grpo_one"), runs.get_planned("grpo_fsdp4")
+    assert _rewards(four) == pytest.approx(_rewards(one)[:2], abs=1e-6) and len(_rewards(four)) == 2
+    diff = max_abs_diff(load_weights(os.path.join(one, "checkpoints", "step-2")), _final(four))
+    assert diff <= 1e-6, diff
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -103,17 +120,33 @@ def test_resume_equals_the_straight_run(runs):
     assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
 
 
+def test_a_resume_at_a_reused_batch_is_bit_identical_under_zero3(runs):
+    """num_iterations 2 under ZeRO-3 with the live reference: resumed from step-1's checkpoint, whose next step trains
+    again on step 0's completions (held in the checkpoint, every rank's rows gathered), the run ends bit-identical to
+    the straight one, with the same rewards and the summary's reward_start the run's first (before: refused)."""
+    straight, resumed = runs.get_planned("kl_zero3"), runs.get_planned("kl_resumed")
+    assert len(_rewards(straight)) == 2 and _rewards(resumed) == _rewards(straight)[1:]  # generated at steps 0, 2
+    assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
+    summary = [json.load(open(os.path.join(run, "summary.json"))) for run in (straight, resumed)]
+    assert summary[1]["reward_start"] == summary[0]["reward_start"] and summary[1]["steps"] == 3
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch):
     """SIGKILL to the whole 2-rank job while a checkpoint save is under way (test_reliability's), relaunched from
     ``latest``: the completions drawn after the resume are those of the uninterrupted run (the sampling state is the
-    seed, the step and the prompt: nothing to save) and the weights end bit-identical."""
+    seed, the step and the prompt: nothing to save) and the weights end bit-identical. num_iterations 3 (steps 0 and 3
+    generate): the kill lands in the save after step 3 at the earliest, so ``latest`` is step 2 (or later), whose
+    next step trains on step 0's batch, held in that checkpoint."""
     from helpers import ROOT, args_from, launch_runs
     from test_reliability import _kill_inside_a_save, _saving, _steps_logged
 
+    from toolkit import layout
+
     monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "scripts"))  # grpo_rewards, for the killed launch
-    cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2}
+    cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2, "num_iterations": 3}
     out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
+    resumed_from = layout.read_checkpoint_state(layout.latest_checkpoint(out))["loop"]["step"]
     straight = str(tmp_path / "straight")
     launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
                             "recipe": "grpo", "probe": False},
@@ -121,5 +154,5 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch)
     assert not _saving(out) and _steps_logged(out) == list(range(1, 7))
     assert _rewards(out)[-1] == _rewards(straight)[-1]
     diff = max_abs_diff(_final(out), _final(straight))
-    print(f"grpo: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
+    print(f"grpo: killed after step {killed_at} (latest checkpoint step {resumed_from}), resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0

@@ -23,3 +23,20 @@ def raises(prompts, completions, **kwargs) -> list[float]:
 
 def too_few(prompts, completions, **kwargs) -> list[float]:
     return [0.0]
+
+
+PROMPTS_SEEN: list = []  # what the reward functions were given as prompts (in-process tests read it)
+
+
+def none_for_odd(prompts, completions, topic, **kwargs) -> list:
+    """TRL's "no reward here": None for every other completion; the rest, the completion's length plus its row's
+    ``topic`` column's; records the prompts."""
+    PROMPTS_SEEN.extend(prompts)
+    return [None if i % 2 else len(c) + len(t) for i, (c, t) in enumerate(zip(completions, topic))]
+
+
+def as_array(prompts, completions, **kwargs):
+    """A numpy array (TRL takes any sequence of numbers): the share of spaces."""
+    import numpy as np
+
+    return np.array([c.count(" ") / max(len(c), 1) for c in completions])

@@ -3,12 +3,17 @@
 - The loss: for each loss_type, with and without beta, with num_iterations 1 (old log-probs: the policy's own) and 2
   (old log-probs given), TRL's ``_compute_loss`` on a batch of fixed prompt/completion ids, advantages, old and
   reference log-probs, against ours on the same tensors, as one batch and as two micro-batches normalised over the
-  whole batch: loss and gradients within 1e-6.
-- The advantages: TRL's group normalisation (std Bessel-corrected, + 1e-4), per group, per batch or none.
+  whole batch: loss and gradients within 1e-6; the loss's logged metrics (entropy, kl, clip ratios) equal TRL's.
+- The advantages and reward metrics: TRL's sum_then_normalize (nansum of the weighted rewards, a None reward as NaN,
+  nanstd, + 1e-4), per group, per batch or none; what a reward function may return.
+- Sampling: a completion independent of its batch; temperature, top_p and top_k at their edges.
+- Runs in process: TRL's metric names, a resume before a reused batch (num_iterations 2) and one of a text-prompt
+  epoch; the refusals, ``toolkit train grpo``'s reward module check.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -148,12 +153,17 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    """The policy of the loss tests, loaded once: it never steps (each test zeroes and reads its gradients)."""
+    return _model(tiny_model).train()
+
+
 @pytest.mark.parametrize("num_iterations", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_gradients_equal_trl(tiny_model, trl_trainer, loss_type, beta, num_iterations):
-    model = _model(tiny_model)
-    model.train()
+def test_loss_and_gradients_equal_trl(policy, trl_trainer, loss_type, beta, num_iterations):
+    model = policy
     batch = _fixed_batch(model.config.vocab_size)
     old, ref = _olds(model, batch, num_iterations, beta)
     trl_loss, trl_grads, metrics = _trl(trl_trainer, batch, loss_type, beta, old, ref)
@@ -163,26 +173,105 @@ def test_loss_and_gradients_equal_trl(tiny_model, trl_trainer, loss_type, beta, 
     # two micro-batches of 3 + 5 completions, normalised over the whole batch: the same step
     split_loss, split_grads = _ours(model, batch, loss_type, beta, old, ref, splits=(3, 5))
     assert split_loss == pytest.approx(trl_loss, abs=1e-6) and _max_diff(split_grads, trl_grads) <= 1e-6
-    if num_iterations == 2:  # the noise moved ratios outside [0.8, 1.2]: the clipped branch was exercised
-        assert metrics["clip_ratio/region_mean"][0] > 0
+    if num_iterations == 1:
+        return
+    assert metrics["clip_ratio/region_mean"][0] > 0  # the noise moved ratios outside [0.8, 1.2]: clipped somewhere
+    # what the task logs of the loss (token means over the batch: entropy, kl, the clip ratios) is what TRL logs
+    logged = _task_loss_metrics(model, batch, loss_type, beta, old, ref)
+    assert set(logged) == {k for k in metrics if k == "kl" or k == "entropy" or k.endswith("_mean")}, sorted(metrics)
+    for name, value in logged.items():
+        assert value == pytest.approx(metrics[name][0], abs=1e-6), name
+
+
+def _task_loss_metrics(model, batch, loss_type, beta, old, ref) -> dict:
+    """``GRPO.row_losses`` on the batch, then the token means it accumulated for its log (one process)."""
+    from toolkit.config import config_from_dict
+    from toolkit.grpo import GRPO
+
+    task = GRPO()
+    task.check(config_from_dict(_values(model.name_or_path, None, loss_type=loss_type, beta=beta, epsilon=EPSILON,
+                                        max_completion_length=COMPLETION_LEN)))
+    ours = {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+            "prompt_length": PROMPT_LEN, "completion_ids": batch["completion_ids"],
+            "completion_mask": batch["completion_mask"], "advantages": batch["advantages"]}
+    ours.update({k: v for k, v in (("old_logps", old), ("ref_logps", ref)) if v is not None})
+    with torch.no_grad():
+        task.row_losses(model, ours)
+    return {k: v / task.sums["_tokens"] for k, v in task.sums.items() if k != "_tokens"}
+
+
+def _trl_advantages(per_func: torch.Tensor, weights: torch.Tensor, scale_rewards: str) -> dict:
+    """TRL 1.16's ``_generate_and_score_completions`` (``sum_then_normalize``, lines 2759-2830 of
+    trl/trainer/grpo_trainer.py) on the gathered rewards, its own lines with its ``nanstd``."""
+    from trl.trainer.utils import nanstd
+
+    unscorable_mask = torch.isnan(per_func).all(dim=1)
+    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, GENERATIONS), dim=1).repeat_interleave(GENERATIONS)
+    if scale_rewards in ["group", "none"]:
+        std_rewards = nanstd(rewards.view(-1, GENERATIONS), dim=1).repeat_interleave(GENERATIONS)
+    else:
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    advantages = rewards - mean_grouped_rewards
+    if scale_rewards != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    return {"advantages": torch.nan_to_num(advantages, nan=0.0), "reward": torch.nanmean(rewards).item(),
+            "reward_std": nanstd(rewards).item(), "frac_reward_zero_std": is_std_zero.float().mean().item(),
+            "func_means": [torch.nanmean(per_func[:, i]).item() for i in range(per_func.shape[1])],
+            "func_stds": [nanstd(per_func[:, i]).item() for i in range(per_func.shape[1])]}
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_advantages_equal_trl(scale_rewards):
-    """TRL's sum_then_normalize on one process: the same advantages and group std (a group of equal rewards too)."""
-    from trl.trainer.utils import nanstd
+def test_advantages_and_reward_metrics_equal_trl(scale_rewards):
+    """TRL's sum_then_normalize on one process, with two weighted reward functions of which one returned None for
+    some completions (NaN, TRL's conversion: left out by nansum), a completion neither rewarded (left out of its
+    group's statistics, advantage 0), a group of equal rewards: the same advantages, reward, reward_std,
+    per-function means and stds, and frac_reward_zero_std (of the std the advantages are scaled by: the batch's under
+    ``batch``)."""
+    from toolkit.grpo_loss import combine_rewards, nanstd
+    from toolkit.rewards import score
 
-    rewards = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    nan = float("nan")
+    first = [1.0, 0.0, 2.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.0, nan, 3.0, 0.0]
+    second = [None, 1.0, 1.0, None, 0.0, 0.0, 0.0, 0.0, 2.0, None, 1.0, 0.5]
+    funcs = [("first", lambda completions, **kw: first), ("second", lambda completions, **kw: second)]
+    per_func, error = score(funcs, ["p"] * 12, ["c"] * 12, [[1]] * 12, {})
+    assert error is None
+    per_func = torch.tensor(per_func, dtype=torch.float32).T
+    weights = [1.0, 0.5]
+    trl = _trl_advantages(per_func, torch.tensor(weights), scale_rewards)
+    rewards = combine_rewards(per_func, weights)
     ours, std = group_advantages(rewards, GENERATIONS, scale_rewards)
-    grouped = rewards.view(-1, GENERATIONS)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(GENERATIONS)
-    trl_std = (nanstd(grouped, dim=1).repeat_interleave(GENERATIONS) if scale_rewards != "batch"
-               else nanstd(rewards).expand_as(rewards))
-    expected = rewards - mean
-    if scale_rewards != "none":
-        expected = expected / (trl_std + 1e-4)
-    assert torch.allclose(ours, expected, atol=1e-7, rtol=0)
-    assert std[4:].eq(0).all() and std[:4].gt(0).all()
+    assert torch.allclose(ours, trl["advantages"], atol=1e-7, rtol=0) and ours[9] == 0
+    assert float(torch.nanmean(rewards)) == pytest.approx(trl["reward"], abs=1e-7)
+    assert float(nanstd(rewards)) == pytest.approx(trl["reward_std"], abs=1e-7)
+    zero = float(torch.isclose(std, torch.zeros_like(std)).float().mean())
+    assert zero == pytest.approx(trl["frac_reward_zero_std"]) and (zero == 0) == (scale_rewards == "batch")
+    for i in range(2):
+        assert float(torch.nanmean(per_func[:, i])) == pytest.approx(trl["func_means"][i], abs=1e-7)
+        assert float(nanstd(per_func[:, i])) == pytest.approx(trl["func_stds"][i], abs=1e-7)
+
+
+def test_reward_functions_return_what_trl_takes():
+    """A numpy array or a tensor of one number per completion is taken, as TRL takes it; a string, a dict, a
+    non-number or the wrong length is one line naming the function."""
+    import numpy as np
+
+    from toolkit.rewards import score
+
+    def run(values):
+        return score([("mine", lambda **kw: values)], ["p"] * 2, ["a", "b"], [[1], [2]], {})
+
+    assert run(np.array([1.0, 2.0])) == ([[1.0, 2.0]], None)
+    assert run(torch.tensor([0.5, 1.0])) == ([[0.5, 1.0]], None)
+    assert run((1, None))[0][0][1] != run((1, None))[0][0][1]  # NaN
+    for bad, said in (("ab", "returned str"), ({"a": 1, "b": 2}, "returned dict"), ([1.0], "returned 1 values"),
+                      (["x", "y"], "not a number")):
+        rewards, error = run(bad)
+        assert rewards is None and error.startswith("reward function mine ") and said in error, error
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -195,7 +284,7 @@ def test_a_rows_completion_does_not_depend_on_its_batch(tiny_model):
     model, tokenizer = _model(tiny_model).eval(), _tokenizer(tiny_model)
     prompts = [tokenizer(t)["input_ids"] for t in ("The sky is", "Once upon a time there was a", "Hello")]
     seeds = [row_seed(42, 3, i, 0) for i in range(3)]
-    kwargs = {"max_new_tokens": 12, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+    kwargs = {"max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
               "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
 
     def draw(rows, row_seeds):
@@ -224,9 +313,32 @@ def test_sampling_draws_from_the_warped_distribution():
         assert len(kept) == 1 and kept[0] in top5[row].tolist()
 
 
+def test_sampling_at_the_edges_of_temperature_top_p_and_top_k(tiny_model, tmp_path):
+    """A top_k past the vocabulary is no top_k; a tiny top_p or temperature draws the likeliest token; a temperature
+    of 0, a top_p of 0 or above 1 and a negative top_k are one line naming the field."""
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+    from toolkit.sampling import RowSampler
+
+    scores = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
+    ids = torch.zeros(4, 1, dtype=torch.long)
+
+    def drawn(**kw):
+        out = RowSampler([5, 6, 7, 8], **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **kw})(ids, scores)
+        return out.argmax(-1).tolist()
+
+    assert drawn(top_k=10_000) == drawn()
+    assert drawn(top_p=1e-6) == drawn(temperature=1e-4) == scores.argmax(-1).tolist()
+    for field, value in (("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1)):
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(_values(tiny_model, tmp_path, **{field: value}))
+        assert err.value.field_name == field
+
+
 # ------------------------------------------------------------------------------------------ a run
 def _values(tiny_model, tmp_path, **over) -> dict:
-    values = {"model_name_or_path": tiny_model, "dataset_name": "arithmetic", "output_dir": str(tmp_path / "run"),
+    out = str(tmp_path / "run") if tmp_path is not None else "unused"
+    values = {"model_name_or_path": tiny_model, "dataset_name": "arithmetic", "output_dir": out,
               "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
               "num_generations": 4, "max_completion_length": 6, "per_device_train_batch_size": 4,
               "gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1, "report_to": "none",
@@ -235,31 +347,105 @@ def _values(tiny_model, tmp_path, **over) -> dict:
     return values
 
 
-def test_a_grpo_run_logs_trls_metrics_and_the_reward(tiny_model, tmp_path):
-    import json
+def test_a_run_logs_trls_metrics_and_resumes_before_a_reused_batch_exactly(tiny_model, tmp_path, monkeypatch):
+    """A run logs TRL's metrics and summary.json its first and last mean reward. num_iterations 2, beta > 0: the checkpoint after step 1, whose step 2 trains again on step 1's completions,
+    holds that batch (its completions, advantages, old and reference log-probs, which step 1's weights made and no
+    checkpoint's weights can make again). A resume from it on another micro-batch split (2 x 4 instead of 4 x 2)
+    ends where the uninterrupted run ends (1e-6), and its summary's reward_start and reward_end are the run's. Before,
+    save_steps 1 was refused, and a resume there too (a SIGTERM saves the same checkpoint: the same record)."""
+    import sys
 
-    from helpers import train_in_process
+    from helpers import ROOT, load_weights, max_abs_diff, train_in_process
 
     from toolkit.grpo import GRPO
 
-    summary = train_in_process(_values(tiny_model, tmp_path), task=GRPO())
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    values = _values(tiny_model, tmp_path, num_iterations=2, save_final_model=True, beta=0.04, loss_type="grpo",
+                     save_steps=1, reward_funcs=["arithmetic_correct", "grpo_rewards:vowels"])  # vowels: unequal
+    out = tmp_path / "run"
+    straight = train_in_process(values, task=GRPO())
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     logged = [r for r in rows if "reward" in r]
-    assert len(logged) == 2
-    for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/arithmetic_format/mean",
-                 "completions/mean_length", "completions/clipped_ratio", "entropy", "frac_reward_zero_std",
-                 "clip_ratio/region_mean", "time/generation_s", "time/training_s"):
+    assert len(logged) == 1 and logged[0]["step"] == 1  # step 2 reuses step 1's completions: nothing generated
+    for name in ("reward", "reward_std", "rewards/arithmetic_correct/mean", "rewards/vowels/std", "kl", "entropy",
+                 "completions/mean_length", "completions/mean_terminated_length", "completions/clipped_ratio",
+                 "frac_reward_zero_std", "clip_ratio/region_mean", "time/generation_s", "time/training_s"):
         assert name in logged[0], (name, sorted(logged[0]))
-    assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0
-    assert summary["reward_start"] == logged[0]["reward"] and summary["reward_end"] == logged[1]["reward"]
+    assert 0 < logged[0]["completions/mean_length"] <= 6 and logged[0]["entropy"] > 0 and rows[-1]["kl"] > 0
+    assert straight["reward_start"] == straight["reward_end"] == logged[0]["reward"]
+    reference = load_weights(str(out / "final"))
+    state = json.load(open(out / "checkpoints" / "step-1" / "toolkit_state.json"))["task"]
+    assert state["batch"]["step"] == 0 and len(state["batch"]["rows"]) == 8
+    assert {"old_logps", "ref_logps", "advantage"} <= set(state["batch"]["rows"][0])
+    resumed = train_in_process({**values, "resume_from_checkpoint": str(out / "checkpoints" / "step-1"),
+                                "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}, task=GRPO())
+    assert resumed["ended"] == "completed" and resumed["steps"] == 2
+    assert resumed["reward_start"] == straight["reward_start"] and resumed["reward_end"] == straight["reward_end"]
+    diff = max_abs_diff(load_weights(str(out / "final")), reference)
+    assert 0 < max_abs_diff(reference, load_weights(tiny_model)) and diff <= 1e-6, diff
+
+
+def test_text_prompts_trls_reward_conventions_and_a_resume_of_an_epoch(tiny_model, tmp_path, monkeypatch):
+    """Text prompts from a file, fewer than the global batch of completions (4 prompts x 4 = 2 steps of 8: refused
+    before as 4 rows under one batch of 8), one longer than max_prompt_length (its last 16 tokens generate; the reward
+    functions get it whole), a column passed by name, a reward function returning None for half the completions and
+    one a numpy array (TRL's conventions), scale_rewards batch, masked truncated completions: the epoch trains to its
+    end on every prompt (before, validation_split_percentage held the file's last prompt out, never trained on: 1
+    step), the rewards finite, TRL's terminated-length metrics logged. A prompt that with a whole completion would
+    pass the model's positions is refused before the weights load (before: an index error mid-run). Its step-1 checkpoint resumes to the same
+    weights and the same summary reward_start (before: this attempt's first reward); a resume with another
+    num_generations (another sample order at the same global batch) is refused naming it."""
+    import sys
+
+    import grpo_rewards
+    from helpers import ROOT, load_weights, max_abs_diff, train_in_process
+    from transformers import AutoTokenizer
+
+    from toolkit.config import config_from_dict
+    from toolkit.errors import ConfigError
+    from toolkit.grpo import GRPO
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    long = "Count the words of this: " + " ".join(f"w{i}" for i in range(60)) + ". The count is"
+    prompts = ["The sky is", long, "Once upon a time", "2 + 2 ="]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "topic": t}) + "\n" for p, t in zip(prompts, "abcd")))
+    values = _values(tiny_model, tmp_path, dataset_name=None, train_file=str(data), max_steps=-1, num_train_epochs=1,
+                     max_prompt_length=16, max_completion_length=4, mask_truncated_completions=True,
+                     scale_rewards="batch", reward_funcs=["grpo_rewards:none_for_odd", "grpo_rewards:as_array"],
+                     reward_weights=[1.0, 2.0], save_steps=1, save_final_model=True)
+    with pytest.raises(ConfigError) as err:  # the long prompt's last 62 tokens + 4 > the model's 64 positions
+        train_in_process({**values, "max_prompt_length": 62}, task=GRPO())
+    assert err.value.field_name == "max_prompt_length" and "66 positions, more than the model's 64" in str(err.value)
+    with pytest.raises(ConfigError, match="cannot train on a stream") as err:  # the order repeats each prompt
+        train_in_process({**values, "streaming": True, "max_steps": 2}, task=GRPO())
+    grpo_rewards.PROMPTS_SEEN.clear()
+    first = train_in_process(values, task=GRPO())
+    assert first["ended"] == "completed" and first["steps"] == 2 and long in grpo_rewards.PROMPTS_SEEN
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"reward"' in line]
+    assert len(rows) == 2 and all(r["reward"] == r["reward"] and r["rewards/none_for_odd/mean"] > 0 for r in rows)
+    assert {"completions/mean_terminated_length", "completions/max_terminated_length"} <= set(rows[0])
+    weights = load_weights(str(tmp_path / "run" / "final"))
+    step1 = str(tmp_path / "run" / "checkpoints" / "step-1")
+    with pytest.raises(ConfigError) as err:
+        train_in_process({**values, "resume_from_checkpoint": step1, "num_generations": 2}, task=GRPO())
+    assert err.value.field_name == "num_generations"
+    resumed = train_in_process({**values, "resume_from_checkpoint": step1}, task=GRPO())
+    assert resumed["steps"] == 2 and resumed["reward_start"] == first["reward_start"]
+    assert max_abs_diff(load_weights(str(tmp_path / "run" / "final")), weights) == 0.0
+    # the long prompt keeps its last max_prompt_length tokens (TRL's left truncation)
+    task, cfg = GRPO(), config_from_dict({**values, "output_dir": str(tmp_path / "tokenized")})
+    task.check(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    task.prepare_tokenizer(tokenizer, cfg)
+    ids = task.tokenize(task.load_raw(cfg.data), tokenizer, cfg.data, 64)["train"]["input_ids"]
+    assert ids[1] == tokenizer(long)["input_ids"][-16:] and ids[0] == tokenizer(prompts[0])["input_ids"]
 
 
 # ------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("reward, message", [
-    ("grpo_rewards:raises", "reward function grpo_rewards:raises raised ValueError: no score for these"),
-    ("grpo_rewards:too_few", "reward function grpo_rewards:too_few returned 1 values for 4 completions"),
-])
-def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path, monkeypatch, reward, message):
+def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path, monkeypatch):
+    """The second of two reward functions raises: the run stops with one line naming it (what else a function does
+    wrong, e.g. the wrong length, is the same stop with score's line: test_reward_functions_return_what_trl_takes)."""
     import sys
 
     from helpers import ROOT, train_in_process
@@ -268,8 +454,9 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     from toolkit.grpo import GRPO
 
     monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
-    with pytest.raises(TrainingStopped, match=message):
-        train_in_process(_values(tiny_model, tmp_path, reward_funcs=[reward], max_steps=1), task=GRPO())
+    with pytest.raises(TrainingStopped, match="reward function grpo_rewards:raises raised ValueError: no score for these"):
+        train_in_process(_values(tiny_model, tmp_path, reward_funcs=["arithmetic_correct", "grpo_rewards:raises"],
+                                 max_steps=1), task=GRPO())
 
 
 @pytest.mark.parametrize("values, field, message", [
@@ -277,7 +464,8 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     ({"num_generations": 3}, "num_generations", "global batch of 8 completions"),
     ({"reward_funcs": ["no_such_module:f"]}, "reward_funcs", "cannot import 'no_such_module:f'"),
     ({"reward_funcs": ["arithmetic_correct"], "reward_weights": [1.0, 2.0]}, "reward_weights", "2 weights for 1"),
-    ({"num_iterations": 2, "save_steps": 3}, "save_steps", "multiple of num_iterations"),
+    ({"eval_steps": 5}, "eval_steps", "there is no held-out evaluation"),  # before: accepted, nothing evaluated
+    ({"eval_on_start": True}, "eval_on_start", "there is no held-out evaluation"),
 ])
 def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, message):
     from toolkit.config import config_from_dict
@@ -288,6 +476,33 @@ def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, messa
     with pytest.raises(ConfigError, match=message) as err:
         GRPO().check(cfg)
     assert err.value.field_name == field
+
+
+def test_toolkit_train_grpo_finds_a_reward_module_beside_the_user_and_refuses_a_bad_one(tiny_model, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """``toolkit train grpo --reward_funcs my_module:f`` with my_module.py in the current directory: the launching
+    process (a console script: its path starts at bin/) and the ranks (recipes/grpo.py: at recipes/) have no current
+    directory on their path; before, the check refused the module. A function the module lacks: one line, exit 2,
+    before any launch."""
+    import sys
+
+    from toolkit import launch
+
+    (tmp_path / "beside_user_rewards.py").write_text("def score(prompts, completions, **kwargs):\n"
+                                                      "    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "beside_user_rewards", raising=False)
+    fields = ["--model_name_or_path", tiny_model, "--dataset_name", "arithmetic", "--output_dir", str(tmp_path / "o"),
+              "--chat_template", "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "--num_generations", "4",
+              "--per_device_train_batch_size", "4"]
+    launch.check("grpo", launch.strategy_config("ddp"), 1, [*fields, "--reward_funcs", "beside_user_rewards:score"])
+    argv = ["grpo", "--model", tiny_model, "--dataset", "arithmetic", *fields[4:], "--reward_funcs",
+            "beside_user_rewards:nope"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: reward_funcs: cannot import 'beside_user_rewards:nope'")
+    monkeypatch.delitem(sys.modules, "beside_user_rewards", raising=False)
 
 
 def test_beta_and_loss_type_take_each_tasks_default_and_values(tiny_model, tmp_path):

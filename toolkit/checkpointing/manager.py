@@ -33,10 +33,11 @@ class ResumePlan:
         return self.conversion == UNIVERSAL
 
 
-def plan_resume(cfg, accelerator, train_dataset) -> ResumePlan:
+def plan_resume(cfg, accelerator, train_dataset, repeats: int = 1) -> ResumePlan:
     """The checkpoint ``resume_from_checkpoint`` names (``latest`` resolved), after refusing one that cannot continue
-    the same sample order or that this launch cannot load, even converted (``toolkit.checkpointing.resume``)."""
-    order = order_record(cfg, train_dataset)  # hashed once per run
+    the same sample order or that this launch cannot load, even converted (``toolkit.checkpointing.resume``).
+    ``repeats``: the task's ``sample_repeats``."""
+    order = order_record(cfg, train_dataset, repeats)  # hashed once per run
     resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
     if resume_from is None:
         return ResumePlan(order)
@@ -52,6 +53,7 @@ class Checkpointer:
         self.merge_lora = cfg.model.merge_lora
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         self.exported: str | None = None  # final/, once this run wrote it (the summary names only what was written)
+        self.task = None  # the run's task (toolkit.tasks): its checkpoint_state is saved and loaded with the loop's
 
     def load(self, state) -> str | None:
         """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
@@ -69,6 +71,8 @@ class Checkpointer:
             checkpoint.load_checkpoint(accelerator, load_from, self.optimizer, self.scheduler,
                                        universal=plan.loads_universal, pipeline_model=self._stages())
             state.load_state_dict(saved["loop"])
+            if self.task is not None:
+                self.task.load_checkpoint_state(saved.get("task"))
             state.world_size = accelerator.num_processes
             # accelerate restores its own micro-step counter, counted in the writer's accumulation; with another
             # split of the same global batch (8 x 1 resumed as 4 x 2) its boundaries would fall mid-step. Ours wins.
@@ -117,6 +121,8 @@ class Checkpointer:
         return self.exported
 
     def record(self, state) -> dict:
-        """The JSON written into a checkpoint: the loop's position (with the writer's world size and global batch),
-        what the order depends on, and the strategy whose format the checkpoint is in."""
-        return {"loop": state.state_dict(), "order": self.plan.order, "strategy": checkpoint_format(self.accelerator)}
+        """Collective. The JSON written into a checkpoint: the loop's position (with the writer's world size and global
+        batch), what the order depends on, the strategy whose format the checkpoint is in, and the task's state."""
+        record = {"loop": state.state_dict(), "order": self.plan.order, "strategy": checkpoint_format(self.accelerator)}
+        task_state = self.task.checkpoint_state(state.step) if self.task is not None else None  # collective
+        return {**record, "task": task_state} if task_state else record

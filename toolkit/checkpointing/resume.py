@@ -29,6 +29,7 @@ ORDER_FIELDS = {
     "train_rows": "train_file",
     "train_data_sha": "train_file",
     "shuffle_buffer_size": "shuffle_buffer_size",
+    "repeats": "num_generations",
 }
 
 
@@ -44,10 +45,11 @@ def data_fingerprint(dataset, samples: int = 64) -> str:
     return h.hexdigest()[:16]
 
 
-def order_record(cfg, train_dataset) -> dict:
+def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
     """What the sample order depends on, as stored in a checkpoint (block_size as configured; a resolved default
     that changed would change the rows, which the data hash sees). A stream (``toolkit.stream``) has no row count:
-    its files and window size stand for the rows."""
+    its files and window size stand for the rows. ``repeats``: each row listed that many times in a row (GRPO's
+    num_generations; None when 1, as in the checkpoints written before it was recorded)."""
     stream = isinstance(train_dataset, TrainStream)
     return {
         "seed": cfg.train.seed,
@@ -59,6 +61,7 @@ def order_record(cfg, train_dataset) -> dict:
         "train_rows": "stream" if stream else len(train_dataset),
         "train_data_sha": train_dataset.spec.fingerprint() if stream else data_fingerprint(train_dataset),
         "shuffle_buffer_size": train_dataset.spec.window if stream else None,
+        "repeats": repeats if repeats > 1 else None,
         **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
         # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.quantization)
         "quantized_base": quantization.base_record(cfg.model),
@@ -175,13 +178,15 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
             f"this run has {global_batch} ({ranks} ranks x {micro} x {accumulation} accumulation); keep "
             "ranks x per_device_train_batch_size x gradient_accumulation_steps equal to resume",
         )
-    _check_not_past_the_end(checkpoint, saved["loop"]["step"], cfg.train, order["train_rows"], global_batch)
+    rows = order["train_rows"] * (order.get("repeats") or 1) if isinstance(order["train_rows"], int) else None
+    _check_not_past_the_end(checkpoint, saved["loop"]["step"], cfg.train, rows, global_batch)
     return saved, plan
 
 
 def _check_not_past_the_end(checkpoint: str, step: int, args, train_rows, global_batch: int) -> None:
     """A checkpoint past this run's last step would end the run at once and export its weights as the result of a
-    shorter run. One exactly at the end is a finished run (it exports again: its final/ may have been lost)."""
+    shorter run. One exactly at the end is a finished run (it exports again: its final/ may have been lost).
+    ``train_rows``: the rows of the order (each repeated row counted as often as it is listed); None for a stream."""
     import math
 
     by_epochs = args.max_steps <= 0 and isinstance(train_rows, int)
