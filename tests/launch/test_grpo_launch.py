@@ -78,6 +78,7 @@ def _final(run: str) -> dict:
     return load_weights(final)
 
 
+@pytest.mark.slow  # multi-rank launches: the full suite's layer
 def test_four_ranks_equal_one_process_sampling_included(runs):
     """4 ranks x 1 x 2 under FSDP2 (each group of 4 completions drawn and scored on 4 ranks, its statistics
     gathered): the rewards of one process's first 2 steps, and its weights at step 2 (its checkpoint) within 1e-6."""
@@ -87,6 +88,7 @@ def test_four_ranks_equal_one_process_sampling_included(runs):
     assert diff <= 1e-6, diff
 
 
+@pytest.mark.slow  # multi-rank launches: the full suite's layer
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_equal_one_process_sampling_included(runs, strategy, tiny_model):
     """The same rewards at each step (the same completions drawn on 1 and 2 ranks, whichever rank and micro-batch a
@@ -99,6 +101,7 @@ def test_two_ranks_equal_one_process_sampling_included(runs, strategy, tiny_mode
     assert max_abs_diff(_final(one), load_weights(tiny_model)) > 1e-3
 
 
+@pytest.mark.slow  # multi-rank launches: the full suite's layer
 @pytest.mark.parametrize("name", ["kl_zero3", "lora_ddp"])
 def test_reference_and_reused_batches_equal_one_process(runs, name):
     """beta > 0 and num_iterations 2 under ZeRO-3 (the live reference sharded like the policy; the second step of
@@ -112,6 +115,7 @@ def test_reference_and_reused_batches_equal_one_process(runs, name):
     assert diff <= 1e-6, diff
 
 
+@pytest.mark.slow  # multi-rank launches: the full suite's layer
 def test_resume_equals_the_straight_run(runs):
     """Resumed from the 2-rank run's step-2 checkpoint: step 3 draws the same completions (the sampling state is
     (seed, step, prompt, generation index), in no checkpoint) and ends with the same weights."""
@@ -120,6 +124,7 @@ def test_resume_equals_the_straight_run(runs):
     assert max_abs_diff(_final(straight), _final(resumed)) == 0.0
 
 
+@pytest.mark.slow  # multi-rank launches: the full suite's layer
 def test_a_resume_at_a_reused_batch_is_bit_identical_under_zero3(runs):
     """num_iterations 2 under ZeRO-3 with the live reference: resumed from step-1's checkpoint, whose next step trains
     again on step 0's completions (held in the checkpoint, every rank's rows gathered), the run ends bit-identical to

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from helpers import NOTEBOOK, RESULT_TAG, ROOT
 
 
@@ -51,6 +52,7 @@ print("ours forked:", sorted(os.listdir(sys.argv[1])))
 """
 
 
+@pytest.mark.slow  # two forked ranks in a fresh interpreter: the full suite's layer
 def test_the_notebook_launcher_forks_with_bitsandbytes_imported(tmp_path):
     """docs/pitfalls.md#notebook-bitsandbytes: accelerate refuses to fork once bitsandbytes is imported (a CPU host
     too); ours checks what the refusal stands for (CUDA initialised in the kernel) and forks both ranks. The real
