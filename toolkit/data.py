@@ -206,15 +206,21 @@ def bad_json_line(paths: list[str]) -> tuple[str, int, str] | None:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    value = json.loads(line)
-                except ValueError as e:
-                    return None if number == 1 and _one_document(path) else (path, number, str(e)[:120])
-                if not isinstance(value, dict):
-                    if number == 1 and _one_document(path):
-                        return None
-                    return path, number, f"a JSON {type(value).__name__}, not an object"
+                why = json_object(line)[1]
+                if why is not None:
+                    return None if number == 1 and _one_document(path) else (path, number, why)
     return None
+
+
+def json_object(line: bytes | str) -> tuple[dict | None, str | None]:
+    """One JSON-lines line: (its object, None), or (None, why it is not one JSON object)."""
+    try:
+        value = json.loads(line)
+    except ValueError as e:
+        return None, str(e)[:120]
+    if not isinstance(value, dict):
+        return None, f"a JSON {type(value).__name__}, not an object"
+    return value, None
 
 
 def _one_document(path: str) -> bool:

@@ -129,8 +129,6 @@ def lenient_json(builder, tables: Callable) -> Callable:
     a line that is not a JSON object becoming a row of nulls (the task's ``keep`` drops it and counts it: no row
     index shifts, so a resume reads the same rows) and named in one line of the log (first process). Deterministic:
     a resume, which re-reads its file's chunks, meets the same rows."""
-    import json
-
     import pyarrow as pa
     from datasets.builder import Key
 
@@ -141,11 +139,10 @@ def lenient_json(builder, tables: Callable) -> Callable:
                 done += 1
                 yield key, table
             return
-        except (pa.ArrowInvalid, ValueError) as e:
+        except (pa.ArrowInvalid, ValueError):
             paths = [p for files in kwargs.get("files_iterables", ()) for p in files]
             if len(paths) != 1:  # one file per shard (local files); otherwise the stream stops, naming the line
                 raise
-            error = e
         path, size = paths[0], builder.config.chunksize
         with open(path, "rb") as f:
             chunk, number = 0, 0
@@ -159,22 +156,19 @@ def lenient_json(builder, tables: Callable) -> Callable:
                 for line in lines:
                     number += 1
                     if line.strip():
-                        rows.append(_json_row(json, line, path, number, builder, error))
+                        rows.append(_json_row(line, path, number, builder))
                 yield Key(0, chunk - 1), builder._cast_table(pa.Table.from_pylist(rows))
 
     return generate
 
 
-def _json_row(json, line: bytes, path: str, number: int, builder, error) -> dict:
+def _json_row(line: bytes, path: str, number: int, builder) -> dict:
     """One line of a chunk the JSON reader could not parse: its row, or a row of nulls (said once, from the first
     process) when it is not a JSON object."""
-    try:
-        row = json.loads(line)
-    except ValueError as e:
-        row, why = None, str(e)[:120]
-    else:
-        why = f"a JSON {type(row).__name__}, not an object"
-    if isinstance(row, dict):
+    from toolkit.data import json_object
+
+    row, why = json_object(line)
+    if row is not None:
         return row
     if os.environ.get("RANK", "0") == "0":
         print(f"the stream skips {path} line {number} ({why}): a row with no data, dropped and counted", flush=True)

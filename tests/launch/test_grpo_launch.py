@@ -143,20 +143,19 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch)
     seed, the step and the prompt: nothing to save) and the weights end bit-identical. num_iterations 3 (steps 0 and 3
     generate): the kill lands in the save after step 3 at the earliest, so ``latest`` is step 2 (or later), whose
     next step trains on step 0's batch, held in that checkpoint."""
-    from helpers import ROOT, args_from, launch_runs
-    from test_reliability import _kill_inside_a_save, _saving, _steps_logged
+    from helpers import ROOT, args_from, kill_inside_a_save, launch_runs, saving_checkpoints, steps_logged
 
     from toolkit import layout
 
     monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "scripts"))  # grpo_rewards, for the killed launch
     cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2, "num_iterations": 3}
-    out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
+    out, killed_at = kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
     resumed_from = layout.read_checkpoint_state(layout.latest_checkpoint(out))["loop"]["step"]
     straight = str(tmp_path / "straight")
     launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
                             "recipe": "grpo", "probe": False},
                            {"argv": args_from({**cfg, "output_dir": straight}), "recipe": "grpo", "probe": False}])
-    assert not _saving(out) and _steps_logged(out) == list(range(1, 7))
+    assert not saving_checkpoints(out) and steps_logged(out) == list(range(1, 7))
     assert _rewards(out)[-1] == _rewards(straight)[-1]
     diff = max_abs_diff(_final(out), _final(straight))
     print(f"grpo: killed after step {killed_at} (latest checkpoint step {resumed_from}), resumed: max|dw| = {diff:.1e}")

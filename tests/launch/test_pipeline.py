@@ -30,6 +30,7 @@ from helpers import (
     launch_command,
     load_weights,
     max_abs_diff,
+    steps_logged,
     subprocess_env,
 )
 
@@ -123,7 +124,7 @@ def _metrics(out: str) -> list[dict]:
 def _assert_equal_runs(one: str, staged: str, weights: float) -> None:
     """final/ weights, every step's loss and grad norm, and the final eval loss of the pipeline run equal one
     process's (the losses to 1e-6 relative: fp32 token sums in another order)."""
-    assert max_abs_diff(load_weights(os.path.join(one, "final")), load_weights(os.path.join(staged, "final"))) <= weights
+    assert _weights_diff(one, staged) <= weights
     a, b = _metrics(one), _metrics(staged)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
@@ -257,14 +258,6 @@ def test_a_ddp_checkpoint_resumes_under_a_pipeline(pipeline_runs):
     assert [r["step"] for r in _metrics(staged)] == [3]
 
 
-def _steps_logged(out: str) -> list[int]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.endswith("\n") and '"loss"' in line]
-
-
 def _start(cfg: dict, out: str, resume: bool = False) -> subprocess.Popen:
     """The recipe under ``accelerate launch`` on 2 ranks, as a user starts it (the launcher forwards SIGTERM)."""
     cmd = launch_command(args_from({**cfg, "output_dir": out, **(RESUME if resume else {})}))
@@ -274,7 +267,7 @@ def _start(cfg: dict, out: str, resume: bool = False) -> subprocess.Popen:
 
 def _wait_for_step(proc: subprocess.Popen, out: str, step: int) -> None:
     deadline = time.time() + 180
-    while max(_steps_logged(out), default=0) < step and time.time() < deadline and proc.poll() is None:
+    while max(steps_logged(out), default=0) < step and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be signalled"
 
@@ -299,7 +292,7 @@ def test_sigkill_then_sigterm_under_a_pipeline_resume_exactly(pipeline_runs, tmp
             proc.wait(timeout=30)
         finally:
             proc.kill()
-        killed = max(_steps_logged(out))
+        killed = max(steps_logged(out))
         assert 3 <= killed < KILLED["max_steps"] - 6 and not os.path.exists(os.path.join(out, "final"))
 
         proc = _start(cfg, out, resume=True)
@@ -310,7 +303,7 @@ def test_sigkill_then_sigterm_under_a_pipeline_resume_exactly(pipeline_runs, tmp
         finally:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
-    stopped = max(_steps_logged(out))
+    stopped = max(steps_logged(out))
     assert killed + 3 <= stopped < KILLED["max_steps"]
     assert f"SIGTERM: saved checkpoint step-{stopped}" in output
     assert "model: not exported (preempted: relaunch with resume_from_checkpoint: latest)" in output
