@@ -15,10 +15,10 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   config_preference  beta and loss_type (DPO and GRPO), DPO's precompute_ref_log_probs, a part of TrainingArguments
   config_pipeline  pipeline parallelism's fields and checks, a part of TrainingArguments
   config_classification  label_column_name and class_weights, a part of DataArguments
+  upstream      import costs underneath, avoided: transformers' model files read once, its losses without scipy
   config_parsing  YAML + command line -> argument dataclasses through HfArgumentParser; one error per mistake
   config        the argument dataclasses (every field, each class naming its parts), RunConfig's checks of the whole
   hub           whether the Hugging Face Hub answers (once per process); offline, Hub names fail at once
-  upstream      import costs of the libraries underneath, avoided: transformers' losses without scipy.optimize
   loss          token-sum loss normalised over the accumulated global batch
   packing       padding-free packing: best-fit-decreasing rows of documents, one flattened row per micro-batch, the guard
   data          loading (Hub, local files, the embedded 'pydoc' text), tokenization, packing, padding

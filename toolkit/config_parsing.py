@@ -31,6 +31,9 @@ def field_names(classes) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ parsing
 def _parser(classes):
+    from toolkit.upstream import import_transformers
+
+    import_transformers()  # the first import of transformers in a run: its model files are then read once, not twice
     from transformers import HfArgumentParser
 
     class _Parser(HfArgumentParser):

@@ -31,9 +31,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader
 
-# upstream, for what its import does: transformers' schedulers (imported where used) pull in its modeling code,
-# which then loads without scipy.optimize
-from toolkit import layout, upstream  # noqa: F401
+from toolkit import layout, upstream
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
 from toolkit.config import RunConfig, TrainingArguments, write_config
@@ -68,6 +66,9 @@ from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
 from toolkit.stream import TrainStream, UnreadableLine
 from toolkit.tasks import CausalLM, Task
+
+# transformers' schedulers (imported where used) pull in its modeling code: it loads without scipy.optimize
+upstream.import_transformers_losses()
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:

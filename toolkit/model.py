@@ -11,11 +11,12 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-# upstream, for what its import does: transformers' modeling code (not loaded by the two lines above) then loads
-# without scipy.optimize
-from toolkit import hub, upstream  # noqa: F401
+from toolkit import hub, upstream
 from toolkit.config import ModelArguments, max_positions
 from toolkit.errors import ConfigError
+
+# before transformers' modeling code loads (the imports above do not load it): without scipy.optimize
+upstream.import_transformers_losses()
 
 __all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions"]
 

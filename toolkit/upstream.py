@@ -6,8 +6,9 @@ every process's start-up that loads a model (measured: docs/pitfalls.md#scipy-im
 chat, classifier or DPO run calls. ``import_transformers_losses`` imports that table with a stand-in for
 ``scipy.optimize`` whose ``linear_sum_assignment`` imports scipy's own on its first call, and takes the stand-in out
 of ``sys.modules`` again, so that any later ``import scipy.optimize`` (a detection model's own module, the user's
-code) gets scipy's module. It runs when this module is imported: ``toolkit.model`` and ``toolkit.loop`` import it
-before transformers.
+code) gets scipy's module. ``toolkit.model`` and ``toolkit.loop`` call it once their own imports are done, before
+transformers' modeling code loads. (Importing this module imports nothing: ``toolkit.config_parsing`` imports it to
+parse a config, which loads neither torch nor a model.)
 
 Likewise transformers' schedulers (``get_scheduler``: ``transformers.optimization`` imports ``trainer_utils``) import
 peft wherever it is installed, peft imports bitsandbytes wherever that is installed (``peft.helpers``, for a function
@@ -15,14 +16,45 @@ that dequantizes a 4-bit weight), and bitsandbytes imports torch's compiler (``t
 start-up for a run with no quantized layer. ``import_peft`` imports peft with a stand-in for bitsandbytes whose
 attributes import the real one on first use, and takes the stand-in out of ``sys.modules`` again; ``toolkit.loop``
 calls it before it imports the scheduler.
+
+And transformers reads its model files twice in every process: ``import transformers`` builds the lazy import table of
+``transformers.models`` by opening each of its 1,677 files for their ``__all__`` (``define_import_structure`` on the
+folder), and the first import of ``transformers.models`` (``AutoConfig``, ``AutoTokenizer``: every run) builds the same
+table again from ``models/__init__.py``, a path the cache (keyed by the argument) has not seen: about 0.25 s of
+every process's start-up. ``import_transformers`` imports transformers and has the second build find the first's scan
+(the folder of a file is the folder itself, as the scan already takes it); ``toolkit.config_parsing`` calls it before
+it parses a recipe's arguments, the first thing a run does.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
+from pathlib import Path
+
+
+def import_transformers() -> None:
+    """Import transformers; ``transformers.models``' import table then reuses the scan ``import transformers`` made of
+    the same folder (module docstring). Does nothing more where ``transformers.models`` is imported already, or where
+    transformers no longer has the cached scan this relies on."""
+    import transformers  # noqa: F401
+    from transformers.utils import import_utils
+
+    scan = getattr(import_utils, "create_import_structure_from_path", None)
+    if "transformers.models" in sys.modules or not hasattr(scan, "cache_info") or hasattr(scan, "__toolkit__"):
+        return
+
+    def scan_of_the_folder(module_path):
+        # transformers/__init__.py scanned Path(.../models); models/__init__.py passes its own file: the same folder
+        if os.path.isfile(module_path):
+            module_path = Path(os.path.dirname(module_path))
+        return scan(module_path)
+
+    scan_of_the_folder.__toolkit__ = scan  # the original, and a mark that it is installed once
+    import_utils.create_import_structure_from_path = scan_of_the_folder
 
 
 def _linear_sum_assignment(*args, **kwargs):
@@ -74,5 +106,3 @@ def import_peft() -> None:
         if sys.modules.get("bitsandbytes") is stand_in:
             del sys.modules["bitsandbytes"]
 
-
-import_transformers_losses()

@@ -35,6 +35,45 @@ def test_parsing_a_config_imports_neither_torch_nor_accelerate(tmp_path):
     assert result["loaded"] == [], f"parsing a config imported {result['loaded']}"
 
 
+# What a process knows of transformers.models after importing it: how many folders transformers scanned for their
+# __all__ before and after (the cached scan's misses), and a digest of the lazy import table the scan built.
+_SCANS = (
+    "import hashlib, json, sys\n"
+    "from transformers.utils import import_utils\n"
+    "scan = import_utils.create_import_structure_from_path\n"
+    "scan = getattr(scan, '__toolkit__', scan)\n"
+    "first = scan.cache_info().misses\n"
+    "from transformers import AutoConfig\n"
+    "table = sys.modules['transformers.models']\n"
+    "missing = {k: sorted(v) for k, v in table._object_missing_backend.items()}\n"
+    "digest = hashlib.sha256(repr((sorted(table._modules), sorted(table._class_to_module.items()),\n"
+    "                              sorted(missing.items()))).encode()).hexdigest()\n"
+    "print(json.dumps({'first': first, 'again': scan.cache_info().misses - first, 'digest': digest,\n"
+    "                  'config': AutoConfig.for_model('gpt2').model_type}))\n"
+)
+
+
+def test_transformers_reads_its_model_files_once_a_process():
+    """``import transformers`` scans the folders of ``transformers.models`` (1,677 files opened for their ``__all__``),
+    and the first import of ``transformers.models`` scans them all again from another path (about 0.25 s of every
+    process's start-up: docs/pitfalls.md#transformers-import-scan): the plain import shows it. Through a config parse
+    (a rank's first step, ``toolkit.upstream.import_transformers``) the second import reads the first scan: the same
+    import table, a few folders read again instead of every one."""
+    plain = "import transformers\n" + _SCANS
+    ours = ("import toolkit.config\n"
+            "toolkit.config.config_from_dict(dict(model_name_or_path='gpt2', dataset_name='pydoc', output_dir='run'))\n"
+            + _SCANS)
+    env = {**subprocess_env(), "PYTHONHASHSEED": "0"}  # the table's lists of missing backends come from sets
+    results = []
+    for proc in run_all([[sys.executable, "-c", plain], [sys.executable, "-c", ours]], envs=[env, env]):
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    plain, ours = results
+    assert plain["first"] > 100 and plain["again"] >= plain["first"] - 5  # the upstream cost: everything again
+    assert ours["first"] == plain["first"] and ours["again"] < 5, ours
+    assert ours["digest"] == plain["digest"] and ours["config"] == "gpt2"
+
+
 @pytest.fixture(scope="module")
 def imports() -> list[dict]:
     """What a plain import of transformers loads, and what a rank's imports load (toolkit.build, toolkit.loop, a model
