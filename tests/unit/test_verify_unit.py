@@ -14,6 +14,7 @@ def test_verify_options_never_swallow_a_recipe_field():
     args, recipe_args = _parser().parse_known_args(["--config_file", "x.yaml", "--optim", "sgd", "--checks", "adamw",
                                                     "--learning_rate", "0.1"])
     assert args.checks == ["adamw"]
+    assert _parser().parse_known_args(["--config_file", "x.yaml"])[0].checks == ["sgd", "adamw"]  # both by default
     assert recipe_args == ["--optim", "sgd", "--learning_rate", "0.1"]
     with pytest.raises(SystemExit):
         _parser().parse_args(["--config_file", "x.yaml", "--checks", "sgd,adam"])
