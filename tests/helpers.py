@@ -288,14 +288,14 @@ class RunPool:
         (``LAUNCHING``); a failed batch fails the tests that ask for its runs, as in ``get``."""
         first = {}
         for out, spec in self.specs.items():
-            if spec["kind"][1] == 1 and not spec["copy_from"]:
+            if spec["kind"][1] == 1 and not spec["copy_from"] and not spec.get("before"):
                 first.setdefault(spec["kind"], out)
 
         def launch_all():
             for out in first.values():
                 try:
                     with LAUNCHING:
-                        self._get(out, pull_sources=False)
+                        self._get(out, prefetching=True)
                 except AssertionError:
                     pass  # recorded in self.failed: the tests asking for its runs fail with it
 
@@ -303,7 +303,7 @@ class RunPool:
         thread.start()
         return thread
 
-    def _get(self, out: str, _launching: tuple = (), pull_sources: bool = True) -> str:
+    def _get(self, out: str, _launching: tuple = (), prefetching: bool = False) -> str:
         if out in self.done:
             return self.done[out]
         if out in self.failed:
@@ -314,7 +314,7 @@ class RunPool:
             self.get(spec["copy_from"][0], _launching)  # its source's launch first
         # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
         # (unless that kind waits on this one: then they wait for a later launch).
-        for other, s in list(self.specs.items()) if pull_sources else ():
+        for other, s in list(self.specs.items()) if not prefetching else ():
             source = s["copy_from"] and s["copy_from"][0]
             if other in self.done or s["kind"] != kind or not source or source in self.done or source in self.failed:
                 continue
@@ -326,7 +326,16 @@ class RunPool:
                 continue
             if s["copy_from"] and s["copy_from"][0] not in self.done and s["copy_from"][0] not in batch:
                 continue  # its source is of another kind, not run yet: a later launch
+            if s.get("before") and prefetching:
+                continue  # an interrupted run to make first: not on the prefetching thread, beside the unit tests
             batch.append(other)
+        for other in list(batch):  # what a run resumes (Interrupted), made now: its failure fails that run alone
+            if self.specs[other].get("before"):
+                try:
+                    self.specs[other]["before"](other)
+                except AssertionError as e:
+                    self.failed[other] = f"what {other} resumes could not be made: {e}"
+                    batch.remove(other)
         runs = []
         for other in batch:
             s = self.specs[other]
@@ -355,6 +364,8 @@ class RunPool:
             self.done[r["out"]] = r["out"]
             if r["key"] is not None:
                 self.finished[r["key"]] = r["out"]
+        if out in self.failed:
+            raise AssertionError(self.failed[out])
         return self.done[out]
 
 
@@ -370,6 +381,7 @@ class Runs:
         self.tmp, self.model, self.data, self.common, self.done = tmp, model, data, common, {}
         self.pool = pool if pool is not None else RunPool()
         self.planned: dict[str, dict] = {}
+        self.interrupted: dict[str, Interrupted] = {}  # name -> what its planned run resumes (plan's interrupted=)
 
     def _cfg(self, out: str, micro: int, accum: int, extra: dict) -> dict:
         # plot false: loss.png costs rank 0 0.1-0.3 s a run while the others wait (the notebook's runs draw it)
@@ -384,21 +396,27 @@ class Runs:
         return json.dumps(["probe_run.py", open(path).read(), world, sorted(cfg.items())], default=str)
 
     def plan(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict,
-             copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True) -> None:
+             copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True,
+             interrupted: Interrupted | None = None) -> None:
         """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
         planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``).
-        ``recipe``: which of recipes/ runs it (gpt2, sft, classify, dpo); ``probe``: with probe_run.py's callbacks (gpt2
-        only)."""
+        ``recipe``: which of recipes/ runs it (gpt2, sft, classify, dpo, grpo); ``probe``: with probe_run.py's
+        callbacks (gpt2 only); ``interrupted``: the run resumes an interrupted run of the same fields (``Interrupted``,
+        e.g. ``Killed``: SIGKILLed inside a save; ask for it with ``get_planned``)."""
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
         assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"
         config = config or "ddp.yaml"
+        out = str(self.tmp / name)
+        if interrupted is not None:
+            self.interrupted[name] = interrupted
+            interrupted.argv = args_from(self._cfg(out, interrupted.micro or micro, interrupted.accum or accum, extra))
+            interrupted.recipe, extra = recipe, {**extra, "resume_from_checkpoint": "latest"}
         self.planned[name] = dict(config=config, world=world, micro=micro, accum=accum, extra=extra,
                                   copy_from=copy_from)
-        out = str(self.tmp / name)
-        key = None if copy_from or (recipe, probe) != ("gpt2", True) else self._shared_key(
+        key = None if copy_from or interrupted or (recipe, probe) != ("gpt2", True) else self._shared_key(
             config, world, micro, accum, extra)
         self.pool.add(out, {"kind": (config, world), "argv": args_from(self._cfg(out, micro, accum, extra)),
-                            "recipe": recipe, "probe": probe, "key": key,
+                            "recipe": recipe, "probe": probe, "key": key, "before": interrupted,
                             "copy_from": copy_from and (str(self.tmp / copy_from[0]), copy_from[1])})
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
@@ -626,22 +644,25 @@ def saving_checkpoints(out) -> list[str]:
     return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
 
 
-def kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int, recipe: str = "gpt2") -> tuple[str, int]:
-    """A 2-rank recipes/<recipe>.py run of ``cfg`` under ``config``, SIGKILLed as a whole while a checkpoint save is
-    under way, from step 3 on and before ``before_step``; its output_dir and the last step it logged. The previous
-    checkpoint and ``latest`` stay loadable."""
+def kill_inside_a_save(out: str, argv: list[str], config: str, before_step: int, recipe: str = "gpt2") -> int:
+    """A 2-rank recipes/<recipe>.py run of ``argv`` (its output_dir ``out``) under ``config``, SIGKILLed as a whole
+    while a checkpoint save is under way, from step 3 on and before ``before_step``; the last step it logged. The
+    previous checkpoint and ``latest`` stay loadable."""
+    import shutil
+
     from toolkit import layout
 
+    env = subprocess_env()  # and tests/scripts, where GRPO's reward module is (probe_runs.py's folder, for the relaunch)
+    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, env["PYTHONPATH"]])
     # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
     # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
-    for attempt in range(5):
-        out = str(tmp_path / f"killed-{attempt}")
+    for _ in range(5):
+        shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
                "--num_processes", "2", "--main_process_port", str(free_port()),
-               os.path.join(ROOT, "recipes", f"{recipe}.py"), *args_from({**cfg, "output_dir": out})]
+               os.path.join(ROOT, "recipes", f"{recipe}.py"), *argv]
         with LAUNCHING:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.time() + 120
             while (not (len(steps_logged(out)) >= 3 and saving_checkpoints(out)) and time.time() < deadline
                    and proc.poll() is None):
@@ -657,4 +678,39 @@ def kill_inside_a_save(tmp_path, cfg: dict, config: str, before_step: int, recip
         raise AssertionError(f"no kill out of 5 landed inside a save before step {before_step}")
     latest = layout.latest_checkpoint(out)
     assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(saving_checkpoints(out)[0][5:-4])
-    return out, killed_at
+    return killed_at
+
+
+class Interrupted:
+    """``interrupted=`` of ``Runs.plan``: before the planned run's batch launches, ``__call__(output_dir)`` leaves there
+    an interrupted 2-rank run of the same fields under ``config`` (its command line ``argv``, from ``micro`` x
+    ``accum`` where its split differs from the relaunch's; ``recipe``: both set by ``plan``). The planned run,
+    ``resume_from_checkpoint: latest`` added, is its relaunch, in the shared launch of its kind instead of a launch
+    of its own. What the interruption showed is kept on the object for the test to read."""
+
+    def __init__(self, config: str = "ddp.yaml", micro: int | None = None, accum: int | None = None):
+        self.config, self.micro, self.accum = config, micro, accum
+        self.argv: list[str] | None = None
+        self.recipe = "gpt2"
+
+    def launcher(self) -> list[str]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                os.path.join(CONFIGS, self.config), "--num_processes", "2", "--main_process_port", str(free_port()),
+                os.path.join(ROOT, "recipes", f"{self.recipe}.py"), *self.argv]
+
+    def __call__(self, out: str) -> None:
+        raise NotImplementedError
+
+
+class Killed(Interrupted):
+    """SIGKILLed inside a checkpoint save from step 3 on and before ``before_step`` (``kill_inside_a_save``). ``at``:
+    the last step the killed run logged; ``left``: the unfinished save it left."""
+
+    def __init__(self, before_step: int, config: str = "ddp.yaml", micro: int | None = None,
+                 accum: int | None = None):
+        super().__init__(config, micro, accum)
+        self.before_step, self.at, self.left = before_step, None, None
+
+    def __call__(self, out: str) -> None:
+        self.at = kill_inside_a_save(out, self.argv, self.config, self.before_step, self.recipe)
+        self.left = saving_checkpoints(out)

@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from helpers import Runs, load_weights, max_abs_diff
+from helpers import Killed, Runs, load_weights, max_abs_diff
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
@@ -53,7 +53,16 @@ def plan_runs(pool, tmp_path_factory, tiny_model):
            copy_from=("grpo_ddp", 2), recipe="grpo", probe=False)
     r.plan("kl_resumed", "zero3.yaml", 2, 2, 2, {**_kl(tiny_model), "resume_from_checkpoint": "latest"},
            copy_from=("kl_zero3", 1), recipe="grpo", probe=False)
+    # SIGKILLed inside a save (helpers.Killed), relaunched in the DDP batch beside the uninterrupted run
+    r.plan("killed", "ddp.yaml", 2, 2, 2, _killed(tiny_model), recipe="grpo", probe=False,
+           interrupted=Killed(before_step=6))
+    r.plan("killed_straight", "ddp.yaml", 2, 2, 2, _killed(tiny_model), recipe="grpo", probe=False)
     return {"runs": r}
+
+
+def _killed(tiny_model) -> dict:
+    # num_iterations 3: steps 0 and 3 generate, so a resume from step 2 (or later) trains on a batch it holds
+    return {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2, "num_iterations": 3}
 
 
 @pytest.fixture(scope="module")
@@ -137,26 +146,18 @@ def test_a_resume_at_a_reused_batch_is_bit_identical_under_zero3(runs):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical(tmp_path, tiny_model, monkeypatch):
+def test_sigkill_then_resume_is_bit_identical(runs):
     """SIGKILL to the whole 2-rank job while a checkpoint save is under way (test_reliability's), relaunched from
     ``latest``: the completions drawn after the resume are those of the uninterrupted run (the sampling state is the
     seed, the step and the prompt: nothing to save) and the weights end bit-identical. num_iterations 3 (steps 0 and 3
     generate): the kill lands in the save after step 3 at the earliest, so ``latest`` is step 2 (or later), whose
     next step trains on step 0's batch, held in that checkpoint."""
-    from helpers import ROOT, args_from, kill_inside_a_save, launch_runs, saving_checkpoints, steps_logged
+    from helpers import saving_checkpoints, steps_logged
 
-    from toolkit import layout
-
-    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests", "scripts"))  # grpo_rewards, for the killed launch
-    cfg = {**_grpo(tiny_model), "max_steps": 6, "save_steps": 1, "save_total_limit": 2, "num_iterations": 3}
-    out, killed_at = kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6, recipe="grpo")
-    resumed_from = layout.read_checkpoint_state(layout.latest_checkpoint(out))["loop"]["step"]
-    straight = str(tmp_path / "straight")
-    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
-                            "recipe": "grpo", "probe": False},
-                           {"argv": args_from({**cfg, "output_dir": straight}), "recipe": "grpo", "probe": False}])
-    assert not saving_checkpoints(out) and steps_logged(out) == list(range(1, 7))
+    out, straight = runs.get_planned("killed"), runs.get_planned("killed_straight")
+    killed = runs.interrupted["killed"]
+    assert killed.left and not saving_checkpoints(out) and steps_logged(out) == list(range(1, 7))
     assert _rewards(out)[-1] == _rewards(straight)[-1]
     diff = max_abs_diff(_final(out), _final(straight))
-    print(f"grpo: killed after step {killed_at} (latest checkpoint step {resumed_from}), resumed: max|dw| = {diff:.1e}")
+    print(f"grpo: killed after step {killed.at}, resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0

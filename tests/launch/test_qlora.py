@@ -4,8 +4,8 @@ the packed base on each rank; a resume from a 2-rank checkpoint ends bit for bit
 and under ZeRO-2 with 8-bit AdamW; a 2-rank DDP job SIGKILLed inside a checkpoint save resumes to the
 uninterrupted run's adapters, 8-bit AdamW state and sample order, bit for bit.
 
-The runs compared across strategies are planned into the session's shared launches (``plan_runs``); the SIGKILL
-test launches the job it kills, then the relaunch and the uninterrupted run in one launch (``helpers.launch_runs``)."""
+The runs compared across strategies are planned into the session's shared launches (``plan_runs``); so are the
+SIGKILL test's relaunch and uninterrupted run, the job it kills launched right before their batch (``helpers.Killed``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import os
 
 import pytest
-from helpers import Runs, args_from, kill_inside_a_save, launch_runs, load_weights, max_abs_diff, saving_checkpoints
+from helpers import Killed, Runs, load_weights, max_abs_diff, saving_checkpoints
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")
@@ -47,6 +47,9 @@ def plan_runs(pool, tmp_path_factory, tiny_llama, padded_data):
     r.plan("zero2_8bit", "zero2.yaml", 2, 2, 2, EIGHT_BIT, probe=False)
     r.plan("zero2_8bit_resumed", "zero2.yaml", 2, 2, 2, {**EIGHT_BIT, "resume_from_checkpoint": "latest"},
            copy_from=("zero2_8bit", 2), probe=False)
+    # SIGKILLed inside a save (helpers.Killed), relaunched in the DDP batch beside the uninterrupted run
+    r.plan("killed", "ddp.yaml", 2, 2, 2, KILLED, probe=False, interrupted=Killed(before_step=6))
+    r.plan("killed_straight", "ddp.yaml", 2, 2, 2, KILLED, probe=False)
     return {"runs": r}
 
 
@@ -125,21 +128,18 @@ def _optimizer_state(checkpoint) -> dict:
 
 
 @pytest.mark.slow
-def test_qlora_sigkilled_inside_a_save_resumes_exactly(tmp_path, tiny_llama, padded_data):
+def test_qlora_sigkilled_inside_a_save_resumes_exactly(runs):
     """The whole 2-rank DDP job SIGKILLed while a checkpoint save is under way (steps 3-5 of 8; 4-bit base, adapters
     and the embedding training under 8-bit AdamW); relaunched from ``latest``, it ends as the uninterrupted run does,
     bit for bit: the adapters and the embedding, the last checkpoint's optimizer state (the 8-bit moments, their
     block maxima, the step counts) and every step's loss and token count (the sample order)."""
     import torch
 
-    cfg = {**SGD, **QLORA, **KILLED, **padded_data, "model_name_or_path": tiny_llama, "plot": False}
-    out, killed_at = kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=6)
-    straight = str(tmp_path / "straight")
-    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
-                            "probe": False}, {"argv": args_from({**cfg, "output_dir": straight}), "probe": False}])
-    assert not saving_checkpoints(out), "the relaunch removes what the killed save left"
+    out, straight = runs.get_planned("killed"), runs.get_planned("killed_straight")
+    killed = runs.interrupted["killed"]
+    assert killed.left and not saving_checkpoints(out), "the relaunch removes what the killed save left"
     diff = max_abs_diff(_adapter(out), _adapter(straight))
-    print(f"QLoRA killed after step {killed_at}, resumed: adapters max|d| = {diff:.1e}")
+    print(f"QLoRA killed after step {killed.at}, resumed: adapters max|d| = {diff:.1e}")
     assert diff == 0.0 and any("embed_tokens" in k for k in _adapter(out))
 
     def steps(run):

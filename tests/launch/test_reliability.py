@@ -17,21 +17,19 @@ import time
 
 import pytest
 from helpers import (
-    CONFIGS,
     ROOT,
+    Interrupted,
+    Killed,
     Runs,
     args_from,
     descendants,
-    free_port,
     kill_job,
     launch,
-    launch_runs,
     load_weights,
     max_abs_diff,
     subprocess_env,
     wait_until_gone,
 )
-from helpers import kill_inside_a_save as _kill_inside_a_save
 from helpers import saving_checkpoints as _saving
 from helpers import steps_logged as _steps_logged
 
@@ -42,8 +40,8 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, logging_steps=1, seed=
 
 
 # The uninterrupted runs the tests below compare with (recipes/gpt2.py, 2 ranks x 2 x 2), planned: those under one
-# launch config share a launch (helpers.Runs.plan). The SIGKILL test's, one per launch config, run in its relaunch's
-# launch, after the resumed run (helpers.launch_runs): a launch fewer under ZeRO-3 and FSDP.
+# launch config share a launch (helpers.Runs.plan). So do the SIGKILL tests' relaunches (helpers.Killed): no launch
+# of their own.
 # 24 steps of a 6-step epoch: the signal (sent once 3 steps are logged) lands mid-run, and the resume crosses epoch
 # boundaries. The stop comes within about 2 steps of the signal; 60 steps only made three runs longer.
 SIGTERM_STRAIGHT = {"max_steps": 24}
@@ -52,22 +50,38 @@ SIGKILL = {"max_steps": 9, "save_steps": 1, "save_total_limit": 2}
 SIGKILL_CONFIGS = ["ddp.yaml", "zero3.yaml", "fsdp.yaml"]
 NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at lr 1e20 blows the weights up
 SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
+STREAM = {"streaming": True, "shuffle_buffer_size": 12, "packing": True}
 OVERWRITTEN = {"max_steps": 2, "save_steps": 1}  # the earlier run of the overwrite test, one process x 8
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
     """Planned (conftest's run_pool): they join the session's 2-rank DDP launch, and the overwrite test's earlier run
-    the one-process launch (run beside tests/unit)."""
+    the one-process launch (run beside tests/unit). Each SIGKILLed run is killed right before its launch config's
+    batch launches, and its relaunch and the uninterrupted run it is compared with run in that batch (``Killed``)."""
     r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False)
+    r.plan("preempted", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False, interrupted=Preempted())
+    r.plan("launcher_lost", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False, interrupted=LauncherLost())
     r.plan("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED, probe=False)
     r.plan("overwritten", None, 1, 8, 1, OVERWRITTEN, probe=False)
-    return {"runs": r}
+    for config in SIGKILL_CONFIGS:  # the resume crosses the epoch's end (6 steps)
+        r.plan(f"killed_{config}", config, 2, 2, 2, SIGKILL, probe=False, interrupted=Killed(before_step=6, config=config))
+        r.plan(f"straight_{config}", config, 2, 2, 2, SIGKILL, probe=False)
+    # the stream: killed on 2 ranks x 2 x 2, resumed on 1 process x 8 (the one-process launch after the 2-rank one)
+    stream = Runs(tmp_path_factory.mktemp("reliability-stream"), tiny_model, text_shards, COMMON, pool=pool)
+    for name, killed in (("killed", Killed(before_step=SIGKILL["max_steps"] - 1, micro=2, accum=2)), ("straight", None)):
+        stream.plan(name, "ddp.yaml", 1, 8, 1, {**SIGKILL, **STREAM}, probe=False, interrupted=killed)
+    return {"runs": r, "stream_runs": stream}
 
 
 @pytest.fixture(scope="module")
 def runs(run_pool):
     return run_pool.modules[(__name__, "runs")]
+
+
+@pytest.fixture(scope="module")
+def stream_runs(run_pool):
+    return run_pool.modules[(__name__, "stream_runs")]
 
 
 def _signal_after_3_steps(cmd: list[str], out: str) -> tuple[str, int]:
@@ -99,58 +113,77 @@ def test_sigterm_to_a_plain_process_saves_and_exits_zero(tmp_path, tiny_model, p
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
 
 
+def _interrupted_state(hook, out: str) -> None:
+    """What the interrupted run left, read before its relaunch continues it: the last step logged, ``latest``,
+    whether ``final/`` exists, the summary."""
+    hook.stopped = max(_steps_logged(out))
+    hook.latest = open(os.path.join(out, "checkpoints", "latest")).read()
+    hook.final = os.path.exists(os.path.join(out, "final"))
+    summary = os.path.join(out, "summary.json")
+    hook.summary = json.load(open(summary)) if os.path.isfile(summary) else None
+
+
+class Preempted(Interrupted):
+    """The 2-rank DDP launch SIGTERMed once 3 steps are logged, as a scheduler does: its output, exit code and what
+    it left."""
+
+    def __call__(self, out: str) -> None:
+        self.output, self.returncode = _signal_after_3_steps(self.launcher(), out)
+        _interrupted_state(self, out)
+
+
+class LauncherLost(Interrupted):
+    """The launcher SIGKILLed alone once 3 steps are logged (no signal reaches the ranks: torch elastic gives each a
+    session of its own): what the orphaned ranks printed, whether they were gone within 30 s, what they left."""
+
+    def __call__(self, out: str) -> None:
+        proc = subprocess.Popen(self.launcher(), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        ranks: list[int] = []
+        try:
+            deadline = time.time() + 120
+            while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            ranks = descendants(proc.pid)
+            assert proc.poll() is None and len(ranks) >= 2, "the run ended before its launcher could be killed"
+            proc.kill()
+            self.output, _ = proc.communicate(timeout=120)  # the ranks hold the pipe: EOF once both have closed it
+            self.ranks_gone = wait_until_gone(ranks, timeout=30)
+        finally:
+            for pid in ranks:  # never leave an orphan training behind a failed assertion
+                kill_job(pid)
+        _interrupted_state(self, out)
+
+
 @pytest.mark.slow
-def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(runs, tmp_path, tiny_model, padded_data):
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGTERM_STRAIGHT}
-    straight = runs.get("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT)
-
-    def launcher(output_dir: str) -> list[str]:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
-                "--num_processes", "2", "--main_process_port", str(free_port()),
-                os.path.join(ROOT, "recipes", "gpt2.py"), *args_from({**cfg, "output_dir": output_dir})]
-
-    out = str(tmp_path / "preempted")
-    output, returncode = _signal_after_3_steps(launcher(out), out)
+def test_sigterm_or_a_lost_launcher_checkpoints_and_resumes_exactly(runs):
+    """SIGTERM to the launcher mid-run, and the launcher SIGKILLed alone, each once 3 steps are logged (made right
+    before the shared DDP launch: ``Preempted``, ``LauncherLost``); each relaunch with ``resume_from_checkpoint:
+    latest``, in that launch, ends with the uninterrupted run's weights."""
+    straight = runs.get_planned("sigterm_straight")
+    out, lost = runs.get_planned("preempted"), runs.get_planned("launcher_lost")
+    preempted, launcher_lost = runs.interrupted["preempted"], runs.interrupted["launcher_lost"]
     # torch elastic forwards SIGTERM to the ranks (which save and exit 0) and then exits 128 + SIGTERM itself: the
     # convention schedulers requeue on.
-    assert returncode == 128 + signal.SIGTERM, output[-4000:]
-    stopped = max(_steps_logged(out))
+    assert preempted.returncode == 128 + signal.SIGTERM, preempted.output[-4000:]
+    stopped = preempted.stopped
     print(f"SIGTERM once 3 steps were logged: stopped after step {stopped} of {SIGTERM_STEPS}")
     assert 3 <= stopped < SIGTERM_STEPS
-    assert f"SIGTERM: saved checkpoint step-{stopped}" in output
-    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step-{stopped}"
-    assert not os.path.exists(os.path.join(out, "final")), "a preempted run is not finished"
-    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert f"SIGTERM: saved checkpoint step-{stopped}" in preempted.output
+    assert preempted.latest == f"step-{stopped}"
+    assert not preempted.final, "a preempted run is not finished"
+    summary = preempted.summary
     assert (summary["ended"], summary["steps"], summary["final_model"]) == ("preempted", stopped, None)
 
-    # The launcher SIGKILLed alone (no signal reaches the ranks: torch elastic gives each a session of its own). The
-    # orphaned ranks see their parent change, finish the step, save and exit, instead of training on into output_dir.
-    lost = str(tmp_path / "launcher-killed")
-    proc = subprocess.Popen(launcher(lost), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    ranks: list[int] = []
-    try:
-        deadline = time.time() + 120
-        while len(_steps_logged(lost)) < 3 and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        ranks = descendants(proc.pid)
-        assert proc.poll() is None and len(ranks) >= 2, "the run ended before its launcher could be killed"
-        proc.kill()
-        output, _ = proc.communicate(timeout=120)  # the ranks hold the pipe: EOF once both have closed it
-        assert wait_until_gone(ranks, timeout=30), "a rank outlived its launcher"
-    finally:
-        for pid in ranks:  # never leave an orphan training behind a failed assertion
-            kill_job(pid)
-    stopped = max(_steps_logged(lost))
+    # The orphaned ranks see their parent change, finish the step, save and exit, instead of training on into
+    # output_dir.
+    assert launcher_lost.ranks_gone, "a rank outlived its launcher"
+    stopped = launcher_lost.stopped
     print(f"launcher killed once 3 steps were logged: stopped after step {stopped} of {SIGTERM_STEPS}")
     assert 3 <= stopped < SIGTERM_STEPS
-    assert f"launcher gone: saved checkpoint step-{stopped}" in output, output[-4000:]
-    assert open(os.path.join(lost, "checkpoints", "latest")).read() == f"step-{stopped}"
-    assert not os.path.exists(os.path.join(lost, "final"))
+    assert f"launcher gone: saved checkpoint step-{stopped}" in launcher_lost.output, launcher_lost.output[-4000:]
+    assert launcher_lost.latest == f"step-{stopped}" and not launcher_lost.final
 
-    # Both relaunches with resume_from_checkpoint: latest, one after the other in one launch (helpers.launch_runs).
-    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": d, "resume_from_checkpoint": "latest"}),
-                            "probe": False} for d in (out, lost)])
     assert max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final"))) <= 1e-6
     assert _steps_logged(out) == list(range(1, SIGTERM_STEPS + 1))
     assert max_abs_diff(load_weights(os.path.join(lost, "final")), load_weights(os.path.join(straight, "final"))) <= 1e-6
@@ -220,44 +253,32 @@ def test_overwrite_moves_the_earlier_run_aside_and_writes_final_atomically(runs,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", SIGKILL_CONFIGS)
-def test_sigkill_anywhere_then_resume_is_bit_identical(tmp_path, tiny_model, padded_data, config):
+def test_sigkill_anywhere_then_resume_is_bit_identical(runs, config):
     """SIGKILL to the whole job (launcher and ranks, frozen first so that none runs on) once a few steps are logged and
-    a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous checkpoint and ``latest`` stay
-    loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary (6 steps per epoch) and ends
-    with exactly the weights of the uninterrupted run."""
-    cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, **SIGKILL}
-    out, killed_at = _kill_inside_a_save(tmp_path, cfg, config, before_step=6)  # the resume crosses the epoch's end
-
-    # The relaunch from `latest`, and after it, in the same launch (helpers.launch_runs), the uninterrupted run.
-    straight = str(tmp_path / "straight")
-    launch_runs(tmp_path, [{"argv": args_from({**cfg, "output_dir": out, "resume_from_checkpoint": "latest"}),
-                            "probe": False}, {"argv": args_from({**cfg, "output_dir": straight}), "probe": False}],
-                config=config)
-    assert not _saving(out), "the relaunch removes what the killed save left"
+    a checkpoint save is under way (its ``step-N.tmp`` exists: the kill lands inside ``save_state``). The previous
+    checkpoint and ``latest`` stay loadable; the relaunch from `latest` clears the leftover, crosses an epoch boundary
+    (6 steps per epoch) and ends with exactly the weights of the uninterrupted run."""
+    out, straight = runs.get_planned(f"killed_{config}"), runs.get_planned(f"straight_{config}")
+    killed = runs.interrupted[f"killed_{config}"]
+    assert killed.left and not _saving(out), "the relaunch removes what the killed save left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
-    print(f"{config}: killed after step {killed_at}, resumed: max|dw| = {diff:.1e}")
+    print(f"{config}: killed after step {killed.at}, resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0
     assert _steps_logged(out) == list(range(1, 10))
 
 
 @pytest.mark.slow
-def test_a_stream_sigkilled_mid_run_resumes_on_one_process_in_the_same_order(tmp_path, tiny_model, text_shards):
+def test_a_stream_sigkilled_mid_run_resumes_on_one_process_in_the_same_order(stream_runs):
     """streaming: true (recipes/gpt2.py, 4 files, windows of 12 rows, bfd packing): 2 ranks x 2 x 2 SIGKILLed inside a
     save from step 3 on, relaunched on 1 process x 8 from ``latest``: the source restarts at the checkpoint's window
     and the run takes exactly the rows of the uninterrupted 1-process run (the same tokens at every step) and ends
     with its weights (SGD: 1e-6; another world size sums in another order, so not bit for bit)."""
-    cfg = {**COMMON, **text_shards, "model_name_or_path": tiny_model, **SIGKILL, "streaming": True,
-           "shuffle_buffer_size": 12, "packing": True}
-    out, killed_at = _kill_inside_a_save(tmp_path, cfg, "ddp.yaml", before_step=SIGKILL["max_steps"] - 1)
-    one = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
-    straight = str(tmp_path / "straight")
-    launch_runs(tmp_path, [{"argv": args_from({**cfg, **one, "output_dir": out, "resume_from_checkpoint": "latest"}),
-                            "probe": False}, {"argv": args_from({**cfg, **one, "output_dir": straight}), "probe": False}],
-                num_processes=1)
-    assert not _saving(out), "the relaunch removes what the killed save left"
+    out, straight = stream_runs.get_planned("killed"), stream_runs.get_planned("straight")
+    killed = stream_runs.interrupted["killed"]
+    assert killed.left and not _saving(out), "the relaunch removes what the killed save left"
     tokens = {run: [(r["step"], r["tokens_seen"]) for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
                     if "loss" in r] for run in (out, straight)}
     assert tokens[out] == tokens[straight] and len(tokens[out]) == SIGKILL["max_steps"]
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
-    print(f"stream: killed after step {killed_at}, resumed on 1 process: max|dw| = {diff:.1e}")
+    print(f"stream: killed after step {killed.at}, resumed on 1 process: max|dw| = {diff:.1e}")
     assert diff <= 1e-6, diff
