@@ -333,8 +333,8 @@ class RunPool:
             if self.specs[other].get("before"):
                 try:
                     self.specs[other]["before"](other)
-                except AssertionError as e:
-                    self.failed[other] = f"what {other} resumes could not be made: {e}"
+                except Exception as e:  # noqa: BLE001 (a timeout, an assertion: that test's failure, not the batch's)
+                    self.failed[other] = f"what {other} resumes could not be made: {e!r}"
                     batch.remove(other)
         runs = []
         for other in batch:
@@ -644,43 +644,6 @@ def saving_checkpoints(out) -> list[str]:
     return [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+\.tmp", n)]
 
 
-def kill_inside_a_save(out: str, argv: list[str], config: str, before_step: int, recipe: str = "gpt2") -> int:
-    """A 2-rank recipes/<recipe>.py run of ``argv`` (its output_dir ``out``) under ``config``, SIGKILLed as a whole
-    while a checkpoint save is under way, from step 3 on and before ``before_step``; the last step it logged. The
-    previous checkpoint and ``latest`` stay loadable."""
-    import shutil
-
-    from toolkit import layout
-
-    env = subprocess_env()  # and tests/scripts, where GRPO's reward module is (probe_runs.py's folder, for the relaunch)
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, env["PYTHONPATH"]])
-    # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
-    # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
-    for _ in range(5):
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-               "--num_processes", "2", "--main_process_port", str(free_port()),
-               os.path.join(ROOT, "recipes", f"{recipe}.py"), *argv]
-        with LAUNCHING:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.time() + 120
-            while (not (len(steps_logged(out)) >= 3 and saving_checkpoints(out)) and time.time() < deadline
-                   and proc.poll() is None):
-                time.sleep(0.002)
-            assert proc.poll() is None, "the run ended before it could be killed"
-            kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
-            proc.wait(timeout=30)
-        killed_at = max(steps_logged(out))
-        assert not os.path.exists(os.path.join(out, "final"))
-        if saving_checkpoints(out) and killed_at < before_step:
-            break
-    else:
-        raise AssertionError(f"no kill out of 5 landed inside a save before step {before_step}")
-    latest = layout.latest_checkpoint(out)
-    assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(saving_checkpoints(out)[0][5:-4])
-    return killed_at
-
-
 class Interrupted:
     """``interrupted=`` of ``Runs.plan``: before the planned run's batch launches, ``__call__(output_dir)`` leaves there
     an interrupted 2-rank run of the same fields under ``config`` (its command line ``argv``, from ``micro`` x
@@ -694,17 +657,27 @@ class Interrupted:
         self.recipe = "gpt2"
 
     def launcher(self) -> list[str]:
+        """The command that starts the run (a new port each time)."""
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 os.path.join(CONFIGS, self.config), "--num_processes", "2", "--main_process_port", str(free_port()),
                 os.path.join(ROOT, "recipes", f"{self.recipe}.py"), *self.argv]
+
+    @staticmethod
+    def env() -> dict:
+        """subprocess_env, and tests/scripts, where GRPO's reward module is (probe_runs.py's folder, for the
+        relaunch)."""
+        env = subprocess_env()
+        env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, env["PYTHONPATH"]])
+        return env
 
     def __call__(self, out: str) -> None:
         raise NotImplementedError
 
 
 class Killed(Interrupted):
-    """SIGKILLed inside a checkpoint save from step 3 on and before ``before_step`` (``kill_inside_a_save``). ``at``:
-    the last step the killed run logged; ``left``: the unfinished save it left."""
+    """SIGKILL to the whole job (launcher and ranks) while a checkpoint save is under way, from step 3 on and before
+    ``before_step``; the previous checkpoint and ``latest`` stay loadable. ``at``: the last step the killed run
+    logged; ``left``: the unfinished save it left."""
 
     def __init__(self, before_step: int, config: str = "ddp.yaml", micro: int | None = None,
                  accum: int | None = None):
@@ -712,5 +685,30 @@ class Killed(Interrupted):
         self.before_step, self.at, self.left = before_step, None, None
 
     def __call__(self, out: str) -> None:
-        self.at = kill_inside_a_save(out, self.argv, self.config, self.before_step, self.recipe)
+        import shutil
+
+        from toolkit import layout
+
+        # A save of this model lasts milliseconds (DDP) to ~0.1 s: a kill aimed at one can land just after it. Each
+        # attempt starts afresh and kills at the first save seen from step 3 on. Bounded: 5 attempts.
+        for _ in range(5):
+            shutil.rmtree(out, ignore_errors=True)
+            with LAUNCHING:
+                proc = subprocess.Popen(self.launcher(), cwd=ROOT, env=self.env(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+                deadline = time.time() + 120
+                while (not (len(steps_logged(out)) >= 3 and saving_checkpoints(out)) and time.time() < deadline
+                       and proc.poll() is None):
+                    time.sleep(0.002)
+                assert proc.poll() is None, "the run ended before it could be killed"
+                kill_job(proc.pid)  # the launcher and its ranks (each in a session of its own: killpg would miss them)
+                proc.wait(timeout=30)
+            self.at = max(steps_logged(out))
+            assert not os.path.exists(os.path.join(out, "final"))
+            if saving_checkpoints(out) and self.at < self.before_step:
+                break
+        else:
+            raise AssertionError(f"no kill out of 5 landed inside a save before step {self.before_step}")
         self.left = saving_checkpoints(out)
+        latest = layout.latest_checkpoint(out)
+        assert latest and layout.read_checkpoint_state(latest)["loop"]["step"] < int(self.left[0][5:-4])
