@@ -27,6 +27,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   order         the global sample order (independent of world size and accumulation)
   stream        the same order for a stream (streaming: true): shuffled windows, g % dp per rank, exact resume
   distributed   the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees
+  clipping      the global gradient norm and clipping, exact on a CPU (torch's fp32 CPU norm kernel is not)
   quantization  a frozen base in 4 or 8 bits (bitsandbytes: QLoRA), its checks and storage; 8-bit AdamW
   model         tokenizer and model loading (tensor-parallel too), disable_dropout
   lora          LoRA through peft: wrap, adapter and merged export, loading an export back

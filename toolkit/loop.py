@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from toolkit import layout, upstream
 from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
+from toolkit.clipping import clip_grad_norm
 from toolkit.config import RunConfig, TrainingArguments, write_config
 from toolkit.distributed import (
     configure_deepspeed,
@@ -154,7 +155,7 @@ def _clip_and_norm(accelerator, model, max_grad_norm: float) -> torch.Tensor | N
     if _is_deepspeed(accelerator):
         return None  # DeepSpeed clips inside engine.step() (gradient_clipping set from the recipe); norm read after
     # With clipping off, a max norm of inf still returns the norm and scales by exactly 1.0 (min(inf/n, 1) == 1).
-    return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    return clip_grad_norm(accelerator, model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
 
 
 def _to_host(norm, counts: torch.Tensor) -> tuple[float | None, int, int, int, int]:
