@@ -2,10 +2,11 @@
 
 torch's CPU kernel for an fp32 2-norm (``torch.linalg.vector_norm``, behind ``clip_grad_norm_``, ``get_total_norm``
 and accelerate's ``clip_grad_norm_``) sums the squares in a single fp32 accumulator per vector lane: on a large
-gradient the sum stops growing. GPT-2's embedding gradient (38.6M weights) comes out up to 0.4% low, a 1M-weight one
-1e-4 low, where ``g.pow(2).sum()`` (cascade summation) is within 1e-7 (pytorch/pytorch#169237, #151761, open in
-torch 2.13). The norm is logged as ``grad_norm`` and scales every clipped step: a CPU run logged and clipped against
-a norm that depends on how the tensors are cut, so 1 process, DDP and FSDP2 disagreed by up to that much. On a CPU
+gradient the sum stops growing. A skewed 38M-weight gradient (GPT-2's embedding has 38.6M) came out 0.36% low, a
+1M-weight one 1e-4 low, where ``g.pow(2).sum()`` (cascade summation) is within 1e-7 (pytorch/pytorch#169237,
+#151761, open in torch 2.13); SmolLM2-135M's first logged norm moved by 6.6e-5. The norm is logged as ``grad_norm``
+and scales every clipped step: a CPU run logged and clipped against a norm that depended on how the tensors are cut,
+so 1 process, DDP and FSDP2 could disagree by as much. On a CPU
 the norm here is the square root of the squares' sums (each gradient's, over its shards where it is a DTensor),
 added in float64; the clipping is torch's own (``clip_grads_with_norm_``: max_norm / (norm + 1e-6), at most 1).
 Elsewhere (a GPU's reduction is a tree) accelerate's ``clip_grad_norm_`` runs, and so does FSDP1's own (its flat
