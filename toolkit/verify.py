@@ -19,7 +19,8 @@ fp32 rounding noise (another summation order on another CPU) into a visible chan
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
 shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/launch/test_core.py). DeepSpeed clips inside its
 engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
-Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error. A failed run's own error line
+Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error, found before any launch: the fields, and
+what a rank of the launch would refuse (``toolkit train``'s checks, ``toolkit.launch.check``). A failed run's own error line
 (``config error: ...``, or the last exception a rank raised) is printed with its log's path, not the launcher's
 traceback, which only says that a rank failed.
 
@@ -42,7 +43,7 @@ import time
 from toolkit import layout
 from toolkit.config import ConfigError, field_names, parse_args
 from toolkit.config_help import recipe_task
-from toolkit.launch import packaged
+from toolkit.launch import check, packaged
 
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args.recipe = args.recipe or default_recipe()
     try:
         plan = _plan(args, recipe_args)
+        task = recipe_task(args.recipe)
+        if task is not None:  # what a rank of the launch would refuse (toolkit train's checks), before any launch
+            check(task, args.config_file, plan["world"],
+                  [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(args.checks[0], args),
+                   "--output_dir", os.devnull + "-unused"], mixed_precision="no")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

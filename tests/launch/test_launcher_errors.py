@@ -1,17 +1,20 @@
 """A recipe's own error under a launcher (issue 25, point 6): what the user reads and the exit codes.
 
 One real launch serves both tests: ``python -m toolkit verify`` under ``ddp.yaml`` with 2 processes, pointed at a
-model folder that does not exist. Its first run is ``accelerate launch --quiet ... --num_processes 2
-recipes/gpt2.py ...`` (2 gloo ranks); both ranks stop with the same ``config error: model_name_or_path: cannot
-load ...``. The launch's whole output is verify's log of that run: the user's view of ``accelerate launch -q``.
+model folder that does not exist, with a recipe of the user's own (a copy of recipes/gpt2.py: verify checks a shipped
+recipe's launch before it launches, as ``toolkit train`` does, and would refuse this in a second; a script of one's
+own meets it in its ranks). Its first run is ``accelerate launch --quiet ... --num_processes 2 my_recipe.py ...``
+(2 gloo ranks); both ranks stop with the same ``config error: model_name_or_path: cannot load ...``. The launch's
+whole output is verify's log of that run: the user's view of ``accelerate launch -q``.
 The exit codes under each launcher: docs/reliability.md#exit-codes.
 """
 
 import os
+import shutil
 import sys
 
 import pytest
-from helpers import CONFIGS, args_from, run
+from helpers import CONFIGS, ROOT, args_from, run
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +25,11 @@ def failed_verify(tmp_path_factory, padded_data):
     missing = "outputs/models/never-written"
     recipe_args = args_from({"model_name_or_path": missing, **padded_data, "block_size": 32, "packing": False,
                              "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2})
+    recipe = work / "my_recipe.py"
+    shutil.copy(os.path.join(ROOT, "recipes", "gpt2.py"), recipe)
     proc = run([sys.executable, "-m", "toolkit", "verify", "--config_file", os.path.join(CONFIGS, "ddp.yaml"),
-                "--num_processes", "2", "--checks", "sgd", "--work_dir", str(work / "verify"), *recipe_args],
-               check=False)
+                "--num_processes", "2", "--checks", "sgd", "--work_dir", str(work / "verify"), "--recipe", str(recipe),
+                *recipe_args], check=False)
     with open(work / "verify" / "sgd-strategy.log") as f:
         return {"proc": proc, "missing": missing, "log": f.read(), "log_path": str(work / "verify" / "sgd-strategy.log")}
 

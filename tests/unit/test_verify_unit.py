@@ -62,3 +62,18 @@ def test_a_field_of_another_recipe_stops_verify_before_any_launch(tiny_model, pa
     assert code == 2
     assert capsys.readouterr().err == "config error: beta: is a field of recipes/dpo.py, recipes/grpo.py; " \
                                       "recipes/gpt2.py does not use it: delete it\n"
+
+
+def test_what_a_launched_rank_would_refuse_stops_verify_before_any_launch(tiny_model, padded_data, tmp_path, capsys):
+    """The checks ``toolkit train`` makes before it launches (a rank's refusals, in the launch config's environment):
+    a pipeline under ZeRO-3 is refused in a second, naming the field, not by the ranks of a launch."""
+    from helpers import ROOT
+
+    from toolkit.verify import main
+
+    code = main(["--config_file", f"{ROOT}/accelerate_configs/zero3.yaml", "--num_processes", "2",
+                 "--model_name_or_path", tiny_model, "--train_file", padded_data["train_file"], "--block_size", "32",
+                 "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2", "--work_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("config error: pipeline_parallel_size") and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # no run was started
