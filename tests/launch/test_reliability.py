@@ -56,8 +56,9 @@ OVERWRITTEN = {"max_steps": 2, "save_steps": 1}  # the earlier run of the overwr
 
 def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
     """Planned (conftest's run_pool): they join the session's 2-rank DDP launch, and the overwrite test's earlier run
-    the one-process launch (run beside tests/unit). Each SIGKILLed run is killed right before its launch config's
-    batch launches, and its relaunch and the uninterrupted run it is compared with run in that batch (``Killed``)."""
+    the one-process launch (run beside tests/unit). Each interrupted run (``Killed``, ``Preempted``, ``LauncherLost``)
+    is interrupted right before its launch config's batch launches, and its relaunch and the uninterrupted run it is
+    compared with run in that batch."""
     r = Runs(tmp_path_factory.mktemp("reliability"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("sigterm_straight", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False)
     r.plan("preempted", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False, interrupted=Preempted())
