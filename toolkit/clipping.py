@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def clip_grad_norm(accelerator: Accelerator, parameters, max_norm: float) -> torch.Tensor:
@@ -42,11 +43,29 @@ def clip_grad_norm(accelerator: Accelerator, parameters, max_norm: float) -> tor
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all of ``grads`` together (fp32, like torch's): each one's sum of squares by cascade summation,
-    a DTensor's over its shards (``full_tensor`` reduces the partial sums over the mesh), added in float64."""
-    squares = []
+    a DTensor's over its shards, added in float64.
+
+    A DTensor's sum is this rank's shard's, partial over the mesh dimensions it is sharded on. The partial sums of
+    all the gradients of one mesh and layout are reduced together, in one all-reduce: one ``full_tensor`` a gradient
+    made one collective a parameter a step (a 242-parameter FSDP2 model on 2 gloo ranks, a shared 2-core CPU: 200 ms
+    a norm, against 6-8 ms for accelerate's one all-reduce a mesh; 10-13 ms this way). Every rank holds the same gradients' layouts in the same order, so every rank makes the
+    same collectives in the same order."""
+    plain, partial = [], defaultdict(list)
     for g in grads:
-        s = g.float().pow(2).sum()
-        squares.append((s.full_tensor() if hasattr(s, "full_tensor") else s).double())
+        if isinstance(g, DTensor) and not any(p.is_partial() for p in g.placements):
+            # this rank's shard, summed as a plain tensor (a DTensor op a gradient costs ~0.1 ms of dispatch): the
+            # sum is partial over the dimensions the gradient is sharded on, the same on those it is replicated on
+            layout = tuple(Partial() if p.is_shard() else Replicate() for p in g.placements)
+            partial[(g.device_mesh, layout)].append(g.to_local().float().pow(2).sum())
+        elif isinstance(g, DTensor):  # a pending reduction: DTensor's own ops make it first
+            s = g.float().pow(2).sum()
+            partial[(s.device_mesh, tuple(s.placements))].append(s.to_local())
+        else:
+            plain.append(g.float().pow(2).sum())
+    squares = [torch.stack(plain).double()] if plain else []
+    for (mesh, placements), sums in partial.items():
+        local = torch.stack(sums).double()  # float64 on the wire too: the shards' sums added in float64
+        squares.append(DTensor.from_local(local, mesh, placements, run_check=False).full_tensor())
     if not squares:
         return torch.zeros((), dtype=torch.float32)
-    return torch.stack(squares).sum().sqrt().float()
+    return torch.cat(squares).sum().sqrt().float()

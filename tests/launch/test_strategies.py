@@ -8,6 +8,7 @@ Launches are shared between assertions (each costs ~10 s of process start).
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -168,6 +169,11 @@ def assert_really_distributed(out, strategy, clipping):
             assert p["global_steps"] == 3
     # the full (gathered) weights every rank ends with are bit-identical
     assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
+    if strategy in ("ddp", "fsdp"):  # toolkit.clipping (CPU): each weight counted once, in one collective a mesh
+        for p in ranks:  # gradients of ones: the norm is sqrt(the full model's weight count), not a shard's
+            assert p["clip_norm"] == pytest.approx(math.sqrt(p["clip_weights"]), rel=1e-7), p
+            # FSDP2: one all-reduce for the model's one mesh (one per parameter took 200 ms a step on 242 of them)
+            assert p["clip_collectives"] == (1 if strategy == "fsdp" else 0) < p["clip_params"], p
 
 
 def assert_final_is_full_and_reloads(out, tiny_model):
