@@ -318,6 +318,8 @@ def test_a_stream_under_each_layout_trains_like_one_process(stream_runs, layout)
     assert len(rows[one]) == 3 and max_abs_diff(load_weights(final(one)), load_weights(runs.model)) > 1e-3  # it trains
     assert [r["loss"] for r in rows[out]] == pytest.approx([r["loss"] for r in rows[one]], rel=1e-5)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(one))) <= 1e-6
+    if layout in ("fsdp", "hsdp", "tp"):  # toolkit.clipping's norm: each weight once (HSDP: not once a replica)
+        assert rows[out][0]["grad_norm"] == pytest.approx(rows[one][0]["grad_norm"], rel=GRAD_NORM_REL_FIRST_STEP)
 
 
 def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
