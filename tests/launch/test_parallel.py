@@ -103,8 +103,15 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
     for r, w in zip(evals, want_evals):
         assert r["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-6, abs=0)
         assert r["perplexity"] == pytest.approx(w["perplexity"], rel=1e-5, abs=0)
+    # the logged norm is the full model's: the same as one process's at step 1 (the same weights)
+    assert rows[0]["step"] == 1 and rows[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-6)
     for rank in range(2):
-        assert _probe(tp, rank)["placements"] == ["S(0)"]  # a weight of the TP plan, split over the 2 ranks
+        probe = _probe(tp, rank)
+        assert probe["placements"] == ["S(0)"]  # a weight of the TP plan, split over the 2 ranks
+        # toolkit.clipping on gradients of ones: sqrt(the weight count), a replicated weight (the norms) counted once,
+        # a split one over both shards; one all-reduce for the split ones, none for the others
+        assert probe["clip_norm"] == pytest.approx(probe["clip_weights"] ** 0.5, rel=1e-7), probe
+        assert probe["clip_collectives"] == 1, probe
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tp, "final"))  # a plain model: no distributed_config
     assert getattr(model.config, "distributed_config", None) is None
 

@@ -64,6 +64,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
     r.plan("preempted", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False, interrupted=Preempted())
     r.plan("launcher_lost", "ddp.yaml", 2, 2, 2, SIGTERM_STRAIGHT, probe=False, interrupted=LauncherLost())
     r.plan("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED, probe=False)
+    r.plan("nonfinite_skipped_fsdp", "fsdp.yaml", 2, 2, 2, SKIPPED, probe=False)  # the norm over shards: both ranks
     r.plan("overwritten", None, 1, 8, 1, OVERWRITTEN, probe=False)
     for config in SIGKILL_CONFIGS:  # the resume crosses the epoch's end (6 steps)
         r.plan(f"killed_{config}", config, 2, 2, 2, SIGKILL, probe=False, interrupted=Killed(before_step=6, config=config))
@@ -209,12 +210,15 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     assert summary["ended"] == "stopped" and summary["steps"] == bad_step - 1 and summary["final_model"] is None
     assert summary["stop_reason"] == message[len("training stopped: "):] and summary["world_size"] == 2
 
-    skipped = runs.get("nonfinite_skipped", "ddp.yaml", 2, 2, 2, SKIPPED)  # skip_nonfinite_steps, save_steps 12
-    rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    assert rows[-1]["skipped_steps"] >= 12 - bad_step + 1 > 0
-    final = load_weights(os.path.join(skipped, "final"))
-    assert all(bool(t.isfinite().all()) for t in final.values()), "skipped steps must never reach the weights"
+    for config, name in (("ddp.yaml", "nonfinite_skipped"), ("fsdp.yaml", "nonfinite_skipped_fsdp")):
+        # skip_nonfinite_steps, save_steps 12; FSDP2: a shard's inf or nan reaches both ranks' norm (toolkit.clipping),
+        # so both skip the same steps and the run ends (a rank that stepped alone would hang the other)
+        skipped = runs.get(name, config, 2, 2, 2, SKIPPED)
+        rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]
+        assert [r["step"] for r in rows] == list(range(1, 13))
+        assert rows[-1]["skipped_steps"] >= 12 - bad_step + 1 > 0
+        final = load_weights(os.path.join(skipped, "final"))
+        assert all(bool(t.isfinite().all()) for t in final.values()), "skipped steps must never reach the weights"
 
 
 

@@ -8,6 +8,7 @@ Launches are shared between assertions (each costs ~10 s of process start).
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -168,6 +169,11 @@ def assert_really_distributed(out, strategy, clipping):
             assert p["global_steps"] == 3
     # the full (gathered) weights every rank ends with are bit-identical
     assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
+    if strategy in ("ddp", "fsdp"):  # toolkit.clipping (CPU): each weight counted once, in one collective a mesh
+        for p in ranks:  # gradients of ones: the norm is sqrt(the full model's weight count), not a shard's
+            assert p["clip_norm"] == pytest.approx(math.sqrt(p["clip_weights"]), rel=1e-7), p
+            # FSDP2: one all-reduce for the model's one mesh (one per parameter took 200 ms a step on 242 of them)
+            assert p["clip_collectives"] == (1 if strategy == "fsdp" else 0) < p["clip_params"], p
 
 
 def assert_final_is_full_and_reloads(out, tiny_model):
@@ -312,6 +318,8 @@ def test_a_stream_under_each_layout_trains_like_one_process(stream_runs, layout)
     assert len(rows[one]) == 3 and max_abs_diff(load_weights(final(one)), load_weights(runs.model)) > 1e-3  # it trains
     assert [r["loss"] for r in rows[out]] == pytest.approx([r["loss"] for r in rows[one]], rel=1e-5)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(one))) <= 1e-6
+    if layout in ("fsdp", "hsdp", "tp"):  # toolkit.clipping's norm: each weight once (HSDP: not once a replica)
+        assert rows[out][0]["grad_norm"] == pytest.approx(rows[one][0]["grad_norm"], rel=GRAD_NORM_REL_FIRST_STEP)
 
 
 def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:

@@ -65,6 +65,8 @@ class Probe:
                   "placements": [str(p) for p in getattr(next(model.parameters()), "placements", ())],
                   "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays,
                   "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED")}
+        if summary["distributed_type"] in ("MULTI_CPU", "MULTI_GPU") or record["is_fsdp2"]:  # DDP, TP, FSDP2
+            record.update(clip_probe(accelerator, model))
         if summary["distributed_type"] == "DEEPSPEED":
             record.update(zero_stage=model.zero_optimization_stage(), gradient_clipping=model.gradient_clipping(),
                           global_steps=model.global_steps, optimizer_type=type(model.optimizer).__name__,
@@ -91,6 +93,25 @@ class Probe:
                              ("imports", {"deepspeed": "deepspeed" in sys.modules})):
             with open(os.path.join(self.probe_dir, f"{name}_rank{rank}.json"), "w") as f:
                 json.dump(record, f)
+
+
+def clip_probe(accelerator, model) -> dict:
+    """toolkit.clipping on gradients of ones (their norm: the square root of the full model's weight count, each
+    weight counted once whatever its shards or replicas), and the collectives it made: one per device mesh and
+    layout, not one per parameter (collective)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from toolkit.clipping import clip_grad_norm
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with CommDebugMode() as comm:
+        norm = clip_grad_norm(accelerator, params, float("inf")).item()
+    for p in params:
+        p.grad = None
+    return {"clip_norm": norm, "clip_weights": sum(p.numel() for p in params), "clip_params": len(params),
+            "clip_collectives": comm.get_total_counts()}
 
 
 def held_bytes(model, optimizer, deepspeed: bool) -> dict:
