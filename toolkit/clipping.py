@@ -6,9 +6,9 @@ gradient the sum stops growing. A skewed 38M-weight gradient (GPT-2's embedding 
 1M-weight one 1e-4 low, where ``g.pow(2).sum()`` (cascade summation) is within 1e-7 (pytorch/pytorch#169237,
 #151761, open in torch 2.13); SmolLM2-135M's first logged norm moved by 6.6e-5. The norm is logged as ``grad_norm``
 and scales every clipped step: a CPU run logged and clipped against a norm that depended on how the tensors are cut,
-so 1 process, DDP and FSDP2 could disagree by as much. On a CPU
-the norm here is the square root of the squares' sums (each gradient's, over its shards where it is a DTensor),
-added in float64; the clipping is torch's own (``clip_grads_with_norm_``: max_norm / (norm + 1e-6), at most 1).
+so 1 process, DDP and FSDP2 could disagree by as much. On a CPU the norm here is the square root of the squares'
+sums (each gradient's, by chunks, over its shards where it is a DTensor), added in float64; the clipping is torch's
+own (``clip_grads_with_norm_``: max_norm / (norm + 1e-6), at most 1).
 Elsewhere (a GPU's reduction is a tree) accelerate's ``clip_grad_norm_`` runs, and so does FSDP1's own (its flat
 parameters), and DeepSpeed clips inside its engine.
 """
@@ -29,7 +29,7 @@ def clip_grad_norm(accelerator: Accelerator, parameters, max_norm: float) -> tor
     fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
     if accelerator.device.type != "cpu" or fsdp1:
         return accelerator.clip_grad_norm_(parameters, max_norm)
-    accelerator.unscale_gradients()  # a GradScaler's (fp16), as accelerate's does first; none on a CPU today
+    accelerator.unscale_gradients()  # a GradScaler's (fp16: the in-process tests'), as accelerate's does first
     by_mesh = defaultdict(list)  # torch clips the parameters of one device mesh at a time, as accelerate does
     for p in parameters:
         if p.grad is not None:
