@@ -19,10 +19,10 @@ fp32 rounding noise (another summation order on another CPU) into a visible chan
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
 shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/launch/test_core.py). DeepSpeed clips inside its
 engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
-Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error, found before any launch: the fields, and
-what a rank of the launch would refuse (``toolkit train``'s checks, ``toolkit.launch.check``). A failed run's own error line
-(``config error: ...``, or the last exception a rank raised) is printed with its log's path, not the launcher's
-traceback, which only says that a rank failed.
+Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error, found before any launch: the
+fields, and what a rank of the launch would refuse (``toolkit train``'s checks, ``toolkit.launch.check``). A failed
+run's own error line (``config error: ...``, or the last exception a rank raised) is printed with its log's path,
+not the launcher's traceback, which only says that a rank failed.
 
 verify's own options are named so that no recipe field can be taken for one (a test keeps it so): every other
 argument goes to the recipe. The fields verify must fix for a fair comparison are listed when it starts.
@@ -49,6 +49,7 @@ SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
 ADAMW_EPSILON = 1e-6
 TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE}
+UNUSED_OUTPUT = os.devnull + "-unused"  # an output_dir for parsing and checking only: no run writes there
 
 
 def default_recipe() -> str:
@@ -66,6 +67,11 @@ def _optimizer_overrides(name: str, args) -> list[str]:
         return ["--optim", "sgd", "--learning_rate", str(args.sgd_lr), "--weight_decay", "0", "--max_grad_norm", "0"]
     return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01",
             "--adam_epsilon", str(ADAMW_EPSILON)]
+
+
+def _recipe_argv(args, recipe_args: list[str], name: str) -> list[str]:
+    """The recipe's arguments for check ``name``: the user's, then what verify fixes (the last value wins)."""
+    return [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(name, args)]
 
 
 def _checks(value: str) -> list[str]:
@@ -107,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         task = recipe_task(args.recipe)
         if task is not None:  # what a rank of the launch would refuse (toolkit train's checks), before any launch
             check(task, args.config_file, plan["world"],
-                  [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(args.checks[0], args),
-                   "--output_dir", os.devnull + "-unused"], mixed_precision="no")
+                  [*_recipe_argv(args, recipe_args, args.checks[0]), "--output_dir", UNUSED_OUTPUT], mixed_precision="no")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
           "weight_decay (sgd: max_grad_norm 0; adamw: adam_epsilon 1e-6)", flush=True)
     ok = True
     for name in args.checks:
-        common = [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(name, args)]
+        common = _recipe_argv(args, recipe_args, name)
         runs = {}
         for label in ("strategy", "reference"):
             out = os.path.join(work, f"{name}-{label}")
@@ -158,7 +163,7 @@ def _plan(args, recipe_args: list[str]) -> dict:
     if world < 2:
         raise ConfigError("num_processes", f"is {world}; verify compares a multi-process launch with one process: "
                                            "pass --num_processes 2 or more")
-    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", os.devnull + "-unused"],
+    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", UNUSED_OUTPUT],
                      task=recipe_task(args.recipe))  # the recipe's own fields, as the recipe will parse them
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
