@@ -1,4 +1,4 @@
-"""One rank of ``bench/ddp_accumulation.py``: the toolkit's real loop (``toolkit.loop.train``, as recipes/gpt2.py runs
+"""One rank of ``bench/ddp_accumulation.py``: the toolkit's real loop (``toolkit.training.loop.train``, as recipes/gpt2.py runs
 it) with a callback that counts and times every all-reduce.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 bench/_ddp_accum_worker.py \\
@@ -142,10 +142,10 @@ def main():
         i = sys.argv.index("--bench_out")
         os.environ["BENCH_OUT"] = sys.argv[i + 1]
         del sys.argv[i:i + 2]
-    from toolkit.build import build
     from toolkit.config import parse_args
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     cfg = parse_args()
     accelerator = make_accelerator(cfg.train)
@@ -154,6 +154,6 @@ def main():
 
 
 if __name__ == "__main__":
-    from toolkit.cli import cli
+    from toolkit.cli.recipe import cli
 
     cli(main)

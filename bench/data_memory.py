@@ -3,7 +3,7 @@
     python bench/data_memory.py --tokens 100_000_000
 
 Writes a text file of about ``--tokens`` GPT-2 tokens (CPython's docs, repeated), then, each in a fresh process so
-that the peaks do not mix, runs ``toolkit.data.tokenize_and_group`` with packing twice: with the toolkit's bounded
+that the peaks do not mix, runs ``toolkit.data.loading.tokenize_and_group`` with packing twice: with the toolkit's bounded
 map batches (``PACK_BATCH_ROWS`` documents) and with one map batch over the whole split (what the toolkit did before,
 the baseline). Prints the peak resident memory (``ru_maxrss``) and wall time of each, and their ratio.
 """
@@ -27,7 +27,7 @@ def write_corpus(path: str, tokens: int) -> None:
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
     lines = [line for line in text.splitlines() if line.strip()]  # 8716 documents, one per line
-    per_copy = 146_157  # GPT-2 tokens of one copy, EOS included (measured with toolkit.offline.gpt2_tokenizer)
+    per_copy = 146_157  # GPT-2 tokens of one copy, EOS included (measured with toolkit.models.offline.gpt2_tokenizer)
     copies = max(1, round(tokens / per_copy))
     with open(path, "w") as f:
         for i in range(copies):
@@ -40,9 +40,9 @@ def measure(path: str, batch_rows: int | None, cache_dir: str) -> dict:
     sys.path.insert(0, ROOT)
     import datasets
 
-    from toolkit import data
     from toolkit.config import DataArguments
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.data import loading as data
+    from toolkit.models.offline import gpt2_tokenizer
 
     datasets.config.HF_DATASETS_CACHE = cache_dir
     tokenizer = gpt2_tokenizer()

@@ -2,13 +2,13 @@
 
     python bench/data_prep.py [--tokens 3_000_000 --rounds 3 --num-proc 1,2 --block-size 1024]
 
-Same input for both: CPython's reference docs (``toolkit.data.pydoc_dataset``'s training paragraphs, one document
+Same input for both: CPython's reference docs (``toolkit.data.loading.pydoc_dataset``'s training paragraphs, one document
 each) repeated to about ``--tokens`` GPT-2 tokens, written once as a JSON-lines file and loaded with
 ``datasets.load_dataset("json")`` (file-backed, as a user's data is: every ``map`` writes Arrow cache files); the same
-tokenizer (``toolkit.offline.gpt2_tokenizer``, the real GPT-2 BPE, fast); block size 1024, ``num_proc`` 1 and 2, no
+tokenizer (``toolkit.models.offline.gpt2_tokenizer``, the real GPT-2 BPE, fast); block size 1024, ``num_proc`` 1 and 2, no
 cache reuse (``load_from_cache_file=False`` and a fresh cache folder per run).
 
-- toolkit: ``toolkit.data.tokenize_and_group`` with ``DataArguments(packing=True)`` (EOS after every document; the
+- toolkit: ``toolkit.data.loading.tokenize_and_group`` with ``DataArguments(packing=True)`` (EOS after every document; the
   stream is cut into blocks across map batches, only the last partial block is left out).
 - run_clm: transformers' ``examples/pytorch/language-modeling/run_clm.py``, copied: ``tokenizer(examples[text])``
   inside ``CaptureLogger`` (input_ids and attention_mask), batched map (batch size 1000), then ``group_texts``
@@ -44,7 +44,7 @@ def write_corpus(path: str, tokens: int) -> int:
     """The pydoc training paragraphs, ``tokens // TOKENS_PER_COPY`` times, one JSON line each; the copy number ends
     each document so that no two are equal. Returns the documents written."""
     sys.path.insert(0, ROOT)
-    from toolkit.data import pydoc_dataset
+    from toolkit.data.loading import pydoc_dataset
 
     paragraphs = list(pydoc_dataset()["train"]["text"])
     copies = max(1, round(tokens / TOKENS_PER_COPY))
@@ -122,9 +122,9 @@ def run_one(system: str, opts) -> dict:
     sys.path.insert(0, ROOT)
     import datasets
 
-    from toolkit import data
     from toolkit.config import DataArguments
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.data import loading as data
+    from toolkit.models.offline import gpt2_tokenizer
 
     datasets.disable_progress_bars()
     import transformers.testing_utils  # noqa: F401  run_clm's imports, loaded before the clock as its script does

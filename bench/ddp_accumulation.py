@@ -3,11 +3,11 @@
     python bench/ddp_accumulation.py [--rounds 3 --steps 6 --layers 4 --width 256 --block-size 128 --global-rows 8]
 
 2 CPU ranks (gloo) launched as a user launches them, ``accelerate launch --config_file accelerate_configs/ddp.yaml
---num_processes 2``, each running the toolkit's real loop (``toolkit.loop.train`` after ``toolkit.build.build``, as
+--num_processes 2``, each running the toolkit's real loop (``toolkit.training.loop.train`` after ``toolkit.training.build.build``, as
 recipes/gpt2.py does) through ``bench/_ddp_accum_worker.py``, whose callback registers a DDP communication hook that
 counts and times each bucket all-reduce before doing DDP's default one, and wraps ``torch.distributed.all_reduce``
 to count the others (the loop's one all-reduce of the step's token counts). The model: GPT-2 shaped, ``--layers`` x
-``--width``, the real GPT-2 vocabulary (50257) and tokenizer (``toolkit.offline.save_tiny_gpt2``), fp32, AdamW,
+``--width``, the real GPT-2 vocabulary (50257) and tokenizer (``toolkit.models.offline.save_tiny_gpt2``), fp32, AdamW,
 dropout off, the packed pydoc rows (``--block-size`` tokens each). The same global batch (``--global-rows`` rows per
 optimizer step, 2 ranks) three ways:
 
@@ -139,7 +139,7 @@ def main() -> None:
     if opts.global_rows % 8:
         raise SystemExit("--global-rows must be a multiple of 8 (2 ranks x accumulation 4)")
     sys.path.insert(0, ROOT)
-    from toolkit.offline import save_tiny_gpt2
+    from toolkit.models.offline import save_tiny_gpt2
 
     workdir = opts.workdir or tempfile.mkdtemp(prefix="ddp-accum-")
     model = save_tiny_gpt2(os.path.join(workdir, "model"), n_layer=opts.layers, n_embd=opts.width,

@@ -6,11 +6,11 @@ One process, fp32, GPT-2 124M built from ``GPT2Config()`` (12 x 768, vocab 50257
 same random tokens for every step. Two systems on two copies of the same weights:
 
 - bare: ``model(input_ids, labels=input_ids).loss.backward()``, clip at 1.0, ``torch.optim.AdamW.step()``;
-- toolkit: ``toolkit.loop.train_step`` (the toolkit's loss ``toolkit.loss.token_losses`` + ``micro_step_loss``, clip at
-  1.0, the optimizer from ``toolkit.loop.build_optimizer``, ``adamw_torch``) on an Accelerator from
-  ``toolkit.distributed.make_accelerator``.
+- toolkit: ``toolkit.training.loop.train_step`` (the toolkit's loss ``toolkit.loss.token_losses`` + ``micro_step_loss``, clip at
+  1.0, the optimizer from ``toolkit.training.loop.build_optimizer``, ``adamw_torch``) on an Accelerator from
+  ``toolkit.parallel.accelerator.make_accelerator``.
 
-FLOPs per step: ``toolkit.accounting.flops_per_token`` (6N + 12 L d T; N without the position table) x tokens; the
+FLOPs per step: ``toolkit.reporting.accounting.flops_per_token`` (6N + 12 L d T; N without the position table) x tokens; the
 FLOP/s of a step is that over its wall time. The reference: ``torch.mm`` of square fp32 matrices (``--gemm`` sizes,
 the best size counts) with the same threads, measured in every round between the steps. The systems and the GEMM
 are interleaved round by round (who goes first alternates), and each step's FLOP/s is divided by the GEMM rate of
@@ -22,7 +22,7 @@ The sweep (``--no-sweep`` to skip; ``--sweep`` picks settings by name) changes o
 time and runs it alternately with the unchanged toolkit step (``--sweep-steps`` pairs after a warm-up): threads,
 optimizer, dropout, GELU kernel, batch shape, and the helpful ones together. Reported: each setting's step FLOP/s as a
 share of the GEMM rate, and its wall and CPU time per token against the unchanged step's. The process keeps freed
-memory for reuse as ``train`` does on a CPU (``toolkit/host_memory.py``; ``--glibc-malloc`` leaves glibc's defaults),
+memory for reuse as ``train`` does on a CPU (``toolkit/env/host_memory.py``; ``--glibc-malloc`` leaves glibc's defaults),
 for every system alike. Writes
 ``bench/results/flops.json``, ``.md`` and ``.png``.
 """
@@ -105,10 +105,10 @@ class Step:
         import torch
         from transformers import get_scheduler
 
-        from toolkit.accounting import count_parameters, flops_per_token, model_shape
         from toolkit.config import TrainingArguments
-        from toolkit.data import CausalLMCollator
-        from toolkit.loop import build_optimizer
+        from toolkit.data.loading import CausalLMCollator
+        from toolkit.reporting.accounting import count_parameters, flops_per_token, model_shape
+        from toolkit.training.loop import build_optimizer
 
         self.system, self.setting = system, setting
         self.threads = setting.get("threads")
@@ -147,7 +147,7 @@ class Step:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            from toolkit.loop import train_step
+            from toolkit.training.loop import train_step
 
             train_step(self.accelerator, self.model, self.optimizer, self.scheduler, [self.batch], step=self.count,
                        data_parallel_size=1, max_grad_norm=1.0)
@@ -159,7 +159,7 @@ class Step:
 
 def make_accelerator():
     from toolkit.config import TrainingArguments
-    from toolkit.distributed import make_accelerator as make
+    from toolkit.parallel.accelerator import make_accelerator as make
 
     return make(TrainingArguments(output_dir=TMP, report_to="none"))
 
@@ -346,9 +346,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sizes = [int(x) for x in opts.gemm.split(",")]
     if not opts.glibc_malloc:
-        from toolkit.host_memory import keep_freed_memory
+        from toolkit.env.host_memory import keep_freed_memory
 
-        keep_freed_memory()  # as toolkit.loop.train does on a CPU: no fresh zero-filled pages per step, for both systems
+        keep_freed_memory()  # as toolkit.training.loop.train does on a CPU: no fresh zero-filled pages per step, for both systems
     accelerator = make_accelerator()
     main_result = main_comparison(opts, accelerator, sizes)
     sw = None if opts.no_sweep else sweep(opts, accelerator, sizes)

@@ -20,7 +20,7 @@ STEPS=${1:-30}
 MICRO=${2:-8}
 WORK=${WORK:-/tmp/toolkit-gpu-check}
 mkdir -p "$WORK"
-python -m toolkit.offline tiny-gpt2 "$WORK/gpt2-124m" --n-layer 12 --n-embd 768 --n-head 12 --n-positions 1024 >/dev/null
+python -m toolkit offline tiny-gpt2 "$WORK/gpt2-124m" --n-layer 12 --n-embd 768 --n-head 12 --n-positions 1024 >/dev/null
 python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 --mixed_precision bf16 \
   recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc --block_size 1024 \
   --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" --logging_steps 10 \
@@ -111,7 +111,7 @@ if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   python -m pytest -q -p no:cacheprovider tests/unit/test_host_memory.py
 fi
 if python -c "import sys, torch, importlib.util; sys.exit(not (torch.cuda.is_available() and importlib.util.find_spec('bitsandbytes')))"; then
-  python -m toolkit.offline smollm2 "$WORK/smollm2" >/dev/null
+  python -m toolkit offline smollm2 "$WORK/smollm2" >/dev/null
   # every visible GPU: the 4-bit base sharded across them (bf16 storage, so FSDP2 can shard it: docs/memory.md)
   GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
   python -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes "$GPUS" \

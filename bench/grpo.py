@@ -2,7 +2,7 @@
 
     python bench/grpo.py [--steps 4 --model outputs/models/tiny-gpt2 --micro 8 --generations 4 --completion 16]
 
-The same job for both, one process on the CPU: the model folder (default the tiny GPT-2 of ``python -m toolkit.offline
+The same job for both, one process on the CPU: the model folder (default the tiny GPT-2 of ``python -m toolkit offline
 tiny-gpt2``), the built-in arithmetic prompts rendered with one chat template, ``--micro`` completions per step
 (``--micro / --generations`` prompts), at most ``--completion`` new tokens each (temperature 1), the built-in rewards
 (arithmetic_correct, arithmetic_format), AdamW at lr 1e-5, beta 0, loss_type dapo, no accumulation. Each system runs in
@@ -33,11 +33,11 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos
 
 def _toolkit(opts, out: str) -> dict:
     sys.path.insert(0, ROOT)
-    from toolkit.build import build
     from toolkit.config import config_from_dict
-    from toolkit.distributed import make_accelerator
-    from toolkit.grpo import GRPO
-    from toolkit.loop import train
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.tasks.grpo.task import GRPO
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     cfg = config_from_dict({"model_name_or_path": opts.model, "dataset_name": "arithmetic", "chat_template": TEMPLATE,
                             "num_generations": opts.generations, "max_completion_length": opts.completion,
@@ -63,7 +63,7 @@ def _trl(opts, out: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from toolkit.rewards import arithmetic_correct, arithmetic_dataset, arithmetic_format
+    from toolkit.tasks.grpo.rewards import arithmetic_correct, arithmetic_dataset, arithmetic_format
 
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     tokenizer.chat_template = TEMPLATE

@@ -6,7 +6,7 @@ One process, a GPT-2 shape built from a config (vocab 50257: at micro 8 x 1024 p
 1.6 GB, and their gradient as much again), AdamW, toolkit's ``train_step``. Each setting runs in a fresh process
 (peak RSS, ``ru_maxrss``, is per process) after a warm-up step; on a GPU the same script reports
 ``torch.cuda.max_memory_allocated``. On a CPU the settings run with glibc's defaults; the last row is the plain run
-with freed memory kept for reuse (``cpu_memory_reuse``, toolkit/host_memory.py: faster steps, a fragmented heap kept
+with freed memory kept for reuse (``cpu_memory_reuse``, toolkit/env/host_memory.py: faster steps, a fragmented heap kept
 at its peak), which ``train`` applies to a CPU run without a memory switch unless told otherwise. Writes
 ``bench/results/memory.json``, ``.md`` and ``.png``; ``python bench/memory.py --plot-only`` redraws the PNG from the
 JSON without running anything.
@@ -45,15 +45,15 @@ def run_one(name: str, opts) -> dict:
     from accelerate import Accelerator
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from toolkit.data import CausalLMCollator
-    from toolkit.loop import train_step
-    from toolkit.model import enable_activation_checkpointing, enable_chunked_loss
+    from toolkit.data.loading import CausalLMCollator
+    from toolkit.models.loading import enable_activation_checkpointing, enable_chunked_loss
+    from toolkit.training.loop import train_step
 
     setting = SETTINGS[name]
     if setting.get("cpu_memory_reuse") and not torch.cuda.is_available():
-        from toolkit.host_memory import keep_freed_memory
+        from toolkit.env.host_memory import keep_freed_memory
 
-        keep_freed_memory()  # as toolkit.loop.train does on a CPU
+        keep_freed_memory()  # as toolkit.training.loop.train does on a CPU
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=opts.layers, n_embd=opts.width, n_head=max(1, opts.width // 64),
                                        n_positions=opts.seq, vocab_size=50257))
@@ -81,7 +81,7 @@ def run_one(name: str, opts) -> dict:
         peak = torch.cuda.max_memory_allocated() / 1e9
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-    from toolkit.quantization import optimizer_state_bytes
+    from toolkit.models.quantization import optimizer_state_bytes
 
     trained = [p for p in model.parameters() if p.requires_grad]
     state = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer), trained)  # accelerate's wrapper
@@ -94,14 +94,14 @@ def run_one(name: str, opts) -> dict:
 
 def _adapted(model, setting: dict, device):
     """LoRA r=16 on every linear layer (``lora``), on the same weights loaded back in 4 bits (``load_in_4bit``, NF4,
-    double quantization, as toolkit.model loads them)."""
+    double quantization, as toolkit.models.loading loads them)."""
     if not setting.get("lora"):
         return model
     import tempfile
 
     from toolkit.config import ModelArguments
-    from toolkit.lora import apply_lora
-    from toolkit.model import load_model
+    from toolkit.models.loading import load_model
+    from toolkit.models.lora import apply_lora
 
     folder = tempfile.mkdtemp()
     args = ModelArguments(model_name_or_path=folder, use_peft=True, lora_r=16, lora_dropout=0.0,
@@ -120,7 +120,7 @@ def _optimizer(model, setting: dict):
 
     params = [p for p in model.parameters() if p.requires_grad]
     if setting.get("optim") == "adamw_bnb_8bit":
-        from toolkit.quantization import eight_bit_adamw
+        from toolkit.models.quantization import eight_bit_adamw
 
         args = types.SimpleNamespace(learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
         return eight_bit_adamw([{"params": params, "weight_decay": 0.0}], args, paged=False)

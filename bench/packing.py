@@ -1,4 +1,4 @@
-"""Real tokens/s of padded, bfd-packed (bfd_split too) and wrapped rows (``packing_strategy``, toolkit/packing.py), in one process.
+"""Real tokens/s of padded, bfd-packed (bfd_split too) and wrapped rows (``packing_strategy``, toolkit/data/packing.py), in one process.
 
     python bench/packing.py [--rounds 5 --steps 3 --layers 2 --width 128 --block 256 --rows 4 --threads 1]
 
@@ -31,10 +31,11 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eo
 
 
 def _rows(job: str, mode: str, block: int):
-    from toolkit.chat import load_raw_chats, set_chat_template, tokenize_chats
     from toolkit.config import DataArguments
-    from toolkit.data import load_raw_datasets, tokenize_and_group
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.data.chat import set_chat_template
+    from toolkit.data.loading import load_raw_datasets, tokenize_and_group
+    from toolkit.models.offline import gpt2_tokenizer
+    from toolkit.tasks.sft import load_raw_chats, tokenize_chats
 
     tok = gpt2_tokenizer()
     packing = {"padded": dict(packing=False), "bfd": dict(packing=True, packing_strategy="bfd"),
@@ -52,7 +53,7 @@ def _batches(rows, tok, micro: int, count: int, seed: int = 0):
     """``count`` micro-batches of ``micro`` rows, drawn in a seeded order (the same rows every round)."""
     import torch
 
-    from toolkit.data import CausalLMCollator
+    from toolkit.data.loading import CausalLMCollator
 
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     collate = CausalLMCollator(tok.eos_token_id)
@@ -73,7 +74,7 @@ def main(argv=None) -> dict:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     torch.set_num_threads(opts.threads)
     jobs = {"chat": ("padded", "bfd"), "text": ("padded", "bfd", "bfd_split", "wrapped")}

@@ -4,7 +4,7 @@ and the peak memory per rank of each schedule as the micro-batches grow.
     python bench/pipeline.py [--stages 2] [--micro-batches 1 2 4 8] [--rows 4] [--seq 128] [--layers 8] [--width 256]
         [--steps 3] [--out bench/results/pipeline.json]
 
-A Llama of ``--layers`` x ``--width`` (random weights, a 2048-token vocabulary) is cut by ``toolkit.pipeline`` into
+A Llama of ``--layers`` x ``--width`` (random weights, a 2048-token vocabulary) is cut by ``toolkit.parallel.pipeline`` into
 ``--stages`` stages, one per gloo rank (``torch.multiprocessing``), and trained with the toolkit's own stage modules
 and torch's schedules, ``--rows`` rows of ``--seq`` tokens per micro-batch. Each (schedule, m) runs in fresh
 processes, so that each peak is its own: ``ru_maxrss`` after the steps minus after the first step's setup is what the
@@ -64,7 +64,7 @@ def _rank(rank: int, args, schedule: str, m: int, port: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.stages)
     from torch.distributed import pipelining
 
-    from toolkit.pipeline import Stage, cut, family
+    from toolkit.parallel.pipeline import Stage, cut, family
 
     model = _model(args.layers, args.width)
     bounds = cut(model, args.stages)

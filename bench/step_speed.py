@@ -7,7 +7,7 @@ micro batch x accumulation x sequence, the same AdamW implementation (``--optim`
 or adamw_torch_fused, Trainer's default since 4.x; lr 1e-4), clipping at 1.0, fp32, one process.
 
 Across processes, each system as a user runs it: ``toolkit`` keeps freed host memory for reuse as ``train`` does on a
-CPU (``toolkit/host_memory.py``), ``bare`` and ``trainer`` run with glibc's defaults, and ``toolkit_glibc`` is the
+CPU (``toolkit/env/host_memory.py``), ``bare`` and ``trainer`` run with glibc's defaults, and ``toolkit_glibc`` is the
 toolkit without that setting. Each (system, round) runs in a fresh process, the systems interleaved round by round so
 that a slow moment of the machine hits all of them; one warm-up step, then ``--steps`` timed optimizer steps.
 Reported: each system's median step time over all rounds and the ratios to the toolkit.
@@ -41,8 +41,8 @@ def _setup(opts):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from toolkit.config import DataArguments
-    from toolkit.data import CausalLMCollator, load_raw_datasets, tokenize_and_group
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.data.loading import CausalLMCollator, load_raw_datasets, tokenize_and_group
+    from toolkit.models.offline import gpt2_tokenizer
 
     tokenizer = gpt2_tokenizer()
     args = DataArguments(dataset_name="pydoc", packing=True)
@@ -93,9 +93,9 @@ def run_one(system: str, opts) -> list[float]:
 
     model, rows, collator = _setup(opts)  # puts the repository on sys.path
     if system == "toolkit":
-        from toolkit.host_memory import keep_freed_memory
+        from toolkit.env.host_memory import keep_freed_memory
 
-        keep_freed_memory()  # as toolkit.loop.train does on a CPU (cpu_memory_reuse)
+        keep_freed_memory()  # as toolkit.training.loop.train does on a CPU (cpu_memory_reuse)
     times = []
     if system == "trainer":
         from transformers import TrainerCallback
@@ -125,7 +125,7 @@ def run_one(system: str, opts) -> list[float]:
         micro = batches[step * opts.accum:(step + 1) * opts.accum]
         started = time.perf_counter()
         if system.startswith("toolkit"):
-            from toolkit.loop import train_step
+            from toolkit.training.loop import train_step
 
             train_step(accelerator, model, optimizer, scheduler, micro, step=step, data_parallel_size=1,
                        max_grad_norm=1.0)
@@ -145,8 +145,8 @@ def paired(opts) -> dict:
     from accelerate.utils import GradientAccumulationPlugin
 
     model, rows, collator = _setup(opts)  # puts the repository on sys.path
-    from toolkit.host_memory import keep_freed_memory
-    from toolkit.loop import train_step
+    from toolkit.env.host_memory import keep_freed_memory
+    from toolkit.training.loop import train_step
 
     keep_freed_memory()
     # Four copies of the same weights: toolkit and bare, then Trainer and the toolkit beside it.

@@ -1,4 +1,4 @@
-"""Streaming (``streaming: true``, toolkit/stream.py): memory on a corpus that is never stored, and the time to the
+"""Streaming (``streaming: true``, toolkit/data/stream.py): memory on a corpus that is never stored, and the time to the
 first optimizer step against the map-style path on the same file.
 
     python bench/streaming.py                      # both parts; writes bench/results/streaming.{json,md}
@@ -102,9 +102,9 @@ class StepTimes:
 
 def run_steps(args) -> dict:
     """Part 3, in this process: ``--step-steps`` steps of one path on ``args.file`` (one document per row)."""
-    from toolkit.build import build
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     work = tempfile.mkdtemp()
     cfg = _config(args.model, args.file, os.path.join(work, "out"), args.step_steps, args.streaming, args.window,
@@ -155,10 +155,10 @@ def run_stream(args) -> dict:
     """Part 1, in this process."""
     from datasets import IterableDataset
 
-    from toolkit.build import build
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
-    from toolkit.stream import StreamSpec, TrainStream
+    from toolkit.data.stream import StreamSpec, TrainStream
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     work = tempfile.mkdtemp()
     placeholder = os.path.join(work, "placeholder.jsonl")  # the config needs a file; the stream replaces it
@@ -199,9 +199,9 @@ def run_stream(args) -> dict:
 
 def run_file(args) -> dict:
     """Part 2, in this process: one of the two paths on ``args.file``."""
-    from toolkit.build import build
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     work = tempfile.mkdtemp()
     cfg = _config(args.model, args.file, os.path.join(work, "out"), 1, args.streaming, args.window, args.block_size)
@@ -258,7 +258,7 @@ def main() -> None:
         return
     from data_memory import write_corpus
 
-    from toolkit.offline import save_tiny_gpt2
+    from toolkit.models.offline import save_tiny_gpt2
 
     work = tempfile.mkdtemp()
     args.model = args.model or save_tiny_gpt2(os.path.join(work, "tiny"), n_layer=2, n_embd=32, n_head=2,

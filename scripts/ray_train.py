@@ -18,7 +18,7 @@ each worker runs the recipe's ``main``, and the launch config's strategy is appl
   stays where the toolkit wrote it. Each attempt reports one such pointer when it starts too. A restarted group learns
   the last one from Ray (``ray.train.get_checkpoint()``, the same on every rank): it is attempt n + 1, resumes that
   checkpoint and tells the toolkit through ``TORCHELASTIC_RESTART_COUNT``, the variable torch elastic restarts set,
-  so that the earlier attempt's files are its own (``toolkit.elastic``). ``Result.checkpoint`` is the last pointer
+  so that the earlier attempt's files are its own (``toolkit.env.elastic``). ``Result.checkpoint`` is the last pointer
   (``reported_checkpoint`` reads it). Ray Train's v2 API (Ray 2.60's default) is used throughout.
 """
 
@@ -55,12 +55,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def launch_env(config_file: str | None, processes: int) -> dict[str, str]:
     """The variables ``accelerate launch --config_file X --num_processes N`` sets for its ranks (none without a launch
-    config), from accelerate's own code (``toolkit.launch.launch_env``): all of them, also those this process already
+    config), from accelerate's own code (``toolkit.cli.train.launch_env``): all of them, also those this process already
     holds, since a worker on another machine has only the environment its node was started with. Ray's own
     (``RAY_OWNS``) are left to Ray."""
     if config_file is None:
         return {}
-    from toolkit.launch import launch_env as accelerate_env
+    from toolkit.cli.train import launch_env as accelerate_env
 
     return {k: v for k, v in accelerate_env(config_file, processes).items() if k not in RAY_OWNS}
 
@@ -105,7 +105,7 @@ def report(rank: int, record: dict) -> None:
 
 
 class ReportCheckpoints:
-    """A toolkit callback (``toolkit.loop.train``): every checkpoint written, reported to Ray."""
+    """A toolkit callback (``toolkit.training.loop.train``): every checkpoint written, reported to Ray."""
 
     def __init__(self, rank: int, attempt: int):
         self.rank, self.attempt = rank, attempt
@@ -140,7 +140,7 @@ def worker(config: dict) -> None:
 
 
 def check_recipe_args(recipe_args: list[str]) -> str:
-    """The recipe's config parsed here, before any worker: a mistake is one line and exit code 2 (toolkit.cli's
+    """The recipe's config parsed here, before any worker: a mistake is one line and exit code 2 (toolkit.cli.recipe's
     form). Returns the absolute output_dir."""
     from toolkit.config import ConfigError, parse_args
 

@@ -86,11 +86,11 @@ def one_machine_run(cluster_runs) -> str:
 
 @pytest.fixture(scope="session")
 def bpe_2048():
-    """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.offline.pydoc_bpe_tokenizer): the tests' tiny models
+    """A byte-level BPE of 2048 tokens built like GPT-2's (toolkit.models.offline.pydoc_bpe_tokenizer): the tests' tiny models
     use it, since with GPT-2's 50257 tokens a 32-wide model's step is nearly all head and loss (docs/testing.md).
     Shipped as a file (BPE_2048), trained once on Python 3.11's pydoc text: every Python gets the same ids.
     tests/unit/test_offline.py tests the real GPT-2 tokenizer; the notebook and the README's run use it."""
-    from toolkit.offline import bpe_from_file
+    from toolkit.models.offline import bpe_from_file
 
     return bpe_from_file(BPE_2048)
 
@@ -98,7 +98,7 @@ def bpe_2048():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, bpe_2048) -> str:
     """A 2-layer, 32-wide GPT-2 with a 2048-token byte-level BPE, saved and loaded back through from_pretrained."""
-    from toolkit.offline import save_tiny_gpt2
+    from toolkit.models.offline import save_tiny_gpt2
 
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2"), n_layer=2, n_embd=32, n_head=2,
                           n_positions=64, seed=0, tokenizer=bpe_2048)
@@ -107,7 +107,7 @@ def tiny_model(tmp_path_factory, bpe_2048) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, bpe_2048) -> str:
     """A 2-layer, 32-wide Llama (a family with a tensor-parallel plan) with the same 2048-token byte-level BPE."""
-    from toolkit.offline import save_tiny_llama
+    from toolkit.models.offline import save_tiny_llama
 
     return save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama"), tokenizer=bpe_2048)
 
@@ -170,7 +170,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eo
 
 @pytest.fixture(scope="session")
 def chats(tmp_path_factory):
-    from toolkit.builtin_data import pydoc_chats
+    from toolkit.data.builtin import pydoc_chats
 
     raw = pydoc_chats()
     d = tmp_path_factory.mktemp("chats")
@@ -186,7 +186,7 @@ def chats(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gpt2_256(tmp_path_factory, bpe_2048):
     """The tiny GPT-2 with 256 positions: rows long enough to hold several chats."""
-    from toolkit.offline import save_tiny_gpt2
+    from toolkit.models.offline import save_tiny_gpt2
 
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("models") / "tiny-gpt2-256"), n_layer=2, n_embd=32, n_head=2,
                           n_positions=256, seed=0, tokenizer=bpe_2048)
@@ -195,7 +195,7 @@ def gpt2_256(tmp_path_factory, bpe_2048):
 @pytest.fixture(scope="session")
 def pairs(tmp_path_factory):
     """32 train and 7 held-out pairs of the built-in pydoc-preferences set (conversational), as jsonl files."""
-    from toolkit.builtin_data import pydoc_preferences
+    from toolkit.data.builtin import pydoc_preferences
 
     raw, d = pydoc_preferences(), tmp_path_factory.mktemp("pairs")
     for split, n, name in (("train", 32, "train.jsonl"), ("validation", 7, "valid.jsonl")):
@@ -209,7 +209,7 @@ def pairs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory):
-    from toolkit.offline import save_tiny_bert
+    from toolkit.models.offline import save_tiny_bert
 
     return save_tiny_bert(str(tmp_path_factory.mktemp("models") / "tiny-bert"))
 
@@ -222,7 +222,7 @@ def classify_files(tmp_path_factory) -> dict:
     on, so that rows one or two rounds apart hold different classes: a row counted in place of one a batch or two
     away (2 ranks x 3 rows: a round; accelerate pads the last batch with rows from the start) changes the classes
     counted."""
-    from toolkit.builtin_data import stdlib_docstrings
+    from toolkit.data.builtin import stdlib_docstrings
 
     raw, d = stdlib_docstrings(), tmp_path_factory.mktemp("classify")
     names = raw["train"].features["label"].names
@@ -273,7 +273,7 @@ def text_shards(tmp_path_factory) -> dict:
 def chat_mixture(tmp_path_factory, chats) -> dict:
     """A dataset_mixture of two formats: 24 one-turn pydoc chats written as an Alpaca file (weight 0.75) and the
     32-chat ``messages`` file (weight 0.5), a tenth held out; the chats' template."""
-    from toolkit.builtin_data import pydoc_chats
+    from toolkit.data.builtin import pydoc_chats
 
     d = tmp_path_factory.mktemp("chat-mixture")
     one_turn = [m for m in pydoc_chats()["train"]["messages"][32:] if len(m) == 2][:24]

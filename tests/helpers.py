@@ -520,14 +520,14 @@ def max_abs_diff(a: dict, b: dict) -> float:
 def train_in_process(values: dict, callbacks=None, task=None) -> dict:
     """A recipe's steps (``build``, then ``train``) as one process inside this one, as a notebook kernel runs them:
     for what only an in-process run shows (what ``train`` leaves behind in its process). accelerate's process-wide
-    state is reset before and after. ``task``: a ``toolkit.tasks.Task`` (a causal LM when None; DPO's reference is
+    state is reset before and after. ``task``: a ``toolkit.tasks.base.Task`` (a causal LM when None; DPO's reference is
     added as recipes/dpo.py adds it). Returns the run's summary."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from toolkit.build import build
     from toolkit.config import config_from_dict
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     cfg = config_from_dict(values)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -556,7 +556,7 @@ def assert_plan_matches_held_bytes(ranks: list[dict], model: str, strategy_name:
                                    lora_target_modules: list[str] | None = None) -> None:
     """``toolkit plan``'s per-device weights and optimizer state against the bytes each rank held (probe_run.py's
     ``held_bytes``, storage by storage): each within 3%."""
-    from toolkit.plan import count_model, model_states_per_device
+    from toolkit.cli.plan import count_model, model_states_per_device
 
     states = model_states_per_device(count_model(model, lora_r=lora_r, lora_target_modules=lora_target_modules),
                                      strategy_name, devices=2, per_node=2, precision="fp32")

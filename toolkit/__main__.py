@@ -5,6 +5,7 @@
   report   redraw plots and the summary of one or more runs from their metrics.jsonl
   plan     per-device memory of each strategy for a model and a cluster, and which ones fit
   chat     talk to a model a run exported (its final/), through its chat template
+  offline  write a real model and tokenizer folder without the Hub: tiny-gpt2, smollm2, minilm, tiny-bert
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"train": "toolkit.launch", "verify": "toolkit.verify", "report": "toolkit.report", "plan": "toolkit.plan", "chat": "toolkit.talk"}
+COMMANDS = {"train": "toolkit.cli.train", "verify": "toolkit.cli.verify", "report": "toolkit.reporting.report",
+            "plan": "toolkit.cli.plan", "chat": "toolkit.cli.chat", "offline": "toolkit.models.offline"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,14 @@
 """The toolkit's user-facing error. No imports: every module may raise it, and ``config`` depends on nothing else.
 
 A ``ConfigError`` is a mistake the user can fix in their config or launch command. It names the field and what to do;
-``toolkit.cli.cli`` prints it as one line, ``config error: <field>: <what to do>``, and exits with code 2
+``toolkit.cli.recipe.cli`` prints it as one line, ``config error: <field>: <what to do>``, and exits with code 2
 (argparse's code for a usage error), before any expensive work and without a traceback.
 """
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose mid-way (e.g. a non-finite gradient); the message says why and what is kept.
-    ``toolkit.cli.cli`` prints it as ``training stopped: <message>`` and exits with code 1."""
+    ``toolkit.cli.recipe.cli`` prints it as ``training stopped: <message>`` and exits with code 1."""
 
 
 class ConfigError(ValueError):

@@ -41,7 +41,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def row_index(labels: torch.Tensor, row_lengths: torch.Tensor | None) -> torch.Tensor:
     """Each position's row, flattened: the batch's rows, or with ``row_lengths`` the packed rows that a flattened
-    micro-batch (one row, ``toolkit.packing.collate_packed``) holds side by side."""
+    micro-batch (one row, ``toolkit.data.packing.collate_packed``) holds side by side."""
     batch, seq = labels.shape
     if row_lengths is None:
         return torch.arange(batch, device=labels.device).repeat_interleave(seq)

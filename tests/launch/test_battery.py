@@ -160,7 +160,7 @@ def _cases(existing, tiny_model, padded_data, files) -> list[tuple]:
         ("no model", {"model_name_or_path": None}, [], {}, "model_name_or_path", "set model_name_or_path"),
         ("model folder missing", {"model_name_or_path": "./no/such/model"}, [], {}, "model_name_or_path",
          "folder not found"),
-        # (the Hub's 404 where it answers, else its unreachability: both at once since toolkit/hub.py)
+        # (the Hub's 404 where it answers, else its unreachability: both at once since toolkit/env/hub.py)
         ("unreachable Hub model", {"model_name_or_path": "some-org/not-a-model"}, [], {}, "model_name_or_path",
          "cannot load 'some-org/not-a-model': not a local folder, and the Hub "),
         ("Hub dataset offline", {"dataset_name": "some-org/not-a-set", "train_file": None, "validation_file": None},

@@ -1,4 +1,4 @@
-"""``toolkit.builtin_data`` read in a fresh interpreter (a subprocess): the rows do not depend on what was imported
+"""``toolkit.data.builtin`` read in a fresh interpreter (a subprocess): the rows do not depend on what was imported
 before. The in-process tests are in tests/unit/test_builtin_data.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-from toolkit.builtin_data import stdlib_docstrings
+from toolkit.data.builtin import stdlib_docstrings
 
 
 def col(dataset, name) -> list:
@@ -26,7 +26,7 @@ def test_stdlib_docstrings_do_not_depend_on_what_was_imported_before(docstrings)
     """transformers adds methods to ``logging.Logger`` on import: they must not become rows."""
     import transformers  # noqa: F401
 
-    code = ("import json; from toolkit.builtin_data import stdlib_docstrings as f; d = f(); "
+    code = ("import json; from toolkit.data.builtin import stdlib_docstrings as f; d = f(); "
             "print(json.dumps({s: list(d[s]['text']) for s in d}))")
     clean = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                                       cwd=ROOT).stdout)

@@ -287,7 +287,7 @@ def test_no_sync_skips_all_reduce_and_export_round_trips(runs):
 def test_data_order_two_ranks(tmp_path):
     """Ranks' shards in a step are disjoint and together equal the 1-process batch; epoch 2 differs; a resume-style
     skip_first_batches continues with the same rows."""
-    from toolkit.order import GlobalBatchSampler
+    from toolkit.data.order import GlobalBatchSampler
 
     n, micro, accum, seed = 40, 2, 2, 5
     out, out2 = str(tmp_path / "order.json"), str(tmp_path / "order_skip.json")

@@ -1,4 +1,4 @@
-"""CPU ranks keep freed memory for reuse (toolkit/host_memory.py). Process-wide and irreversible, so each arm runs in
+"""CPU ranks keep freed memory for reuse (toolkit/env/host_memory.py). Process-wide and irreversible, so each arm runs in
 a fresh interpreter; the effect is read from the kernel's own count of page faults, not from a clock."""
 
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from toolkit.host_memory import _glibc
+from toolkit.env.host_memory import _glibc
 
 # The large tensors of a causal LM's loss, as one micro-step makes them: logits (512 x 50257 fp32 = 103 MB),
 # log_softmax's output, the gradients of both. Eight warm-up steps (the kept heap grows to its plateau), then the
@@ -15,7 +15,7 @@ from toolkit.host_memory import _glibc
 PROBE = r"""
 import json, resource, sys
 import torch
-from toolkit.host_memory import keep_freed_memory
+from toolkit.env.host_memory import keep_freed_memory
 
 applied = keep_freed_memory() if sys.argv[1] == "kept" else False
 torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Parsing a config in a fresh interpreter (a subprocess) imports neither torch nor accelerate; a run's imports load
-transformers' modeling code without scipy.optimize, and its schedulers' peft without bitsandbytes (toolkit.upstream).
+transformers' modeling code without scipy.optimize, and its schedulers' peft without bitsandbytes (toolkit.env.upstream).
 The import graph itself, read from the source with ``ast``, is checked in tests/unit/test_imports.py."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_transformers_reads_its_model_files_once_a_process():
     """``import transformers`` scans the folders of ``transformers.models`` (1,677 files opened for their ``__all__``),
     and the first import of ``transformers.models`` scans them all again from another path (about 0.25 s of every
     process's start-up: docs/pitfalls.md#transformers-import-scan): the plain import shows it. Through a config parse
-    (a rank's first step, ``toolkit.upstream.import_transformers``) the second import reads the first scan: the same
+    (a rank's first step, ``toolkit.env.upstream.import_transformers``) the second import reads the first scan: the same
     import table, a few folders read again instead of every one."""
     plain = "import transformers\n" + _SCANS
     ours = ("import toolkit.config\n"
@@ -76,8 +76,8 @@ def test_transformers_reads_its_model_files_once_a_process():
 
 @pytest.fixture(scope="module")
 def imports() -> list[dict]:
-    """What a plain import of transformers loads, and what a rank's imports load (toolkit.build, toolkit.loop, a model
-    class, the schedulers as toolkit.loop imports them, peft): two fresh interpreters, run side by side."""
+    """What a plain import of transformers loads, and what a rank's imports load (toolkit.training.build, toolkit.training.loop, a model
+    class, the schedulers as toolkit.training.loop imports them, peft): two fresh interpreters, run side by side."""
     pytest.importorskip("scipy")  # the cost exists only where scipy is installed
     plain = (
         "import json, sys\n"
@@ -87,8 +87,8 @@ def imports() -> list[dict]:
     )
     ours = (
         "import json, sys\n"
-        "import toolkit.build, toolkit.loop\n"
-        "from toolkit import upstream\n"
+        "import toolkit.training.build, toolkit.training.loop\n"
+        "from toolkit.env import upstream\n"
         "from transformers import AutoModelForCausalLM\n"
         "upstream.import_peft()\n"
         "from transformers import get_scheduler\n"
@@ -112,7 +112,7 @@ def imports() -> list[dict]:
 def test_a_runs_imports_leave_scipy_optimize_out_until_a_matcher_is_called(imports):
     """transformers' modeling code imports its object-detection losses, which import scipy.optimize wherever scipy is
     installed (0.5 s a process here: docs/pitfalls.md#scipy-import): the plain import shows it. After what a
-    rank imports (toolkit.build, toolkit.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
+    rank imports (toolkit.training.build, toolkit.training.loop, a model class, the schedulers, peft) it is not loaded, and transformers'
     matcher still gives scipy's answer, importing scipy's own module when called."""
     plain, ours = imports
     assert plain["scipy.optimize"] and plain["modeling"]  # the upstream cost, without toolkit

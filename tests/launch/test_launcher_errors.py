@@ -20,7 +20,7 @@ from helpers import CONFIGS, ROOT, args_from, run
 @pytest.fixture(scope="module")
 def failed_verify(tmp_path_factory, padded_data):
     work = tmp_path_factory.mktemp("verify_missing_model")
-    # Relative, like the README's outputs/models/tiny-gpt2 when its step (python -m toolkit.offline) was not taken:
+    # Relative, like the README's outputs/models/tiny-gpt2 when its step (python -m toolkit offline) was not taken:
     # not unmistakably a path (only /, ./, ../ and ~ are checked when the config is parsed), so the ranks meet it.
     missing = "outputs/models/never-written"
     recipe_args = args_from({"model_name_or_path": missing, **padded_data, "block_size": 32, "packing": False,

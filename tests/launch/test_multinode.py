@@ -153,7 +153,7 @@ RESTARTS = len(KILL_AT_STEPS)
 def test_elastic_restart_resumes_on_its_own_and_ends_like_the_uninterrupted_run(runs, reference, tmp_path, launcher):
     """torchrun's c10d rendezvous (the issue's) and ``accelerate launch --max_restarts`` on a shipped config (static
     rendezvous), both with torch's defaults: the agent's store is shared with the ranks across attempts, and
-    toolkit.distributed gives each attempt's process group a key space of its own (checked from each rank's record
+    toolkit.parallel.accelerator gives each attempt's process group a key space of its own (checked from each rank's record
     of where its group's store writes, tests/scripts/elastic_run.py)."""
     out = str(tmp_path / "elastic")
     port = free_port()

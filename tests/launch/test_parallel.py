@@ -16,7 +16,7 @@ import pytest
 import yaml
 from helpers import CONFIGS, Runs, args_from, copy_checkpoint, load_weights, max_abs_diff
 
-from toolkit import launch as toolkit_launch
+from toolkit.cli import train as toolkit_launch
 from toolkit.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs):
     for rank in range(2):
         probe = _probe(tp, rank)
         assert probe["placements"] == ["S(0)"]  # a weight of the TP plan, split over the 2 ranks
-        # toolkit.clipping on gradients of ones: sqrt(the weight count), a replicated weight (the norms) counted once,
+        # toolkit.parallel.clipping on gradients of ones: sqrt(the weight count), a replicated weight (the norms) counted once,
         # a split one over both shards; one all-reduce for the split ones, none for the others
         assert probe["clip_norm"] == pytest.approx(probe["clip_weights"] ** 0.5, rel=1e-7), probe
         assert probe["clip_collectives"] == 1, probe
@@ -139,7 +139,7 @@ def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data,
     (fails with accelerate 1.16 + transformers 5.24: ImportError ReplicateParallel), a tp_size that splits heads.
     All three are refused by the checks a rank runs before its weights (``distributed.check_launch``,
     ``build.check_inputs``), checked here in this process, in the environment accelerate's launcher gives the ranks
-    (``toolkit.launch.check``, as ``toolkit train`` does before it launches)."""
+    (``toolkit.cli.train.check``, as ``toolkit train`` does before it launches)."""
     config, world, model = os.path.join(CONFIGS, "tp.yaml"), 2, tiny_llama
     if case == "no_plan":
         model, words = tiny_model, "parallelism_config_tp_size: a gpt2 model has no tensor-parallel plan"

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (toolkit/pipeline.py) on real gloo ranks against one process on the same global batch.
+"""Pipeline parallelism (toolkit/parallel/pipeline.py) on real gloo ranks against one process on the same global batch.
 
 A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks under GPipe and 1F1B, 4 micro-batches
 of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas and 2 stages x 2
@@ -62,7 +62,7 @@ def pp(schedule: str = "1f1b", **extra) -> dict:
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_256, chats, bpe_2048):
-    from toolkit.offline import save_tiny_llama
+    from toolkit.models.offline import save_tiny_llama
 
     llama4 = save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama-4"), num_hidden_layers=4,
                              tokenizer=bpe_2048)

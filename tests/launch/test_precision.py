@@ -11,7 +11,7 @@ import os
 import pytest
 from helpers import CONFIGS, Runs, args_from, launch, load_weights, max_abs_diff
 
-from toolkit import launch as toolkit_launch
+from toolkit.cli import train as toolkit_launch
 from toolkit.errors import ConfigError
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
@@ -65,7 +65,7 @@ def test_torch_dtype_auto_keeps_the_stored_dtype(tmp_path, stored, padded_data):
 
 def test_fp16_on_a_cpu_is_refused(tmp_path, tiny_model, padded_data):
     """accelerate would run fp16 on a CPU as plain fp32, exit 0: refused before the weights load. Checked in this
-    process, in the environment ``accelerate launch --mixed_precision fp16`` gives 2 DDP ranks (``toolkit.launch.check``:
+    process, in the environment ``accelerate launch --mixed_precision fp16`` gives 2 DDP ranks (``toolkit.cli.train.check``:
     the checks a rank runs before its Accelerator, ``distributed.check_launch``, and before its weights)."""
     cfg = {**COMMON, **padded_data, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}

@@ -89,7 +89,7 @@ def test_ray_restarts_a_killed_worker_and_the_run_resumes_exactly(cluster, clust
     assert _reported(result) == [(0, None, None), (0, 1, step[1]), (1, 1, step[1]), (1, 2, step[2]), (1, 3, step[3])]
     assert ray_train.reported_checkpoint(result.checkpoint)["checkpoint"] == step[3]
     assert os.listdir(result.checkpoint.path) == [ray_train.POINTER]
-    # the restart continued the run (toolkit.elastic) from the checkpoint Ray gave it
+    # the restart continued the run (toolkit.env.elastic) from the checkpoint Ray gave it
     assert yaml.safe_load(open(os.path.join(out, "config.yaml")))["resume_from_checkpoint"] == step[1]
     assert json.load(open(os.path.join(out, "summary.json")))["world_size"] == 2
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-3"

@@ -35,7 +35,7 @@ from helpers import (
     read_probes,
 )
 
-from toolkit import launch as toolkit_launch
+from toolkit.cli import train as toolkit_launch
 from toolkit.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model, chats):
 
 def test_sft_refuses_wrapped_packing_before_any_weights_load(tmp_path, tiny_model, chats):
     """packing: true packs whole chats (bfd, below); wrapped would let a chat attend to the one before it. Checked in
-    this process: what recipes/sft.py checks before its weights load (``toolkit.launch.check``, as ``toolkit train``
+    this process: what recipes/sft.py checks before its weights load (``toolkit.cli.train.check``, as ``toolkit train``
     does; a recipe's config error as one line and exit 2: tests/launch/test_launcher_errors.py, test_battery.py)."""
     with pytest.raises(ConfigError) as refused:
         toolkit_launch.check("chat-sft", os.path.join(CONFIGS, "ddp.yaml"), 1, args_from(
@@ -228,7 +228,7 @@ def test_dpo_on_two_ranks_equals_one_process(runs, gpt2_256, pairs):
 def test_dpo_metrics_reach_the_summary_and_the_report(runs, gpt2_256, pairs):
     """On the finished 2-rank DPO run: metrics.jsonl's evaluations carry TRL's metric names; summary.json has the
     last one's eval_rewards/accuracies and eval_rewards/margins; ``toolkit report`` shows both first -> last."""
-    from toolkit.report import load_run, summarize, table
+    from toolkit.reporting.report import load_run, summarize, table
 
     two = runs.get("dpo_two", "ddp.yaml", 2, 2, 2, _dpo(gpt2_256, pairs))
     evals = [r for r in _rows(two) if "eval_loss" in r]

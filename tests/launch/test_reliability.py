@@ -211,7 +211,7 @@ def test_nonfinite_gradient_stops_naming_the_step_and_keeps_the_last_good_checkp
     assert summary["stop_reason"] == message[len("training stopped: "):] and summary["world_size"] == 2
 
     for config, name in (("ddp.yaml", "nonfinite_skipped"), ("fsdp.yaml", "nonfinite_skipped_fsdp")):
-        # skip_nonfinite_steps, save_steps 12; FSDP2: a shard's inf or nan reaches both ranks' norm (toolkit.clipping),
+        # skip_nonfinite_steps, save_steps 12; FSDP2: a shard's inf or nan reaches both ranks' norm (toolkit.parallel.clipping),
         # so both skip the same steps and the run ends (a rank that stepped alone would hang the other)
         skipped = runs.get(name, config, 2, 2, 2, SKIPPED)
         rows = [json.loads(line) for line in open(os.path.join(skipped, "metrics.jsonl")) if '"loss"' in line]

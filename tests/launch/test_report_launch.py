@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import ROOT, subprocess_env
 
-from toolkit.report import load_run, summarize
+from toolkit.reporting.report import load_run, summarize
 
 
 @pytest.mark.slow

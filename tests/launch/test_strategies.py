@@ -32,7 +32,7 @@ from helpers import (
     tree_hash,
 )
 
-from toolkit import launch as toolkit_launch
+from toolkit.cli import train as toolkit_launch
 from toolkit.errors import ConfigError
 
 PROBE = os.path.join(SCRIPTS, "probe_run.py")
@@ -46,7 +46,7 @@ SGD = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
 ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
              weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 ADAMW_TOLERANCE = 1e-5
-# padding-free packing (toolkit/packing.py): whole documents best-fit decreasing into the 48-token rows
+# padding-free packing (toolkit/data/packing.py): whole documents best-fit decreasing into the 48-token rows
 BFD = {**SGD, "packing": True, "packing_strategy": "bfd"}
 BFD_STRATEGIES = ["ddp", "zero3", "fsdp"]
 # The logged grad norm is the global one, not a shard's (which would be ~1/sqrt(2) of it, 29% off). Measured here:
@@ -85,7 +85,7 @@ SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"
             ("zero3", "loss_chunk_size")]
 SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
-# streaming: true (toolkit/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
+# streaming: true (toolkit/data/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
 # micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
 # micro batch, accumulation): a global batch of 8 rows; HSDP's data-parallel degree is 4, TP's 1 (both TP ranks take
 # all 8 rows), on the tiny Llama (a family with a TP plan). Each run joins its layout's batch: no launch of its own.
@@ -169,7 +169,7 @@ def assert_really_distributed(out, strategy, clipping):
             assert p["global_steps"] == 3
     # the full (gathered) weights every rank ends with are bit-identical
     assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
-    if strategy in ("ddp", "fsdp"):  # toolkit.clipping (CPU): each weight counted once, in one collective a mesh
+    if strategy in ("ddp", "fsdp"):  # toolkit.parallel.clipping (CPU): each weight counted once, in one collective a mesh
         for p in ranks:  # gradients of ones: the norm is sqrt(the full model's weight count), not a shard's
             assert p["clip_norm"] == pytest.approx(math.sqrt(p["clip_weights"]), rel=1e-7), p
             # FSDP2: one all-reduce for the model's one mesh (one per parameter took 200 ms a step on 242 of them)
@@ -318,7 +318,7 @@ def test_a_stream_under_each_layout_trains_like_one_process(stream_runs, layout)
     assert len(rows[one]) == 3 and max_abs_diff(load_weights(final(one)), load_weights(runs.model)) > 1e-3  # it trains
     assert [r["loss"] for r in rows[out]] == pytest.approx([r["loss"] for r in rows[one]], rel=1e-5)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(one))) <= 1e-6
-    if layout in ("fsdp", "hsdp", "tp"):  # toolkit.clipping's norm: each weight once (HSDP: not once a replica)
+    if layout in ("fsdp", "hsdp", "tp"):  # toolkit.parallel.clipping's norm: each weight once (HSDP: not once a replica)
         assert rows[out][0]["grad_norm"] == pytest.approx(rows[one][0]["grad_norm"], rel=GRAD_NORM_REL_FIRST_STEP)
 
 
@@ -453,7 +453,7 @@ def test_resume_that_cannot_load_the_format_is_refused_before_the_weights(runs, 
 
 def test_mismatched_accumulation_in_deepspeed_section_fails(tmp_path, tiny_model, padded_data):
     """zero2.yaml with gradient_accumulation_steps 4 in its DeepSpeed section, the recipe's 2: refused. Checked in this
-    process, in the environment accelerate's launcher gives 2 ranks of it (``toolkit.launch.check``: the
+    process, in the environment accelerate's launcher gives 2 ranks of it (``toolkit.cli.train.check``: the
     ``distributed.check_launch`` a rank runs before its Accelerator)."""
     zero2 = yaml.safe_load(open(os.path.join(CONFIGS, "zero2.yaml")))
     zero2["deepspeed_config"]["gradient_accumulation_steps"] = 4

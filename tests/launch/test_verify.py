@@ -87,7 +87,7 @@ def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
     assert "toolkit/accelerate_configs/zero3.yaml" in names  # toolkit train --strategy zero3 from a wheel
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
     env = {**subprocess_env(), "PYTHONPATH": str(site)}
-    code = ("import toolkit, toolkit.verify as v, toolkit.launch as l; print(toolkit.__file__); "
+    code = ("import toolkit, toolkit.cli.verify as v, toolkit.cli.train as l; print(toolkit.__file__); "
             "print(v.default_recipe()); print(l.strategy_config('zero3'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True).stdout.split()
@@ -101,7 +101,7 @@ def test_verify_accepts_the_sft_recipe_with_lora(tmp_path, tiny_model):
     """``--recipe recipes/sft.py`` with LoRA under FSDP2: verify compares the exported adapters (the base is frozen)."""
     import json as _json
 
-    from toolkit.builtin_data import pydoc_chats
+    from toolkit.data.builtin import pydoc_chats
 
     rows = pydoc_chats()["train"].select(range(24))
     data = tmp_path / "chats.jsonl"

@@ -3,7 +3,7 @@ in one process.
 
 Usage: battery.py CASES_JSON OUT_JSON. Each case is {"name", "argv", "env", optional "recipe": "dpo", ...}; for each, the process environment gets
 ``env``, ``sys.argv`` is the recipe's command line, and what the recipe does is recorded: its exit code, stderr, and
-whether the weights loaded (``toolkit.build`` logs "weights train in" right after they do). One process for every
+whether the weights loaded (``toolkit.training.build`` logs "weights train in" right after they do). One process for every
 case because each would otherwise pay ~5 s of imports; accelerate's process-wide state is reset between cases.
 """
 
@@ -19,7 +19,7 @@ import datasets.config  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from huggingface_hub import constants as hub_constants  # noqa: E402
 
-from toolkit.cli import cli  # noqa: E402
+from toolkit.cli.recipe import cli  # noqa: E402
 
 cases_path, out_path = sys.argv[1], sys.argv[2]  # sys.argv becomes each case's command line below
 cases = json.load(open(cases_path))
@@ -45,7 +45,7 @@ for case in cases:
             err.write(traceback.format_exc())
     os.environ.clear()
     os.environ.update(saved_env)
-    # a case's offline variables put this process's Hub libraries offline (toolkit.hub): not the next case's
+    # a case's offline variables put this process's Hub libraries offline (toolkit.env.hub): not the next case's
     hub_constants.HF_HUB_OFFLINE = hub_offline
     datasets.config.HF_HUB_OFFLINE = hub_offline
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -10,7 +10,7 @@ scripts/ray_train.py, whose restarts are Ray's).
   ``<output_dir>/probe/elastic_attempt<a>_rank<r>.json``: in which key space of the launcher's rendezvous store the
   group's own store writes. A key is set through the group's store and found again, with the prefix of every layer
   above it, through a plain client of the same store: ``toolkit-attempt-<a>/0//<key>`` for the group
-  toolkit.distributed starts for the attempt, ``default_pg/0//<key>`` for torch's ``init_process_group`` from the
+  toolkit.parallel.accelerator starts for the attempt, ``default_pg/0//<key>`` for torch's ``init_process_group`` from the
   environment (the same keys in every attempt, pytorch #135712). The record is the first segment. Written before any
   step, so before rank 1 can die.
 """
@@ -66,7 +66,7 @@ def main(callbacks=None):
 
 
 if __name__ == "__main__":
-    from toolkit.cli import cli
+    from toolkit.cli.recipe import cli
 
     out = sys.argv[sys.argv.index("--output_dir") + 1]
     cli(lambda: gpt2.main(callbacks=[KillRankAndRecordStore(out)]))

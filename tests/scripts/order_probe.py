@@ -12,8 +12,8 @@ import sys
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainingArguments
-from toolkit.distributed import make_accelerator
-from toolkit.order import GlobalBatchSampler
+from toolkit.data.order import GlobalBatchSampler
+from toolkit.parallel.accelerator import make_accelerator
 
 out, n, micro, accum, seed = sys.argv[1], *map(int, sys.argv[2:6])
 passes = [(out, int(sys.argv[6]) if len(sys.argv) > 6 else 0)]

@@ -6,7 +6,7 @@
 - records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
   and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree;
 - after ``train`` returned (``after_train``): whether the run's process group is still referenced by
-  ``toolkit.distributed.keep_process_groups`` (docs/pitfalls.md#gloo-teardown-deadlock), and whether DeepSpeed was
+  ``toolkit.parallel.accelerator.keep_process_groups`` (docs/pitfalls.md#gloo-teardown-deadlock), and whether DeepSpeed was
   imported (docs/pitfalls.md#deepspeed-import).
 Writes ``probe/comm_rank{R}.json``, ``probe/kept_rank{R}.json``, ``probe/imports_rank{R}.json`` and
 ``probe/logits.pt`` into output_dir.
@@ -80,11 +80,11 @@ class Probe:
             torch.save(logits, os.path.join(out, "logits.pt"))
 
     def after_train(self):
-        """Once ``train`` has returned: whether its process group is still held (toolkit.distributed._KEPT_GROUPS), so
+        """Once ``train`` has returned: whether its process group is still held (toolkit.parallel.accelerator._KEPT_GROUPS), so
         that its C++ object cannot be destroyed while the process runs Python (the deadlock it prevents hung the
         quickstart's notebook_launcher cell in 2 of 5 executions; this shows the cause gone, deterministically), and
         whether this process has imported DeepSpeed by now (training, checkpoints and the export included)."""
-        from toolkit.distributed import _KEPT_GROUPS
+        from toolkit.parallel.accelerator import _KEPT_GROUPS
 
         if self.group is None or self.probe_dir is None:
             return
@@ -96,12 +96,12 @@ class Probe:
 
 
 def clip_probe(accelerator, model) -> dict:
-    """toolkit.clipping on gradients of ones (their norm: the square root of the full model's weight count, each
+    """toolkit.parallel.clipping on gradients of ones (their norm: the square root of the full model's weight count, each
     weight counted once whatever its shards or replicas), and the collectives it made: one per device mesh and
     layout, not one per parameter (collective)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from toolkit.clipping import clip_grad_norm
+    from toolkit.parallel.clipping import clip_grad_norm
 
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -153,7 +153,7 @@ def full_weights(accelerator, model) -> dict:
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     # DDP: whole tensors; tensor parallel: DTensor shards, gathered (collective)
-    from toolkit.distributed import deepspeed_out_of_sight
+    from toolkit.parallel.accelerator import deepspeed_out_of_sight
 
     with deepspeed_out_of_sight(accelerator):  # as the export: a DDP rank's probe imports no DeepSpeed either
         unwrapped = accelerator.unwrap_model(model)
@@ -176,6 +176,6 @@ def main(callbacks=None):
 
 
 if __name__ == "__main__":
-    from toolkit.cli import cli
+    from toolkit.cli.recipe import cli
 
     cli(main)

@@ -26,7 +26,7 @@ import probe_run  # noqa: E402  the recipe and its probes
 import torch.distributed as dist  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 
-from toolkit.cli import cli  # noqa: E402
+from toolkit.cli.recipe import cli  # noqa: E402
 
 
 def _run_all(runs: list[dict]) -> None:

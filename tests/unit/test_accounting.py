@@ -1,9 +1,9 @@
-"""The arithmetic behind MFU and the memory figures (``toolkit.accounting``), on configs on the meta device."""
+"""The arithmetic behind MFU and the memory figures (``toolkit.reporting.accounting``), on configs on the meta device."""
 
 import pytest
 import torch
 
-from toolkit.accounting import (
+from toolkit.reporting.accounting import (
     PEAK_FLOPS,
     compute_precision,
     count_parameters,

@@ -1,4 +1,4 @@
-"""The offline datasets of ``toolkit.builtin_data`` and the offline encoder of ``toolkit.offline``. Fast: no training."""
+"""The offline datasets of ``toolkit.data.builtin`` and the offline encoder of ``toolkit.models.offline``. Fast: no training."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from datasets import ClassLabel
 
-from toolkit import offline
-from toolkit.builtin_data import _pydoc_pairs, majority_baseline, pydoc_chats, stdlib_docstrings
+from toolkit.data.builtin import _pydoc_pairs, majority_baseline, pydoc_chats, stdlib_docstrings
+from toolkit.models import offline
 
 
 def col(dataset, name) -> list:
@@ -182,8 +182,8 @@ def test_max_samples_draw_a_seeded_sample_not_the_first_rows(docstrings, tiny_mo
     """stdlib-docstrings is sorted by class: its first 150 training rows hold 2 of its 6 classes. max_train_samples
     draws with the run's seed instead (every class present), keeps the rows' file order, and draws the same rows for
     the same seed (every rank computes it alike) and other rows for another seed."""
-    from toolkit.classification import load_raw_labelled
     from toolkit.config import parse_args
+    from toolkit.tasks.classification import load_raw_labelled
 
     def load(seed):
         cfg = parse_args(["--model_name_or_path", tiny_model, "--dataset_name", "stdlib-docstrings",

@@ -11,7 +11,7 @@ import yaml
 from helpers import RECIPE
 
 from toolkit.config import ConfigError, parse_args, write_config
-from toolkit.config_help import TASK_RECIPES
+from toolkit.config.help import TASK_RECIPES
 
 
 def _yaml(tmp_path, **values):
@@ -167,7 +167,7 @@ def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(
     in make_accelerator, from the launch's environment, before accelerate or a model is touched (the battery runs it
     through the recipe)."""
     from toolkit.config import TrainingArguments
-    from toolkit.distributed import make_accelerator
+    from toolkit.parallel.accelerator import make_accelerator
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     args = TrainingArguments(output_dir=str(tmp_path / "out"), skip_nonfinite_steps=True)
@@ -295,8 +295,8 @@ def test_parallel_sizes_that_do_not_fill_the_launched_world_are_refused_before_t
     """hsdp.yaml (dp_replicate 2 x dp_shard 2) launched with --num_processes 2 failed inside the Accelerator with
     torch's raw 'Mesh should not be bigger than default world size 2, but found 4 ranks!'; refused in
     make_accelerator from the launch's environment, before accelerate is touched, naming the option to pass."""
-    from toolkit import distributed
     from toolkit.config import TrainingArguments
+    from toolkit.parallel import accelerator as distributed
 
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     for name in ("DP_REPLICATE", "DP_SHARD", "TP", "CP"):
@@ -322,7 +322,7 @@ def test_attn_implementation_picks_the_models_attention_kernel_and_is_checked_be
     """GPUs want flash attention: the field reaches the model (transformers' attn_implementation); a name
     transformers does not know, or flash_attention_2 without flash-attn installed, is one line at parse time."""
 
-    from toolkit.model import load_model
+    from toolkit.models.loading import load_model
 
     path = _yaml(tmp_path, **base)
     chosen = {impl: load_model(parse_args(["--config", path, *flag]).model).config._attn_implementation
@@ -330,7 +330,7 @@ def test_attn_implementation_picks_the_models_attention_kernel_and_is_checked_be
     assert chosen == {"default": "sdpa", "eager": "eager"}
     with pytest.raises(ConfigError, match="attn_implementation: unknown value 'flash'; choose one of eager, sdpa"):
         parse_args(["--config", path, "--attn_implementation", "flash"])
-    # whether this machine runs flash_attention_2: toolkit.model.check_attn_implementation (tests/unit/test_packing.py)
+    # whether this machine runs flash_attention_2: toolkit.models.loading.check_attn_implementation (tests/unit/test_packing.py)
 
 
 def test_an_unquoted_glob_expanded_by_the_shell_is_a_list_of_files(tmp_path):

@@ -38,7 +38,7 @@ def test_load_report_has_no_escape_sequences_when_stderr_is_not_a_terminal(tmp_p
 
     from transformers import AutoConfig
 
-    from toolkit.model import load_model
+    from toolkit.models.loading import load_model
 
     folder = _encoder(tmp_path)
     config = AutoConfig.from_pretrained(folder, num_labels=3)
@@ -62,7 +62,7 @@ def test_lora_wraps_without_a_future_warning(tmp_path):
     """peft 0.21 calls transformers 5's deprecated ``is_gradient_checkpointing`` when it wraps a model."""
     from transformers import AutoModelForSequenceClassification
 
-    from toolkit.lora import apply_lora
+    from toolkit.models.lora import apply_lora
 
     folder = _encoder(tmp_path)
     model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3)

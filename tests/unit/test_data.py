@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from toolkit.config import ConfigError, DataArguments
-from toolkit.data import CausalLMCollator, load_raw_datasets, pydoc_dataset, tokenize_and_group
+from toolkit.data.loading import CausalLMCollator, load_raw_datasets, pydoc_dataset, tokenize_and_group
 from toolkit.loss import count_targets, token_losses
-from toolkit.offline import gpt2_tokenizer
+from toolkit.models.offline import gpt2_tokenizer
 
 ROWS = [{"text": t} for t in ["one two three four five", "a", "the quick brown fox jumps", "x y", "hello world again"]]
 
@@ -48,7 +48,7 @@ def test_local_formats(tmp_path, fmt):
 
 def test_train_file_takes_a_glob_a_comma_list_or_a_yaml_list(tmp_path, tiny_model):
     """A corpus in shards: a glob (sorted), comma-separated paths or a YAML list read as one split, streamed or not
-    (the stream reads the same list: toolkit.stream)."""
+    (the stream reads the same list: toolkit.data.stream)."""
     import yaml
 
     from toolkit.config import parse_args
@@ -124,7 +124,7 @@ def test_bounded_packing_equals_one_stream(monkeypatch, batch_rows, block_size, 
 
     from datasets import Dataset
 
-    from toolkit import data
+    from toolkit.data import loading as data
 
     rng = random.Random(0)
     docs = [[rng.randrange(1000) for _ in range(rng.choice([0, 1, 2, 3, 9, 23]))] for _ in range(60)]
@@ -167,7 +167,7 @@ def test_padding_carries_no_loss():
     assert counts.tolist() == [3, 1] and torch.allclose(sums[1], alone[0]) and int(n) == 1
 
 
-# Texts the probe (toolkit.data.PROBE_TEXTS) never shows: tokens added after loading, with and without stripping or
+# Texts the probe (toolkit.data.loading.PROBE_TEXTS) never shows: tokens added after loading, with and without stripping or
 # normalization, text a normalizer changes (case, accents, a ligature, full-width forms), Metaspace's word starts.
 ENCODER_TEXTS = ["a <new> b", "x<new>y <NEW>", "  <ctl>  hi  </ctl>x", "</ctl></ctl>", "Héllo WÖRLD Straße ﬁne ＡＢＣ",
                  "Python is\n  indented", "[SEP] [PAD] text [MASK]"]
@@ -180,7 +180,7 @@ def _encoder_tokenizer(case: str, request):
     from tokenizers import AddedToken, normalizers
     from transformers import AutoTokenizer
 
-    from toolkit.offline import minilm_path
+    from toolkit.models.offline import minilm_path
 
     family, _, change = case.partition("+")
     kwargs = {"split_special_tokens": True} if change == "split-special-tokens" else {}
@@ -231,7 +231,7 @@ def test_fast_encoder_gives_the_tokenizers_ids_and_falls_back_when_it_would_not(
     # on texts beyond the probe (a special token's text, accents, CJK, empty and long strings, the added tokens).
     import dill
 
-    from toolkit.data import PROBE_TEXTS, token_encoder
+    from toolkit.data.loading import PROBE_TEXTS, token_encoder
 
     texts = PROBE_TEXTS + list(pydoc_dataset()["validation"]["text"]) + ENCODER_TEXTS
     tok = _encoder_tokenizer(case, request)
@@ -269,7 +269,8 @@ def test_a_chat_map_is_cached_under_the_tokenizers_whole_state(tmp_path):
     splits, where maps are cached: the same tokenizer loaded again gets the same fingerprint (another rank reads the
     cache the first one wrote), and another chat template or a moved special token gets its own rows, never the
     cached ones."""
-    from toolkit.chat import load_raw_chats, set_chat_template, tokenize_chats
+    from toolkit.data.chat import set_chat_template
+    from toolkit.tasks.sft import load_raw_chats, tokenize_chats
 
     chat = [{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": "A mutable sequence."}]
     path = tmp_path / "chats.jsonl"
@@ -314,7 +315,7 @@ def test_a_malformed_json_line_is_one_line_naming_the_file_and_the_line_before_w
 def test_empty_and_non_string_texts_are_dropped_and_counted_like_null_ones(tmp_path, bpe_2048):
     """An empty text was dropped without a word (the tokenizer made no token of it), and a file with a text that is
     not a string was refused whole, while a stream dropped that row: both paths drop and count them now."""
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     texts = ["one two three", "", 5, None, "four five six", [1, 2], "seven eight"]
     path = tmp_path / "mixed.jsonl"
@@ -334,7 +335,7 @@ def test_empty_and_non_string_texts_are_dropped_and_counted_like_null_ones(tmp_p
 def test_a_validation_file_with_other_columns_is_one_line_naming_it(tmp_path):
     """The splits were read in one load_dataset call: a validation file whose columns differ from the training
     file's failed inside datasets ("cannot read {...}: DatasetGenerationError: ...")."""
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     train = _write(tmp_path / "train.jsonl", "jsonl")
     other = tmp_path / "valid.jsonl"

@@ -1,4 +1,4 @@
-"""Dataset formats (toolkit/formats.py) and mixtures (toolkit/mixture.py): each format's rows tokenized against a
+"""Dataset formats (toolkit/data/formats.py) and mixtures (toolkit/data/mixture.py): each format's rows tokenized against a
 hand-built expectation (the prompt's and the completion's ids tokenized apart, where the shipped BPE splits them at
 the boundary, with -100 on the prompt), TRL's ``extract_prompt`` as the oracle of implicit-prompt pairs, detection and
 its refusals, and a mixture's rows against the sets' converted rows."""
@@ -20,7 +20,7 @@ EOS = "<|endoftext|>"
 
 @pytest.fixture(scope="module")
 def tok(bpe_2048):
-    from toolkit.chat import set_chat_template
+    from toolkit.data.chat import set_chat_template
 
     set_chat_template(bpe_2048, TEMPLATE)
     return bpe_2048
@@ -48,7 +48,7 @@ def _write(path, rows) -> str:
 
 
 def _tokenized(tmp_path, tok, rows, block_size=256, **fields):
-    from toolkit.chat import load_raw_chats, tokenize_chats
+    from toolkit.tasks.sft import load_raw_chats, tokenize_chats
 
     args = DataArguments(train_file=_write(tmp_path / "train.jsonl", rows), validation_split_percentage=0, **fields)
     return tokenize_chats(load_raw_chats(args), tok, args, block_size)["train"]
@@ -108,7 +108,7 @@ def test_messages_rows_keep_every_assistant_turn_as_a_target(tmp_path, tok):
 def test_implicit_prompt_pairs_split_as_trl_extract_prompt(tmp_path):
     from trl.data_utils import extract_prompt
 
-    from toolkit.preference import load_raw_pairs
+    from toolkit.tasks.dpo import load_raw_pairs
 
     user = {"role": "user", "content": "What colour is the sky?"}
     rows = [{"chosen": [user, {"role": "assistant", "content": "Blue."}],
@@ -127,7 +127,7 @@ def test_implicit_prompt_pairs_split_as_trl_extract_prompt(tmp_path):
 
 
 def test_explicit_preference_rows_pass_through(tmp_path):
-    from toolkit.preference import load_raw_pairs
+    from toolkit.tasks.dpo import load_raw_pairs
 
     rows = [{"prompt": "The sky is", "chosen": " blue", "rejected": " green", "id": 3}]
     args = DataArguments(train_file=_write(tmp_path / "p.jsonl", rows), validation_split_percentage=0)
@@ -141,13 +141,13 @@ def test_explicit_preference_rows_pass_through(tmp_path):
     (["messages", "prompt", "completion"], {"dataset_format": "prompt_completion"}, "prompt_completion"),
 ])
 def test_the_format_is_detected_from_the_columns_or_forced(columns, fields, fmt):
-    from toolkit.formats import detect
+    from toolkit.data.formats import detect
 
     assert detect(columns, "chat", DataArguments(dataset_name="x", **fields), "the train split") == fmt
 
 
 def test_columns_that_fit_no_format_are_refused_naming_the_columns_and_the_formats():
-    from toolkit.formats import detect
+    from toolkit.data.formats import detect
 
     with pytest.raises(ConfigError, match=r"^dataset_format: the train split has the columns \['question', 'answer'\],"
                                           r" which fit none of the formats this recipe takes: messages \(messages\); "
@@ -183,7 +183,7 @@ def _mixture(alpaca, chats, weight=0.5, seed=0, test=None) -> dict:
 def test_a_mixture_converts_each_set_and_draws_its_weight_of_rows(tmp_path):
     import random
 
-    from toolkit.mixture import load_mixture
+    from toolkit.data.mixture import load_mixture
 
     alpaca, chats = _mixture_files(tmp_path)
     args = DataArguments(dataset_mixture=_mixture(alpaca, chats))
@@ -234,7 +234,7 @@ def test_a_bad_mixture_is_refused_at_parse_time(tmp_path, change, words):
 
 
 def test_a_mixture_with_other_data_fields_or_missing_columns_is_refused(tmp_path):
-    from toolkit.mixture import load_mixture
+    from toolkit.data.mixture import load_mixture
 
     alpaca, chats = _mixture_files(tmp_path)
     with pytest.raises(ConfigError, match="^dataset_mixture: replaces dataset_name, train_file and validation_file; "
@@ -249,7 +249,7 @@ def test_a_mixture_with_other_data_fields_or_missing_columns_is_refused(tmp_path
 
 
 def test_a_mixture_of_text_sets_trains_the_causal_lm(tmp_path):
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     a = _write(tmp_path / "a.jsonl", [{"text": f"alpha {i}", "id": i} for i in range(4)])
     b = _write(tmp_path / "b.jsonl", [{"text": f"beta {i}", "source": "b"} for i in range(4)])
@@ -260,7 +260,7 @@ def test_a_mixture_of_text_sets_trains_the_causal_lm(tmp_path):
 
 
 def test_a_stream_converts_each_row_as_a_loaded_set_does(tmp_path, tok):
-    from toolkit.chat import ChatSFT
+    from toolkit.tasks.sft import ChatSFT
 
     rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
             {"prompt": "The sky is", "completion": " blue"},
@@ -272,7 +272,7 @@ def test_a_stream_converts_each_row_as_a_loaded_set_does(tmp_path, tok):
 
 
 def test_the_converted_splits_keep_a_fingerprint_so_the_tokenize_cache_is_hit(tmp_path, tok):
-    from toolkit.chat import load_raw_chats
+    from toolkit.tasks.sft import load_raw_chats
 
     rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}]
     args = DataArguments(train_file=_write(tmp_path / "a.jsonl", rows), validation_split_percentage=0)
@@ -286,7 +286,7 @@ def test_a_validation_file_in_another_format_of_the_task_is_converted_on_its_own
     """train_file and validation_file were read in one load_dataset call: files with different columns failed inside
     datasets. Each is read and detected apart: both fit chat SFT here (messages, alpaca); one that fits no format is
     refused naming validation_file, its columns and the formats expected."""
-    from toolkit.chat import load_raw_chats
+    from toolkit.tasks.sft import load_raw_chats
 
     chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     train = _write(tmp_path / "train.jsonl", [{"messages": chat}] * 3)

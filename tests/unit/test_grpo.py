@@ -1,4 +1,4 @@
-"""GRPO (toolkit.grpo_loss, toolkit.grpo, toolkit.rewards) against TRL 1.16's GRPOTrainer as the oracle.
+"""GRPO (toolkit.tasks.grpo.loss, toolkit.tasks.grpo.task, toolkit.tasks.grpo.rewards) against TRL 1.16's GRPOTrainer as the oracle.
 
 - The loss: for each loss_type, with and without beta, with num_iterations 1 (old log-probs: the policy's own) and 2
   (old log-probs given), TRL's ``_compute_loss`` on a batch of fixed prompt/completion ids, advantages, old and
@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from toolkit.grpo_loss import LOSS_TYPES, group_advantages, per_token_losses, row_losses_and_targets
+from toolkit.tasks.grpo.loss import LOSS_TYPES, group_advantages, per_token_losses, row_losses_and_targets
 
 PROMPT_LEN, COMPLETION_LEN, ROWS, GENERATIONS = 5, 6, 8, 4
 EPSILON = 0.2
@@ -44,8 +44,8 @@ def _fixed_batch(vocab: int) -> dict:
 
 
 def _our_logps(model, batch: dict, temperature: float = 1.0):
-    """The task's forward (``toolkit.grpo.policy_logps``) on the batch's prompt + completion."""
-    from toolkit.grpo import policy_logps
+    """The task's forward (``toolkit.tasks.grpo.task.policy_logps``) on the batch's prompt + completion."""
+    from toolkit.tasks.grpo.task import policy_logps
 
     ours = {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
             "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
@@ -133,7 +133,7 @@ def _trl(trainer, batch, loss_type, beta, old, ref):
 def _model(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.model import disable_dropout
+    from toolkit.models.loading import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     disable_dropout(model)
@@ -186,7 +186,7 @@ def test_loss_and_gradients_equal_trl(policy, trl_trainer, loss_type, beta, num_
 def _task_loss_metrics(model, batch, loss_type, beta, old, ref) -> dict:
     """``GRPO.row_losses`` on the batch, then the token means it accumulated for its log (one process)."""
     from toolkit.config import config_from_dict
-    from toolkit.grpo import GRPO
+    from toolkit.tasks.grpo.task import GRPO
 
     task = GRPO()
     task.check(config_from_dict(_values(model.name_or_path, None, loss_type=loss_type, beta=beta, epsilon=EPSILON,
@@ -231,8 +231,8 @@ def test_advantages_and_reward_metrics_equal_trl(scale_rewards):
     group's statistics, advantage 0), a group of equal rewards: the same advantages, reward, reward_std,
     per-function means and stds, and frac_reward_zero_std (of the std the advantages are scaled by: the batch's under
     ``batch``)."""
-    from toolkit.grpo_loss import combine_rewards, nanstd
-    from toolkit.rewards import score
+    from toolkit.tasks.grpo.loss import combine_rewards, nanstd
+    from toolkit.tasks.grpo.rewards import score
 
     nan = float("nan")
     first = [1.0, 0.0, 2.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.0, nan, 3.0, 0.0]
@@ -260,7 +260,7 @@ def test_reward_functions_return_what_trl_takes():
     non-number or the wrong length is one line naming the function."""
     import numpy as np
 
-    from toolkit.rewards import score
+    from toolkit.tasks.grpo.rewards import score
 
     def run(values):
         return score([("mine", lambda **kw: values)], ["p"] * 2, ["a", "b"], [[1], [2]], {})
@@ -278,8 +278,8 @@ def test_reward_functions_return_what_trl_takes():
 def test_a_rows_completion_does_not_depend_on_its_batch(tiny_model):
     """Per-row seeded sampling: a prompt's completion drawn alone equals the one drawn in a batch beside longer and
     shorter prompts (left padding), at another position; another seed draws another completion."""
-    from toolkit.grpo import left_pad
-    from toolkit.sampling import row_seed, sample
+    from toolkit.tasks.grpo.sampling import row_seed, sample
+    from toolkit.tasks.grpo.task import left_pad
 
     model, tokenizer = _model(tiny_model).eval(), _tokenizer(tiny_model)
     prompts = [tokenizer(t)["input_ids"] for t in ("The sky is", "Once upon a time there was a", "Hello")]
@@ -303,7 +303,7 @@ def test_a_rows_completion_does_not_depend_on_its_batch(tiny_model):
 
 def test_sampling_draws_from_the_warped_distribution():
     """RowSampler keeps one token per row, inside top_k."""
-    from toolkit.sampling import RowSampler
+    from toolkit.tasks.grpo.sampling import RowSampler
 
     scores = torch.log_softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
     out = RowSampler([1, 2, 3], temperature=0.7, top_k=5, top_p=1.0)(torch.zeros(3, 1, dtype=torch.long), scores)
@@ -318,7 +318,7 @@ def test_sampling_at_the_edges_of_temperature_top_p_and_top_k(tiny_model, tmp_pa
     of 0, a top_p of 0 or above 1 and a negative top_k are one line naming the field."""
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
-    from toolkit.sampling import RowSampler
+    from toolkit.tasks.grpo.sampling import RowSampler
 
     scores = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
     ids = torch.zeros(4, 1, dtype=torch.long)
@@ -357,7 +357,7 @@ def test_a_run_logs_trls_metrics_and_resumes_before_a_reused_batch_exactly(tiny_
 
     from helpers import ROOT, load_weights, max_abs_diff, train_in_process
 
-    from toolkit.grpo import GRPO
+    from toolkit.tasks.grpo.task import GRPO
 
     monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
     values = _values(tiny_model, tmp_path, num_iterations=2, save_final_model=True, beta=0.04, loss_type="grpo",
@@ -403,7 +403,7 @@ def test_text_prompts_trls_reward_conventions_and_a_resume_of_an_epoch(tiny_mode
 
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
-    from toolkit.grpo import GRPO
+    from toolkit.tasks.grpo.task import GRPO
 
     monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
     long = "Count the words of this: " + " ".join(f"w{i}" for i in range(60)) + ". The count is"
@@ -451,7 +451,7 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     from helpers import ROOT, train_in_process
 
     from toolkit.errors import TrainingStopped
-    from toolkit.grpo import GRPO
+    from toolkit.tasks.grpo.task import GRPO
 
     monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
     with pytest.raises(TrainingStopped, match="reward function grpo_rewards:raises raised ValueError: no score for these"):
@@ -470,7 +470,7 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
 def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, message):
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
-    from toolkit.grpo import GRPO
+    from toolkit.tasks.grpo.task import GRPO
 
     cfg = config_from_dict(_values(tiny_model, tmp_path, **values))
     with pytest.raises(ConfigError, match=message) as err:
@@ -486,7 +486,7 @@ def test_toolkit_train_grpo_finds_a_reward_module_beside_the_user_and_refuses_a_
     before any launch."""
     import sys
 
-    from toolkit import launch
+    from toolkit.cli import train as launch
 
     (tmp_path / "beside_user_rewards.py").write_text("def score(prompts, completions, **kwargs):\n"
                                                       "    return [1.0] * len(completions)\n")
@@ -510,8 +510,8 @@ def test_beta_and_loss_type_take_each_tasks_default_and_values(tiny_model, tmp_p
     loss and beta 0."""
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
-    from toolkit.grpo import GRPO
-    from toolkit.preference import DPO
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.grpo.task import GRPO
 
     cfg = config_from_dict(_values(tiny_model, tmp_path))
     assert (cfg.train.beta, cfg.train.loss_type) == (None, None)
@@ -531,7 +531,7 @@ def test_loss_png_draws_the_reward(tmp_path):
     """A run whose rows log a reward (GRPO): loss.png's curve is the reward, on a 'mean reward' axis."""
     import json
 
-    from toolkit import plots
+    from toolkit.reporting import plots
 
     rows = [{"step": s, "tokens_seen": 100 * s, "loss": 0.0, "reward": 0.1 * s, "loss_unit": "GRPO objective"}
             for s in (1, 2, 3)]
@@ -541,7 +541,7 @@ def test_loss_png_draws_the_reward(tmp_path):
 
 
 def test_the_builtin_rewards():
-    from toolkit.rewards import arithmetic_correct, arithmetic_dataset, arithmetic_format
+    from toolkit.tasks.grpo.rewards import arithmetic_correct, arithmetic_dataset, arithmetic_format
 
     completions = ["12 + 7 = 19.", "19", " 18", "The answer is 19 apples", "none"]
     assert arithmetic_correct(None, completions, answer=[19] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]

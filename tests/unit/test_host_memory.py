@@ -1,4 +1,4 @@
-"""CPU ranks keep freed memory for reuse (toolkit/host_memory.py): when ``train`` turns it on, and that it gives it
+"""CPU ranks keep freed memory for reuse (toolkit/env/host_memory.py): when ``train`` turns it on, and that it gives it
 back. The speed effect itself is measured in fresh interpreters: tests/launch/test_host_memory_launch.py.
 
 Here ``train`` runs in this process (one process, a tiny model, one step), as in a notebook kernel, and glibc's
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import train_in_process
 
-from toolkit.host_memory import _glibc, keep_freed_memory, memory_kept, restore_freed_memory
+from toolkit.env.host_memory import _glibc, keep_freed_memory, memory_kept, restore_freed_memory
 
 BLOCK_MB = 256
 
@@ -78,8 +78,8 @@ def test_memory_reuse_is_on_by_default_on_a_cpu_only_unless_a_memory_switch_asks
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from toolkit.config import TrainingArguments
-    from toolkit.loop import _reuse_cpu_memory
-    from toolkit.model import enable_activation_checkpointing
+    from toolkit.models.loading import enable_activation_checkpointing
+    from toolkit.training.loop import _reuse_cpu_memory
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object: no GPU needed to make one
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))

@@ -1,4 +1,4 @@
-"""A Hub name fails at once, with the clear message, when the Hub cannot be reached (toolkit/hub.py): the recipes'
+"""A Hub name fails at once, with the clear message, when the Hub cannot be reached (toolkit/env/hub.py): the recipes'
 model, tokenizer and dataset names and ``toolkit plan --model``, in process. Without it each took ~25 s of
 huggingface_hub's retries (and the offline variables, set after import, were not seen at all)."""
 
@@ -7,8 +7,8 @@ import time
 import pytest
 from helpers import free_port
 
-from toolkit import hub
 from toolkit.config import DataArguments, ModelArguments
+from toolkit.env import hub
 from toolkit.errors import ConfigError
 
 MISSING = "toolkit-tests/no-such-model"  # a Hub id that no cache holds
@@ -34,7 +34,9 @@ def fresh_hub(monkeypatch):
 
 
 def _each_hub_name_fails_at_once(words: str, capsys) -> None:
-    from toolkit import data, model, plan
+    from toolkit.cli import plan
+    from toolkit.data import loading as data
+    from toolkit.models import loading as model
 
     calls = {
         "model_name_or_path": lambda: model.load_config(ModelArguments(model_name_or_path=MISSING)),

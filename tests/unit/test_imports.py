@@ -1,13 +1,14 @@
 """The import structure of ``toolkit/`` keeps its promises, read from the source with ``ast`` (nothing is imported):
 
-- the graph of imports between toolkit modules has no cycle, and every import points up the list of modules in
-  ``toolkit/__init__.py``'s docstring;
-- ``toolkit.config`` depends only on its parts (``toolkit.config_*``: the fields of a feature, the shared checks,
+- the graph of imports between toolkit modules has no cycle, and every import points up the list of subpackages in
+  ``toolkit/__init__.py``'s docstring (each subpackage's docstring lists its own modules); no task borrows from
+  another task's module;
+- ``toolkit.config`` depends only on its parts (``toolkit.config.*``: the fields of a feature, the shared checks,
   parsing; standard library and yaml, transformers' parser built when called), on the dependency-free
-  ``toolkit.errors``, ``toolkit.layout`` and ``toolkit.config_help`` (its --help), which use the standard library only,
-  and on ``toolkit.elastic`` (the restart policy: those two and yaml), so a config is checked before torch,
+  ``toolkit.errors``, ``toolkit.layout`` and ``toolkit.config.help`` (its --help), which use the standard library only,
+  and on ``toolkit.env.elastic`` (the restart policy: those two and yaml), so a config is checked before torch,
   accelerate or a model is touched;
-- ``toolkit.loop`` (a writer of runs) does not reach ``toolkit.report`` (a reader of runs);
+- ``toolkit.training.loop`` (a writer of runs) does not reach ``toolkit.reporting.report`` (a reader of runs);
 - no function in ``toolkit/`` is over 80 lines;
 - parsing a config in a fresh interpreter imports neither torch nor accelerate (measured in a subprocess:
   tests/launch/test_imports_launch.py).
@@ -70,7 +71,7 @@ def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
 
 def _toolkit_edges(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     """The toolkit modules ``name`` imports. ``from toolkit import layout`` names the submodule toolkit.layout;
-    ``from toolkit.config import X`` names toolkit.config; ``import toolkit.model`` names toolkit.model."""
+    ``from toolkit.config import X`` names toolkit.config; ``import toolkit.models.loading`` names toolkit.models.loading."""
     edges = set()
     for module, names in _imports(name, tree):
         if module.split(".")[0] != PACKAGE:
@@ -125,50 +126,72 @@ def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
 def test_graph_sees_the_known_imports():
     """Guards the parser: if it silently found nothing, the tests below would pass vacuously."""
     graph = _graph()
-    assert {"toolkit.loop", "toolkit.config", "toolkit.layout", "toolkit.errors", "toolkit.report"} <= set(graph)
-    assert "toolkit.checkpointing" in graph["toolkit.loop"]  # ``from toolkit.checkpointing import Checkpointer``
+    assert {"toolkit.training.loop", "toolkit.config", "toolkit.layout", "toolkit.errors", "toolkit.reporting.report"} <= set(graph)
+    assert "toolkit.checkpointing" in graph["toolkit.training.loop"]  # ``from toolkit.checkpointing import Checkpointer``
     assert "toolkit.checkpointing.convert" in graph["toolkit.checkpointing.resume"]  # a subpackage's modules count
-    assert "toolkit.config" in graph["toolkit.loop"]  # ``from toolkit.config import RunConfig, ...``
-    assert "toolkit.layout" in graph["toolkit.config"]  # ``from toolkit import layout``
-    assert "toolkit.metrics" in graph["toolkit.verify"]  # a function-local import
+    assert "toolkit.config" in graph["toolkit.training.loop"]  # ``from toolkit.config import RunConfig, ...``
+    assert "toolkit.layout" in graph["toolkit.config.arguments"]  # ``from toolkit import layout``
+    assert "toolkit.config.parsing" in graph["toolkit.config.arguments"]  # ``from toolkit.config import parsing``
+    assert "toolkit.reporting.metrics" in graph["toolkit.cli.verify"]  # a function-local import
     # ... and the cycle finder finds cycles.
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
 def test_relative_imports_resolve():
-    tree = ast.parse("from . import layout\nfrom .errors import ConfigError\nimport toolkit.model\n")
-    known = {"toolkit", "toolkit.layout", "toolkit.errors", "toolkit.model", "toolkit.x"}
-    assert _toolkit_edges("toolkit.x", tree, known) == {"toolkit.layout", "toolkit.errors", "toolkit.model"}
+    tree = ast.parse("from . import layout\nfrom .errors import ConfigError\nimport toolkit.models.loading\n")
+    known = {"toolkit", "toolkit.layout", "toolkit.errors", "toolkit.models.loading", "toolkit.x"}
+    assert _toolkit_edges("toolkit.x", tree, known) == {"toolkit.layout", "toolkit.errors", "toolkit.models.loading"}
 
 
-def _layers() -> list[str]:
-    """The modules in the order of the list in ``toolkit/__init__.py``'s docstring: its lines "  name  what it does"
-    ("plots, report": two, in order; "checkpointing.resume": a subpackage's module)."""
-    doc = ast.get_docstring(_modules()[PACKAGE])
+def _listed(package: str) -> list[str]:
+    """The names a package's docstring lists, in order: its lines "  name  what it does" ("a, b": two, in order)."""
+    doc = ast.get_docstring(_modules()[package], clean=False)
     names = []
     for line in doc.splitlines():
         listed = re.match(r"  ([a-z_.]+(?:, [a-z_.]+)*)  +\S", line)
         if listed:
-            names += [f"{PACKAGE}.{name}" for name in listed.group(1).split(", ")]
+            names += [f"{package}.{name}" for name in listed.group(1).split(", ")]
         elif names:
             break
     return names
 
 
-def test_every_import_points_up_the_list_of_modules_in_the_package_docstring():
-    """The package docstring lists the modules in layers; each imports only modules listed above it, and every module
-    is listed (``__main__`` imports its commands by string)."""
+def _layers(package: str = PACKAGE) -> list[str]:
+    """Every module in import order, bottom first: ``toolkit/__init__.py``'s list, each subpackage replaced by its own
+    docstring's list followed by the package itself (its ``__init__`` may import its modules, never the reverse)."""
+    order = []
+    for name in _listed(package):
+        order += (_layers(name) + [name]) if _is_package(name) else [name]
+    return order
+
+
+def test_every_import_points_up_the_list_of_modules_in_the_package_docstrings():
+    """The package docstring lists the subpackages in layers, each subpackage's docstring its modules; each module
+    imports only modules listed above it, and every module is listed (``__main__`` imports its commands by string)."""
     graph, layers = _graph(), _layers()
-    assert layers[:4] == ["toolkit.errors", "toolkit.layout", "toolkit.state", "toolkit.elastic"]  # the parser reads
-    assert "toolkit.checkpointing.manager" in layers and "toolkit.plots" in layers  # dotted and paired names too
+    assert layers[:3] == ["toolkit.errors", "toolkit.layout", "toolkit.loss"]  # the parser reads
+    assert layers.index("toolkit.checkpointing.manager") < layers.index("toolkit.checkpointing")  # package after its own
+    assert "toolkit.tasks.grpo.task" in layers  # nested subpackages too
     unlisted = set(graph) - set(layers) - {PACKAGE, f"{PACKAGE}.__main__"}
-    assert not unlisted, f"modules missing from toolkit/__init__.py's list: {sorted(unlisted)}"
+    assert not unlisted, f"modules missing from their package's docstring list: {sorted(unlisted)}"
     assert not set(layers) - set(graph), f"listed, but no such module: {sorted(set(layers) - set(graph))}"
     rank = {name: i for i, name in enumerate(layers)}
     upward = [f"{name} -> {imported}" for name in layers for imported in sorted(graph[name])
               if rank.get(imported, len(layers)) >= rank[name]]
     assert not upward, f"imports of a module listed below (or beside) the importer: {upward}"
+
+
+def test_no_task_module_borrows_from_another_task():
+    """Shared helpers live below the tasks (data, models, parallel): a task's module imports only the Task interface
+    (``tasks.base``), the causal LM the generative tasks extend (``tasks.lm``), DPO's reference model and its own
+    package (GRPO's modules)."""
+    graph = _graph()
+    shared = {"toolkit.tasks", "toolkit.tasks.base", "toolkit.tasks.lm", "toolkit.tasks.reference"}
+    borrowed = [f"{name} -> {imported}" for name in graph if name.startswith("toolkit.tasks.")
+                for imported in graph[name] if imported.startswith("toolkit.tasks") and imported not in shared
+                and not imported.startswith(name.rpartition(".")[0] + ".") and name not in shared]
+    assert not borrowed, f"a task borrows from another task's module: {borrowed}"
 
 
 def test_no_import_cycle():
@@ -178,34 +201,36 @@ def test_no_import_cycle():
 
 def test_config_depends_only_on_standard_library_modules_of_the_toolkit():
     graph, trees = _graph(), _modules()
-    parts = {name for name in graph if name.startswith("toolkit.config_") and name != "toolkit.config_help"}
-    assert {"toolkit.config_parsing", "toolkit.config_checks", "toolkit.config_grpo"} <= parts  # the walk sees them
+    parts = {name for name in graph if name.startswith("toolkit.config.") and name != "toolkit.config.help"}
+    assert {"toolkit.config.parsing", "toolkit.config.checks", "toolkit.config.grpo"} <= parts  # the walk sees them
     # upstream: imported inside the function that builds the parser, like transformers, which it imports
-    base = {"toolkit.errors", "toolkit.layout", "toolkit.elastic", "toolkit.config_help", "toolkit.upstream"}
+    base = {"toolkit.errors", "toolkit.layout", "toolkit.env.elastic", "toolkit.config.help", "toolkit.env.upstream"}
     reached = set(_reachable(graph, "toolkit.config")) - {"toolkit.config"}
     assert reached == base | parts, f"toolkit.config reaches {sorted(reached - base - parts)}"
     for name in sorted(parts):
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
         # transformers: HfArgumentParser, imported inside the function that builds the parser
-        allowed = {PACKAGE, "yaml"} | ({"transformers"} if name == "toolkit.config_parsing" else set())
+        # transformers: HfArgumentParser, and AutoConfig for a model's config, each imported inside the function
+        allowed = {PACKAGE, "yaml"} | ({"transformers"} if name in ("toolkit.config.parsing", "toolkit.config.arguments")
+                                       else set())
         assert outside <= allowed, f"{name} imports {sorted(outside - allowed)}"
-    for name in ("toolkit.errors", "toolkit.layout", "toolkit.config_help"):
+    for name in ("toolkit.errors", "toolkit.layout", "toolkit.config.help"):
         assert graph[name] == set(), f"{name} imports toolkit modules {sorted(graph[name])}"
         outside = {module.split(".")[0] for module, _ in _imports(name, trees[name])} - set(sys.stdlib_module_names)
         assert not outside, f"{name} imports non-stdlib {sorted(outside)}"
     # the elastic restart policy that config applies: the environment and the run folder, read like config reads them
-    assert graph["toolkit.elastic"] == {"toolkit.errors", "toolkit.layout"}
-    outside = {module.split(".")[0] for module, _ in _imports("toolkit.elastic", trees["toolkit.elastic"])}
+    assert graph["toolkit.env.elastic"] == {"toolkit.errors", "toolkit.layout"}
+    outside = {module.split(".")[0] for module, _ in _imports("toolkit.env.elastic", trees["toolkit.env.elastic"])}
     assert outside - set(sys.stdlib_module_names) <= {PACKAGE, "yaml"}
 
 
 def test_loop_does_not_reach_report():
     """report reads finished runs; the loop writes them. The loop reaching report (even through another module)
     would make every training process load the reader's dependencies and invite the two to share state."""
-    paths = _reachable(_graph(), "toolkit.loop")
+    paths = _reachable(_graph(), "toolkit.training.loop")
     assert "toolkit.checkpointing.checkpoint" in paths  # the walk does walk
-    via = " -> ".join(paths.get("toolkit.report", []))
-    assert "toolkit.report" not in paths, f"toolkit.loop imports toolkit.report via {via}"
+    via = " -> ".join(paths.get("toolkit.reporting.report", []))
+    assert "toolkit.reporting.report" not in paths, f"toolkit.training.loop imports toolkit.reporting.report via {via}"
 
 
 def test_no_function_in_the_package_is_over_80_lines():
@@ -221,10 +246,10 @@ def test_no_function_in_the_package_is_over_80_lines():
 
 
 def test_a_deferred_module_imports_the_real_one_on_first_use(tmp_path, monkeypatch):
-    """toolkit.upstream's stand-in (what peft holds for bitsandbytes after ``upstream.import_peft``): a module that
+    """toolkit.env.upstream's stand-in (what peft holds for bitsandbytes after ``upstream.import_peft``): a module that
     imported it while it stood in reaches the real module's attributes on first use, and then the real one is in
     ``sys.modules``; a probe of a module's machinery (``__path__``) imports nothing."""
-    from toolkit import upstream
+    from toolkit.env import upstream
 
     (tmp_path / "deferred_probe_module.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -236,3 +261,14 @@ def test_a_deferred_module_imports_the_real_one_on_first_use(tmp_path, monkeypat
     assert held is stand_in and not hasattr(held, "__path__") and "deferred_probe_module" not in sys.modules
     assert held.VALUE == 42
     assert sys.modules["deferred_probe_module"].__file__ == str(tmp_path / "deferred_probe_module.py")
+
+
+def test_every_folder_of_the_package_is_a_package_the_wheel_finds():
+    """setup.py finds the packages (``find_packages``), which sees a folder only with an ``__init__.py``: a folder of
+    modules without one would be left out of every wheel (tests/launch/test_install.py builds and installs one)."""
+    folders = {p.parent for p in Path(SOURCE).rglob("*.py") if "__pycache__" not in p.parts}
+    assert Path(SOURCE, "tasks", "grpo") in folders  # the walk walks
+    missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file())
+    assert not missing, f"folders without __init__.py (missing from the wheel): {missing}"
+    setup = Path(ROOT, "setup.py").read_text()
+    assert 'find_packages(include=["toolkit", "toolkit.*"])' in setup

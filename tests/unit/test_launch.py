@@ -1,4 +1,4 @@
-"""``toolkit train TASK`` (toolkit.launch) before it launches: a mistake in a field, a file, the data or the
+"""``toolkit train TASK`` (toolkit.cli.train) before it launches: a mistake in a field, a file, the data or the
 strategy x model x world size is one line and exit code 2 from the launching process itself (no launcher, no
 traceback); ``--model``/``--dataset`` become the recipe's fields; ``--help`` is the task's own; the shipped launch
 configs are found by name. The launched run itself: tests/launch/test_train_command.py."""
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from toolkit import launch
+from toolkit.cli import train as launch
 from toolkit.errors import ConfigError
 
 
@@ -79,7 +79,7 @@ def test_a_tasks_help_describes_it_its_data_and_only_its_fields(capsys):
 
 @pytest.mark.parametrize("short", sorted(launch.TASKS))
 def test_every_task_has_its_recipe_and_class(short):
-    from toolkit.config_help import TASK_RECIPES
+    from toolkit.config.help import TASK_RECIPES
 
     task = launch.TASKS[short]
     assert os.path.isfile(launch.packaged("recipes", TASK_RECIPES[task]))

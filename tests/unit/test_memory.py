@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from toolkit.loss import token_losses
-from toolkit.model import enable_activation_checkpointing
+from toolkit.models.loading import enable_activation_checkpointing
 
 
 def _tiny_gpt2():
@@ -42,7 +42,7 @@ def test_activation_checkpointing_recomputes_and_keeps_the_gradients():
 def test_chunked_loss_equals_the_full_loss_and_its_gradients():
     """Chunks that split rows, a last partial chunk, padding: the same per-row sums and gradients as the logits path;
     the model's own forward (no labels) is untouched."""
-    from toolkit.model import enable_chunked_loss
+    from toolkit.models.loading import enable_chunked_loss
 
     plain = _tiny_gpt2().eval()
     chunked = copy.deepcopy(plain)
@@ -93,7 +93,7 @@ def test_chunked_loss_is_refused_for_a_model_it_cannot_reproduce():
     from transformers import AutoConfig
 
     from toolkit.errors import ConfigError
-    from toolkit.model import check_chunked_loss
+    from toolkit.models.loading import check_chunked_loss
 
     with pytest.raises(ConfigError, match="loss_chunk_size: a gemma2 model"):
         check_chunked_loss(AutoConfig.for_model("gemma2"))
@@ -104,9 +104,9 @@ def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_buil
     loss gives the per-row sums and target counts of the logits path (fp32), and the head only ever sees a chunk of
     positions, never the eval batch's [rows, seq, vocab]. The eval batch (4 x 16) holds more positions than a training
     micro-batch (2 x 16): in eval mode the chunk count follows the eval batch."""
-    from toolkit.data import CausalLMCollator
-    from toolkit.model import enable_chunked_loss
-    from toolkit.tasks import CausalLM
+    from toolkit.data.loading import CausalLMCollator
+    from toolkit.models.loading import enable_chunked_loss
+    from toolkit.tasks.lm import CausalLM
 
     plain = _tiny_gpt2().eval()
     chunked = copy.deepcopy(plain)
@@ -133,7 +133,7 @@ def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_d
     run's (learning rate 0: both evaluate the same weights)."""
     from helpers import train_in_process
 
-    from toolkit.metrics import read_metrics
+    from toolkit.reporting.metrics import read_metrics
 
     shapes = []
 

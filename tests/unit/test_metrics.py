@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from toolkit import layout
-from toolkit.metrics import MetricsLogger, read_metrics
+from toolkit.reporting.metrics import MetricsLogger, read_metrics
 
 ROWS = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 6)]
 

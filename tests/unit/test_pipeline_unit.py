@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 
 def _chained(model, bounds, ids, mask):
-    from toolkit.pipeline import Stage, family
+    from toolkit.parallel.pipeline import Stage, family
 
     h = ids
     for s, layers in enumerate(bounds):
@@ -19,7 +19,7 @@ def _chained(model, bounds, ids, mask):
 def test_stages_chained_give_the_whole_models_logits_on_padded_rows(fixture, request):
     """GPT-2 (tied head, learned positions, dropout) and Llama (rotary): each stage builds the causal mask from the
     padded rows' attention mask as the model does; the real tokens' logits equal the whole model's."""
-    from toolkit.pipeline import cut
+    from toolkit.parallel.pipeline import cut
 
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture)).eval()
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def test_stages_keep_a_sliding_window_as_the_whole_model_does(kind):
     stages and into 3 (a count the stages do not divide, and one layer each)."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from toolkit.pipeline import cut
+    from toolkit.parallel.pipeline import cut
 
     small = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
                  num_hidden_layers=3, sliding_window=4)
@@ -62,7 +62,7 @@ def test_cut_balances_whole_layers_by_parameters(tiny_llama):
     """Whole layers, every stage at least one, the embedding counted on the first stage and the head on the last;
     more stages than layers is refused naming the field."""
     from toolkit.errors import ConfigError
-    from toolkit.pipeline import cut
+    from toolkit.parallel.pipeline import cut
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert cut(model, 2) == [range(0, 1), range(1, 2)]
@@ -81,7 +81,7 @@ def test_other_architectures_are_refused_naming_what_is_supported():
     from transformers import BertConfig, BertForMaskedLM
 
     from toolkit.errors import ConfigError
-    from toolkit.pipeline import family
+    from toolkit.parallel.pipeline import family
 
     model = BertForMaskedLM(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=8, vocab_size=32))
@@ -126,7 +126,7 @@ def test_a_pipeline_checkpoint_numbers_the_optimizer_as_one_process_does(fixture
     land on the same parameters under one process or DDP, and theirs on a pipeline's."""
     from toolkit.checkpointing.staged import plain_order
     from toolkit.config import TrainingArguments
-    from toolkit.loop import build_optimizer
+    from toolkit.training.loop import build_optimizer
 
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture))
     optimizer = build_optimizer(model, TrainingArguments(output_dir="unused", optim="adamw_torch", weight_decay=0.1))
@@ -164,12 +164,12 @@ def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(ti
                                                                               task_name, extra, field):
     """A recipe's run under a pipeline: its task and LoRA are refused by ``build.check_inputs`` (which ``toolkit
     train`` also runs before launching), before tokenization and the weights."""
-    from toolkit.build import check_inputs
-    from toolkit.classification import SequenceClassification
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
-    from toolkit.preference import DPO
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.classification import SequenceClassification
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.training.build import check_inputs
 
     task = {"classify": SequenceClassification, "dpo": DPO, "gpt2": CausalLM}[task_name]()
     cfg = config_from_dict({"model_name_or_path": tiny_model, **padded_data, "output_dir": str(tmp_path / "out"),
@@ -183,13 +183,13 @@ def test_lora_classification_and_dpo_refused_before_the_data_and_weights_load(ti
 
 def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
     """One line each, before any stage is built: what does not run under pipeline parallelism yet."""
-    from toolkit.chat import ChatSFT
-    from toolkit.classification import SequenceClassification
     from toolkit.errors import ConfigError
-    from toolkit.lora import is_peft_model
-    from toolkit.pipeline import check_task
-    from toolkit.preference import DPO
-    from toolkit.tasks import CausalLM
+    from toolkit.models.lora import is_peft_model
+    from toolkit.parallel.pipeline import check_task
+    from toolkit.tasks.classification import SequenceClassification
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.tasks.sft import ChatSFT
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     check_task(CausalLM(), model)
@@ -214,8 +214,9 @@ def test_lora_classification_and_dpo_refused_under_a_pipeline(tiny_model):
 ])
 def test_pipeline_launch_refused_before_the_accelerator(monkeypatch, env, world, message):
     from toolkit.config import TrainingArguments
-    from toolkit.distributed import _check_pipeline_launch, launched_strategy
+    from toolkit.env.launcher import launched_strategy
     from toolkit.errors import ConfigError
+    from toolkit.parallel.accelerator import _check_pipeline_launch
 
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG", "FSDP_VERSION"):
         monkeypatch.delenv(name, raising=False)
@@ -232,8 +233,8 @@ def test_fp16_under_a_pipeline_refused_before_the_launch(monkeypatch):
     """fp16's loss scaling is refused by ``check_launch`` (``toolkit train`` runs it before launching, every rank
     before its data and weights load), not by the stages' build after them; on a GPU host as on this CPU one."""
     from toolkit.config import TrainingArguments
-    from toolkit.distributed import check_launch
     from toolkit.errors import ConfigError
+    from toolkit.parallel.accelerator import check_launch
 
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"):
         monkeypatch.delenv(name, raising=False)
@@ -252,7 +253,7 @@ def test_plan_prints_each_stage_under_gpipe_and_1f1b_with_the_bubble(tiny_llama,
     """``toolkit plan --pipeline-parallel-size``: the stages' parameters are the cut's (adding up to the model's, the
     head once more where tied), GPipe keeps m micro-batches in flight and 1F1B at most P - i, so 1F1B is never
     above GPipe and equal on the last stage; the bubble is (P - 1) / (m + P - 1); the launch line names the fields."""
-    from toolkit.plan import count_model, main, pipeline_plan
+    from toolkit.cli.plan import count_model, main, pipeline_plan
 
     m = count_model(tiny_llama)
     rows = pipeline_plan(m, 2, 8, 2, 48, "fp32", False)
@@ -304,7 +305,7 @@ def test_the_stages_hold_one_row_length_at_a_time(one_rank_group, tiny_llama):
     or padded rows of many lengths pile up one set of activation buffers per length seen. Two stages on one rank
     (interleaved), steps of three lengths: each step's loss is still the whole model's."""
     from toolkit.loss import token_losses
-    from toolkit.pipeline import PipelineModel
+    from toolkit.parallel.pipeline import PipelineModel
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     whole = AutoModelForCausalLM.from_pretrained(tiny_llama)

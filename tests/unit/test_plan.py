@@ -5,7 +5,7 @@ tests/launch/test_strategies.py (``test_plan_predicts_the_model_states_each_rank
 
 import pytest
 
-from toolkit.plan import activation_bytes, count_model, model_states_per_device, plan
+from toolkit.cli.plan import activation_bytes, count_model, model_states_per_device, plan
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +81,13 @@ NAMED_TARGETS = {"llama": ["k_proj", "down_proj"], "gpt2": ["c_fc"], "bert-class
 @pytest.mark.parametrize("targets", ["default", "all-linear", "named"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert-classifier"])
 def test_lora_count_is_what_the_recipe_trains(tmp_path, kind, targets):
-    """``--lora-r`` counts what ``toolkit.lora.apply_lora`` leaves trainable (peft, on real weights) for the same model
+    """``--lora-r`` counts what ``toolkit.models.lora.apply_lora`` leaves trainable (peft, on real weights) for the same model
     and fields: peft's default targets for the model type (Llama's q_proj and v_proj, GPT-2's c_attn, BERT's query and
     value plus the classifier head it trains in full), all-linear, or a list."""
     import transformers
 
     from toolkit.config import ModelArguments
-    from toolkit.lora import apply_lora
+    from toolkit.models.lora import apply_lora
 
     targets = {"default": None, "all-linear": ["all-linear"], "named": NAMED_TARGETS[kind]}[targets]
     config = {"llama": transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
@@ -135,7 +135,7 @@ def test_dpo_counts_its_live_reference_sharded_like_the_weights(llama7b, capsys)
     """--recipe dpo: the live reference copy adds weights only (no gradients, no optimizer state), whole under DDP
     and ZeRO-2 (a stage-0 engine: 2-byte weights under bf16), an eighth under ZeRO-3 and FSDP2 on 8; TP is refused
     (precompute); nothing with LoRA or --precompute-ref-log-probs."""
-    from toolkit.plan import main
+    from toolkit.cli.plan import main
 
     m = count_model(llama7b)
     plain = {r["strategy"]: r for r in plan(m, 8, 80e9)}
@@ -160,7 +160,7 @@ def _save(config, folder) -> str:
 
 def test_tp_is_offered_only_where_the_heads_divide(tmp_path):
     """TP over t devices needs t to divide the attention and the KV heads (each rank holds whole heads: the recipe
-    refuses the rest at load, toolkit.model.tensor_parallel_problem); a model without a TP plan gets none. SmolLM2's
+    refuses the rest at load, toolkit.models.loading.tensor_parallel_problem); a model without a TP plan gets none. SmolLM2's
     shape (9 heads, 3 KV heads) on 8 devices: not offered, saying why and which tp sizes divide; on 3: offered. The
     MLP width (1536 here) need not divide: transformers' column- and row-wise shards take an uneven split."""
     from transformers import GPT2Config, LlamaConfig
@@ -188,8 +188,8 @@ def test_the_plan_ends_with_one_runnable_command(llama7b, monkeypatch, capsys):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from helpers import ROOT
 
+    from toolkit.cli.plan import main
     from toolkit.config import parse_args
-    from toolkit.plan import main
 
     monkeypatch.chdir(ROOT)
     assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--recipe", "sft",
@@ -221,8 +221,8 @@ def test_load_in_4bit_counts_the_quantized_base_as_bitsandbytes_holds_it(llama7b
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.config import ModelArguments
-    from toolkit.model import load_model
-    from toolkit.quantization import quantized_bytes
+    from toolkit.models.loading import load_model
+    from toolkit.models.quantization import quantized_bytes
 
     full = count_model(llama7b, lora_r=16)
     for nested, per_weight in ((False, 0.5625), (True, 0.5159)):
@@ -250,7 +250,7 @@ def test_plan_load_in_4bit_command(llama7b, capsys):
     """--load-in-4bit needs --lora-r (a quantized base trains adapters only) and no pipeline; with it the plan prints
     the base's bytes per quantized weight and the recommended command carries the fields (--load_in_4bit true ...)."""
     pytest.importorskip("bitsandbytes")
-    from toolkit.plan import main
+    from toolkit.cli.plan import main
 
     assert main(["--model", llama7b, "--gpus", "1", "--gpu-memory", "24GB", "--load-in-4bit"]) == 2
     assert "plan error: load_in_4bit: a quantized base cannot be trained, only adapters on it: add --lora-r" in (

@@ -1,4 +1,4 @@
-"""The DPO task (toolkit/preference.py) in process: which tokens are a completion's, a pair kept in one micro-batch,
+"""The DPO task (toolkit/tasks/dpo.py) in process: which tokens are a completion's, a pair kept in one micro-batch,
 and TRL 1.16's ``DPOTrainer`` as the oracle of the first step's loss and gradients.
 
 - Equal-sized micro-batches (2 x 2 pairs): our step's loss and gradients equal TRL's within 1e-6 (fp32, one process).
@@ -46,7 +46,7 @@ def _tokenizer(tiny_model):
 def _model(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.model import disable_dropout
+    from toolkit.models.loading import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     disable_dropout(model)  # TRL's disable_dropout too: both sides deterministic
@@ -69,7 +69,7 @@ def _our_rows(tokenizer, ref, loss_type: str = "sigmoid"):
     from datasets import Dataset, DatasetDict
 
     from toolkit.config import DataArguments
-    from toolkit.preference import DPO, tokenize_pairs
+    from toolkit.tasks.dpo import DPO, tokenize_pairs
 
     task = DPO()
     task.beta, task.loss_type = BETA, loss_type
@@ -80,11 +80,11 @@ def _our_rows(tokenizer, ref, loss_type: str = "sigmoid"):
 
 
 def _our_step(task, rows, model, splits, tokenizer):
-    """One step of toolkit.loop.train_step over micro-batches of ``splits`` pairs each; returns (step loss: mean over the pairs, {name: grad})."""
+    """One step of toolkit.training.loop.train_step over micro-batches of ``splits`` pairs each; returns (step loss: mean over the pairs, {name: grad})."""
     from accelerate import Accelerator
     from transformers import get_scheduler
 
-    from toolkit.loop import train_step
+    from toolkit.training.loop import train_step
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(splits))
     collate, at, micro = task.collator(tokenizer), 0, []
@@ -137,8 +137,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_text_completion_targets_are_its_tokens_and_eos(tiny_model):
+    from toolkit.data.chat import tokenize_completion
     from toolkit.loss import IGNORE_INDEX
-    from toolkit.preference import tokenize_completion
 
     tokenizer = _tokenizer(tiny_model)
     ids, labels = tokenize_completion(tokenizer, "The sky is", " blue", "row 0")
@@ -149,9 +149,8 @@ def test_text_completion_targets_are_its_tokens_and_eos(tiny_model):
 
 def test_conversational_completion_targets_only_the_completions_turn(tiny_model):
     """An assistant turn inside a multi-turn prompt is context, not a target: only the completion's turn is."""
-    from toolkit.chat import set_chat_template
+    from toolkit.data.chat import set_chat_template, tokenize_completion
     from toolkit.loss import IGNORE_INDEX
-    from toolkit.preference import tokenize_completion
 
     tokenizer = _tokenizer(tiny_model)
     set_chat_template(tokenizer, "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
@@ -163,8 +162,8 @@ def test_conversational_completion_targets_only_the_completions_turn(tiny_model)
 
 
 def test_an_empty_completion_is_refused(tiny_model):
+    from toolkit.data.chat import tokenize_completion
     from toolkit.errors import ConfigError
-    from toolkit.preference import tokenize_completion
 
     with pytest.raises(ConfigError, match="row 3, rejected: the completion is empty"):
         tokenize_completion(_tokenizer(tiny_model), "The sky is", " ", "row 3, rejected")
@@ -234,7 +233,7 @@ def test_eval_metrics_equal_the_ones_trl_logs(tiny_model, tmp_path, reset_accele
     step, bare as TRL's training rows name them) against our evaluation of the same pairs at the same weights (named
     as TRL's evaluation names them: eval_ before each), from the logits and from the chunked loss
     (which never holds a whole micro-batch's logits: the logit means are summed chunk by chunk)."""
-    from toolkit.model import enable_chunked_loss
+    from toolkit.models.loading import enable_chunked_loss
 
     tokenizer = _tokenizer(tiny_model)
     logged: dict = {}
@@ -261,9 +260,9 @@ def test_the_chunked_loss_makes_room_for_both_sequences_of_a_pair(tiny_model, tm
     2b x block_size positions (``Task.sequences_per_row``); sized for b rows, 4 long pairs raised "needs N chunks"."""
     import json
 
-    from toolkit.build import build
     from toolkit.config import parse_args
-    from toolkit.preference import DPO
+    from toolkit.tasks.dpo import DPO
+    from toolkit.training.build import build
 
     long = " and".join(" a sentence that goes on" for _ in range(6))  # about 40 tokens a completion
     path = tmp_path / "pairs.jsonl"
@@ -291,7 +290,7 @@ def test_a_prompt_that_fills_block_size_drops_its_pair_or_is_refused_naming_the_
 
     from toolkit.config import DataArguments
     from toolkit.errors import ConfigError
-    from toolkit.preference import DPO
+    from toolkit.tasks.dpo import DPO
 
     tokenizer = _tokenizer(tiny_model)
     long = {"prompt": "one two three four five six seven eight", "chosen": " nine", "rejected": " ten eleven"}
@@ -318,7 +317,7 @@ def test_a_split_whose_every_prompt_is_too_long_is_refused(tiny_model):
 
     from toolkit.config import DataArguments
     from toolkit.errors import ConfigError
-    from toolkit.preference import tokenize_pairs
+    from toolkit.tasks.dpo import tokenize_pairs
 
     raw = DatasetDict({"train": Dataset.from_list(PAIRS[:2])})
     with pytest.raises(ConfigError, match="block_size: none of the 2 train pairs has a completion token within "
@@ -334,7 +333,7 @@ def test_the_reference_of_a_lora_policy_runs_in_eval_mode(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from toolkit.config import DataArguments
-    from toolkit.preference import DPO, PairCollator, tokenize_pairs
+    from toolkit.tasks.dpo import DPO, PairCollator, tokenize_pairs
 
     tokenizer = _tokenizer(tiny_model)
     rows = tokenize_pairs(DatasetDict({"train": Dataset.from_list(PAIRS)}), tokenizer, DataArguments(dataset_name="x"),
@@ -360,7 +359,7 @@ def _precompute_parts(tiny_model, tmp_path, pairs, ref_model=None):
     from datasets import Dataset, DatasetDict
 
     from toolkit.config import DataArguments, config_from_dict
-    from toolkit.preference import tokenize_pairs
+    from toolkit.tasks.dpo import tokenize_pairs
 
     cfg = config_from_dict({"model_name_or_path": tiny_model, "dataset_name": "x", "output_dir": str(tmp_path / "run"),
                             "precompute_ref_log_probs": True, "per_device_eval_batch_size": 3, "report_to": "none",
@@ -380,7 +379,7 @@ def test_precomputed_reference_is_kept_and_reused_until_the_reference_or_data_ch
     from accelerate import Accelerator
 
     from toolkit import layout
-    from toolkit.preference import DPO, REF_COLUMNS
+    from toolkit.tasks.dpo import DPO, REF_COLUMNS
 
     accelerator = Accelerator(cpu=True)
     folder = tmp_path / "run" / layout.REFERENCE_LOGPS
@@ -415,11 +414,11 @@ def test_precomputed_reference_is_kept_and_reused_until_the_reference_or_data_ch
 
 def test_disable_dropout_defaults_to_true_for_dpo_and_false_for_the_other_recipes(tiny_model, tmp_path):
     """disable_dropout unset: DPO's default is true (TRL's), every other task's false; a value given is kept."""
-    from toolkit.chat import ChatSFT
-    from toolkit.classification import SequenceClassification
     from toolkit.config import config_from_dict
-    from toolkit.preference import DPO
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.classification import SequenceClassification
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.tasks.sft import ChatSFT
 
     def resolved(task, **values):
         cfg = config_from_dict({"model_name_or_path": tiny_model, "dataset_name": "x", "report_to": "none",
@@ -438,11 +437,11 @@ def test_dropped_pairs_are_counted_in_one_line_and_in_the_summary(tiny_model, tm
     the others, says how many it dropped in one line, and summary.json keeps the count per split."""
     import json
 
-    from toolkit.build import build
     from toolkit.config import config_from_dict
-    from toolkit.distributed import make_accelerator
-    from toolkit.loop import train
-    from toolkit.preference import DPO
+    from toolkit.parallel.accelerator import make_accelerator
+    from toolkit.tasks.dpo import DPO
+    from toolkit.training.build import build
+    from toolkit.training.loop import train
 
     long = {**PAIRS[0], "prompt": " ".join(["The sky over the hills"] * 10)}
     path = tmp_path / "pairs.jsonl"
@@ -472,8 +471,8 @@ def test_a_dpo_run_speaks_of_pairs_and_names_its_metrics_as_trl(gpt2_256, pairs,
 
     from helpers import train_in_process
 
-    from toolkit.metrics import read_metrics
-    from toolkit.preference import DPO
+    from toolkit.reporting.metrics import read_metrics
+    from toolkit.tasks.dpo import DPO
 
     out = str(tmp_path / "dpo")
     summary = train_in_process({**pairs, "model_name_or_path": gpt2_256, "packing": False, "block_size": 256,

@@ -44,7 +44,7 @@ def _train(values, task=None):
     """A run in this process (no validation split), the _Watch on it, its summary and its losses."""
     from helpers import train_in_process
 
-    from toolkit.metrics import read_metrics
+    from toolkit.reporting.metrics import read_metrics
 
     watch = _Watch()
     values = {k: v for k, v in values.items() if k != "validation_file"}
@@ -63,7 +63,7 @@ def _export_errors(watch, folder: str, values: dict, auto) -> tuple[float, float
     quantization's own error) and of the merged export (``auto``.from_pretrained: the base dequantized in the compute
     dtype, the adapters merged in), which is plain: no quantization config, fp32."""
     from toolkit.config import ModelArguments
-    from toolkit.lora import load_exported
+    from toolkit.models.lora import load_exported
 
     trained = _logits(watch.model)
     fields = {k: v for k, v in values.items() if k in ModelArguments.__dataclass_fields__}
@@ -100,7 +100,7 @@ def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, p
     from transformers import AutoModelForCausalLM
 
     from toolkit.config import ModelArguments
-    from toolkit.model import load_model
+    from toolkit.models.loading import load_model
 
     out = tmp_path / "lm"
     values = {**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama, "output_dir": str(out),
@@ -170,7 +170,7 @@ def test_without_bitsandbytes_the_fields_name_the_extra(tiny_llama, monkeypatch)
 
 @pytest.mark.slow
 def test_chat_sft_trains_adapters_on_a_4bit_base(tiny_llama, chats, tmp_path):
-    from toolkit.chat import ChatSFT
+    from toolkit.tasks.sft import ChatSFT
 
     watch, _, losses = _train({**RUN, **QLORA, **chats, "model_name_or_path": tiny_llama, "learning_rate": 1e-2,
                                "output_dir": str(tmp_path / "sft"), "save_final_model": False}, task=ChatSFT())
@@ -186,7 +186,7 @@ def test_classifier_trains_adapters_and_a_full_precision_head_on_a_4bit_base(tin
     import bitsandbytes as bnb
     from transformers import AutoModelForSequenceClassification
 
-    from toolkit.classification import SequenceClassification
+    from toolkit.tasks.classification import SequenceClassification
 
     out = tmp_path / "cls"
     values = {**RUN, **QLORA, **classify_files, "model_name_or_path": tiny_llama, "bnb_4bit_quant_type": "fp4",
@@ -213,7 +213,7 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
     (policy = reference: the adapters' B starts at zero), then below it (the chosen answers gain on the rejected)."""
     import math
 
-    from toolkit.preference import DPO
+    from toolkit.tasks.dpo import DPO
 
     out = str(tmp_path / "dpo")
     watch, _, losses = _train({**RUN, **QLORA, **pairs, "model_name_or_path": tiny_llama, "block_size": 256,
@@ -225,11 +225,11 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
 
 
 def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
-    """Before the weights load (toolkit.build): ZeRO-3, FSDP1, tensor parallelism, pipeline parallelism (whose
+    """Before the weights load (toolkit.training.build): ZeRO-3, FSDP1, tensor parallelism, pipeline parallelism (whose
     launches are ddp.yaml's and fsdp.yaml's), an 8-bit base on several ranks, a chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
     refuses); one line naming the field."""
     from toolkit.config import config_from_dict
-    from toolkit.quantization import check_run
+    from toolkit.models.quantization import check_run
 
     cfg = config_from_dict({**RUN, **QLORA, **padded_data, "model_name_or_path": tiny_llama,
                             "output_dir": str(tmp_path / "r")})
@@ -301,7 +301,7 @@ def test_8bit_adamw_trains_with_8bit_state_and_resumes_exactly(tiny_llama, padde
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    from toolkit.quantization import optimizer_state_bytes
+    from toolkit.models.quantization import optimizer_state_bytes
 
     lora = {} if optim == "adamw_bnb_8bit" else {**QLORA, "load_in_4bit": False, "load_in_8bit": True,
                                                    "lora_modules_to_save": "embed_tokens"}
@@ -351,7 +351,7 @@ def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
 
     import bitsandbytes.backends.cpu.ops as ops
 
-    from toolkit.quantization import quiet_cpu_kernel_notice
+    from toolkit.models.quantization import quiet_cpu_kernel_notice
 
     quiet_cpu_kernel_notice()
     with caplog.at_level(logging.WARNING, logger=ops.logger.name):
@@ -363,7 +363,7 @@ def test_the_missing_cpu_kernel_notice_is_dropped(caplog):
 def test_toolkit_train_refuses_a_quantized_base_before_launching(capsys, tiny_llama, chats, padded_data, tmp_path):
     """``toolkit train`` checks the quantized base against the launch it would start (the strategy from the launch
     config's environment, the fields): one line, exit 2, nothing launched."""
-    from toolkit import launch
+    from toolkit.cli import train as launch
 
     qlora = ["--use_peft", "true", "--load_in_4bit", "true", "--output_dir", str(tmp_path / "out")]
     sft = ["sft", "--model", tiny_llama, "--dataset", chats["train_file"], "--chat_template", chats["chat_template"]]

@@ -1,4 +1,4 @@
-"""toolkit.report: summaries and plots from metrics.jsonl, one run or several side by side.
+"""toolkit.reporting.report: summaries and plots from metrics.jsonl, one run or several side by side.
 
 Synthetic metrics files check the arithmetic; the quickstart notebook's two real runs (1 process with accumulation,
 2 gloo ranks) check it on what the loop actually writes, including the command line (tests/launch/test_report_launch.py).
@@ -12,8 +12,8 @@ import sys
 import pytest
 import yaml
 
-from toolkit.metrics import format_run_summary
-from toolkit.report import load_run, main, summarize, table
+from toolkit.reporting.metrics import format_run_summary
+from toolkit.reporting.report import load_run, main, summarize, table
 
 
 def write_run(folder, rows, config=None, summary=None):
@@ -104,7 +104,7 @@ def test_the_compare_plot_goes_beside_the_runs_or_where_asked(tmp_path, monkeypa
 def test_the_loss_axis_names_the_task_unit(tmp_path):
     """loss.png's axis: the unit the rows name (the task's loss_unit), never nats/token for a DPO or classifier run;
     plain "loss" where the runs name none or disagree."""
-    from toolkit.plots import loss_label
+    from toolkit.reporting.plots import loss_label
 
     def rows(unit):
         return [{"step": 1, "tokens_seen": 8, "loss": 0.7, "loss_unit": unit}] if unit else [{"step": 1, "loss": 1.0}]
@@ -176,7 +176,7 @@ def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
 def test_the_global_batch_is_counted_in_the_tasks_unit():
     """summary.json's row_unit (the task's: pairs for DPO) names what the report's global batch counts; a run written
     before the field existed reads as sequences."""
-    from toolkit.report import _cell, summarize
+    from toolkit.reporting.report import _cell, summarize
 
     run = {"output_dir": "x", "rows": [], "config": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}}
     pairs = summarize({**run, "summary": {"world_size": 2, "row_unit": "pairs"}})

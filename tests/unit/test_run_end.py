@@ -22,7 +22,7 @@ def _values(tiny_model, data, out, **fields) -> dict:
 
 
 def _on_disk(out) -> tuple[dict, list[dict]]:
-    from toolkit.metrics import read_metrics
+    from toolkit.reporting.metrics import read_metrics
 
     return json.load(open(os.path.join(out, "summary.json"))), read_metrics(str(out))
 
@@ -119,7 +119,7 @@ class _SigtermAt:
 
     def on_step_end(self, accelerator, state, row):
         if state.step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler (toolkit.preemption) takes it
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler (toolkit.training.preemption) takes it
 
 
 def test_preempted_resumed_and_finished_runs_name_only_the_final_they_wrote(tiny_model, padded_data, tmp_path,

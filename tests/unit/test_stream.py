@@ -1,4 +1,4 @@
-"""The order of a stream (toolkit.stream), in process: the same global batches on any data-parallel degree, an exact
+"""The order of a stream (toolkit.data.stream), in process: the same global batches on any data-parallel degree, an exact
 resume on another degree, a run that ends with its stream; what a stream cannot honour is refused before work."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from toolkit.config import ConfigError, DataArguments, config_from_dict
-from toolkit.stream import StreamSpec, TrainStream, shard_order
+from toolkit.data.stream import StreamSpec, TrainStream, shard_order
 
 FILES, ROWS_PER_FILE = 4, 23  # file sizes and a window size that align with nothing: windows straddle files
 
@@ -115,10 +115,10 @@ def test_what_a_stream_cannot_honour_is_refused_before_work(tiny_model, tmp_path
 
 
 def test_a_stream_reads_local_files_and_packs_whole_documents(tiny_model, tmp_path):
-    from toolkit.build import build
-    from toolkit.classification import SequenceClassification
-    from toolkit.preference import DPO
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.classification import SequenceClassification
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.training.build import build
 
     with pytest.raises(ConfigError, match="streaming.*set train_file"):
         DataArguments(dataset_name="pydoc", streaming=True)
@@ -133,7 +133,7 @@ def test_a_stream_reads_local_files_and_packs_whole_documents(tiny_model, tmp_pa
 
 
 def test_datasets_own_stream_tools_break_the_order_contract(shards):
-    """Why toolkit.stream owns the order (docs/pitfalls.md#stream-order): on this 4-file stream, datasets 5.2's
+    """Why toolkit.data.stream owns the order (docs/pitfalls.md#stream-order): on this 4-file stream, datasets 5.2's
     ``split_dataset_by_node`` hands whole files to ranks, so 2 ranks see other global batches than 1 process; and a
     ``shuffle(buffer_size)`` stream resumed from its ``state_dict`` does not continue its order (the buffer is not
     saved). The windows above keep both (the two tests before)."""
@@ -164,7 +164,7 @@ def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_i
     were all a checkpoint recorded) would have resumed into other data. Refused before the weights load, naming it."""
     from helpers import train_in_process
 
-    import toolkit.build
+    import toolkit.training.build
 
     paths = []
     for f in range(2):
@@ -182,7 +182,7 @@ def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_i
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights loaded before the resume was refused")
 
-    monkeypatch.setattr(toolkit.build, "load_model", no_weights)
+    monkeypatch.setattr(toolkit.training.build, "load_model", no_weights)
     with pytest.raises(ConfigError, match=r"train_file: cannot resume from .*step-2: .*part-1\.jsonl changed since "
                                           r"the checkpoint was written .*put back the files"):
         train_in_process({**values, "max_steps": 4, "resume_from_checkpoint": "latest"})
@@ -195,7 +195,7 @@ def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp
     row and say how many in one line. A text that is not a string (a row of another shape) is dropped alike."""
     from helpers import train_in_process
 
-    from toolkit.tasks import CausalLM
+    from toolkit.tasks.lm import CausalLM
 
     path = tmp_path / "holes.jsonl"
     path.write_text("".join(json.dumps({"text": None if i % 3 == 1 else f"row {i} has a few words"}) + "\n"
@@ -292,8 +292,8 @@ def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_sto
     """Mid-run, a chat row with null messages (or no chat format at all) is dropped and counted like a text stream's
     null text: a ConfigError there ended the run without its summary, evaluation or export, and a resume stopped at
     the same row again."""
-    from toolkit.chat import ChatSFT
     from toolkit.config import DataArguments
+    from toolkit.tasks.sft import ChatSFT
 
     keep, _ = ChatSFT().stream_rows(bpe_2048, DataArguments(), 64)
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -307,7 +307,7 @@ def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_r
     cannot skip a line). The file is read on from that chunk line by line: the line is a row of nulls, dropped and
     counted like a null text, and named in the log; the rows keep their indices, so a resume reads the same rows.
     A reader that cannot go on (a CSV row with too many fields) is one ConfigError naming the file and the line."""
-    from toolkit.stream import eval_rows
+    from toolkit.data.stream import eval_rows
 
     good, bad = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
     good.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8)))

@@ -1,4 +1,4 @@
-"""``toolkit chat DIR`` (toolkit.talk): an export is found from a run folder, a full model and a LoRA adapter (onto
+"""``toolkit chat DIR`` (toolkit.cli.chat): an export is found from a run folder, a full model and a LoRA adapter (onto
 the base the run's config names) answer through the chat template exactly as ``generate`` does, the conversation
 carries over turns, and a folder with no export is one line and exit 2."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import ROOT, subprocess_env
 
-from toolkit import talk
+from toolkit.cli import chat as talk
 from toolkit.errors import ConfigError
 
 
@@ -65,7 +65,7 @@ def test_an_adapter_export_loads_onto_the_base_its_run_names(tmp_path, tiny_mode
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.lora import save_adapter
+    from toolkit.models.lora import save_adapter
 
     run = tmp_path / "lora-run"
     (run / "final").mkdir(parents=True)

@@ -8,11 +8,17 @@ import pytest
 import torch
 from datasets import ClassLabel, Dataset
 
-from toolkit.chat import check_messages, set_chat_template, tokenize_chat
-from toolkit.classification import ClassificationCollator, encode_labels, resolve_class_weights, row_losses, scores
-from toolkit.data import CausalLMCollator
+from toolkit.data.chat import check_messages, set_chat_template, tokenize_chat
+from toolkit.data.loading import CausalLMCollator
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX, count_targets
+from toolkit.tasks.classification import (
+    ClassificationCollator,
+    encode_labels,
+    resolve_class_weights,
+    row_losses,
+    scores,
+)
 
 # A template in the ChatML style whose end of turn is the tokenizer's EOS (GPT-2's <|endoftext|>).
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -26,7 +32,7 @@ CHAT = [{"role": "system", "content": "Be brief."},
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.models.offline import gpt2_tokenizer
 
     tok = gpt2_tokenizer()
     set_chat_template(tok, TEMPLATE)
@@ -75,7 +81,7 @@ FAMILIES = ("sentencepiece", "byte-level-bpe", "wordpiece")
 @pytest.fixture
 def gpt2():
     """A GPT-2 tokenizer of the test's own, for a test that sets another chat template."""
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.models.offline import gpt2_tokenizer
 
     return gpt2_tokenizer()
 
@@ -84,7 +90,7 @@ def gpt2():
 def family_tokenizer(request):
     from transformers import AutoTokenizer
 
-    from toolkit.offline import gpt2_tokenizer, minilm_path
+    from toolkit.models.offline import gpt2_tokenizer, minilm_path
 
     if request.param == "sentencepiece":
         tok = AutoTokenizer.from_pretrained(request.getfixturevalue("sentencepiece_tokenizer"))
@@ -238,7 +244,7 @@ def test_bad_chats_are_refused_by_row(messages, message):
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused():
-    from toolkit.offline import gpt2_tokenizer
+    from toolkit.models.offline import gpt2_tokenizer
 
     with pytest.raises(ConfigError, match="chat_template"):
         set_chat_template(gpt2_tokenizer(), None)
@@ -299,13 +305,14 @@ def test_each_recipe_runs_its_defaults_with_only_model_data_and_output(recipe, t
 
     from helpers import RECIPE
 
-    from toolkit import chat, classification, tasks
     from toolkit.config import parse_args
+    from toolkit.tasks.classification import SequenceClassification
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.tasks.sft import ChatSFT
 
     source = open(os.path.join(os.path.dirname(RECIPE), recipe)).read()
     assert f"{task_class}()" in source or (task_class == "CausalLM" and "build(cfg, accelerator)" in source)
-    task = {"CausalLM": tasks.CausalLM, "ChatSFT": chat.ChatSFT,
-            "SequenceClassification": classification.SequenceClassification}[task_class]()
+    task = {"CausalLM": CausalLM, "ChatSFT": ChatSFT, "SequenceClassification": SequenceClassification}[task_class]()
     argv = ["--model_name_or_path", tiny_model, "--train_file", padded_data["train_file"],
             "--output_dir", str(tmp_path / "out")]
     cfg = parse_args(argv)
@@ -332,8 +339,8 @@ def test_a_set_too_small_for_a_stratified_holdout_is_one_line_naming_the_field(t
     """datasets' ValueError from train_test_split(stratify_by_column=...) reached the user raw."""
     import json
 
-    from toolkit.classification import load_raw_labelled
     from toolkit.config import DataArguments
+    from toolkit.tasks.classification import load_raw_labelled
 
     path = tmp_path / "few.jsonl"
     rows = [("a fine day", "good"), ("a bad day", "bad"), ("so so", "meh"), ("great", "good"), ("awful", "bad")]
@@ -354,8 +361,8 @@ def test_a_set_too_small_for_a_stratified_holdout_is_one_line_naming_the_field(t
 def test_a_classifiers_validation_file_without_its_columns_is_one_line_naming_it(tmp_path):
     import json
 
-    from toolkit.classification import load_raw_labelled
     from toolkit.config import DataArguments
+    from toolkit.tasks.classification import load_raw_labelled
 
     train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
     train.write_text("".join(json.dumps({"text": f"row {i}", "label": i % 2}) + "\n" for i in range(6)))

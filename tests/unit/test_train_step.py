@@ -39,7 +39,7 @@ def _tiny_model():
 
 def _micro_batches() -> list[dict]:
     """Two micro-batches of two rows each, of very different lengths (right-padded, pad labels ignored)."""
-    from toolkit.data import CausalLMCollator
+    from toolkit.data.loading import CausalLMCollator
 
     gen = torch.Generator().manual_seed(1)
     lengths = [3, 17, 9, 30]
@@ -69,7 +69,7 @@ def _one_big_batch_step(model, micro_batches: list[dict], lr: float) -> float:
 def _step(accelerator, model, micro_batches, normalization="global_tokens"):
     from transformers import get_scheduler
 
-    from toolkit.loop import train_step
+    from toolkit.training.loop import train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = get_scheduler("constant", optimizer)
@@ -114,7 +114,7 @@ def test_a_nonfinite_gradient_norm_stops_before_the_step(accelerator):
 
 
 def test_loop_state_counts_steps_epochs_and_round_trips():
-    from toolkit.state import LoopState, StepResult
+    from toolkit.training.state import LoopState, StepResult
 
     state = LoopState(world_size=2, global_batch_size=8)
     result = StepResult(loss_sum=torch.zeros(()), targets=10, tokens=12, grad_norm=1.0)
@@ -161,8 +161,8 @@ def _scaled_run(accelerator, steps: int, overflow_at: set[int], **kwargs) -> lis
     ``overflow_at`` (an overflow, as fp16 makes when the scale is too high). What each step did, one dict a step."""
     from transformers import get_scheduler
 
-    from toolkit.loop import train_step
-    from toolkit.state import LoopState
+    from toolkit.training.loop import train_step
+    from toolkit.training.state import LoopState
 
     model, micro_batches = _tiny_model(), _micro_batches()
     current = {"step": 0}
@@ -231,7 +231,7 @@ def test_without_a_scaler_a_nonfinite_norm_is_skipped_only_when_asked(accelerato
     model.transformer.wte.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     from transformers import get_scheduler
 
-    from toolkit.loop import train_step
+    from toolkit.training.loop import train_step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = get_scheduler("constant", optimizer)
@@ -266,7 +266,7 @@ def test_deepspeed_fp16_overflow_is_skipped_and_other_nonfinite_norms_stop():
     not overflow and counts skipped_steps): before the fix, that inf stopped every fp16 DeepSpeed run at its first
     overflow."""
     from toolkit.errors import TrainingStopped
-    from toolkit.loop import _deepspeed_outcome, _overflow_streak
+    from toolkit.training.loop import _deepspeed_outcome, _overflow_streak
 
     inf = float("inf")
     assert _deepspeed_outcome(_FakeEngine(fp16=True, applied=False, norm=inf), step=0) == (inf, True)
@@ -290,7 +290,7 @@ def test_the_gradient_norm_on_a_cpu_is_exact_where_torchs_kernel_is_not(accelera
     """torch's CPU fp32 2-norm kernel sums a gradient's squares in one fp32 accumulator a lane: a skewed 4M-weight
     gradient's norm comes out 5e-4 low (docs/pitfalls.md#cpu-norm). The norm the loop logs and clips with is within
     1e-7 of float64's, and the clipping is torch's: max_norm / (norm + 1e-6)."""
-    from toolkit.clipping import clip_grad_norm
+    from toolkit.parallel.clipping import clip_grad_norm
 
     torch.manual_seed(0)
     n = 1 << 22
@@ -301,7 +301,7 @@ def test_the_gradient_norm_on_a_cpu_is_exact_where_torchs_kernel_is_not(accelera
     small.grad = torch.tensor([0.5, -0.25, 2.0])
     exact = math.sqrt(big.grad.double().pow(2).sum().item() + small.grad.double().pow(2).sum().item())
     upstream = torch.nn.utils.get_total_norm([big.grad, small.grad]).item()
-    assert abs(upstream - exact) / exact > 1e-5, "torch's kernel is exact now: drop toolkit.clipping's CPU path"
+    assert abs(upstream - exact) / exact > 1e-5, "torch's kernel is exact now: drop toolkit.parallel.clipping's CPU path"
     before = big.grad.clone()
     # a chunk at a time: no temporary as big as the gradient (16 MB here, 154 MB for GPT-2's embedding)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

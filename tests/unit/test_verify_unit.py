@@ -3,8 +3,8 @@ of a failed run. verify run for real is in tests/launch/test_verify.py and tests
 
 import pytest
 
+from toolkit.cli.verify import _parser, own_options
 from toolkit.config import field_names
-from toolkit.verify import _parser, own_options
 
 
 def test_verify_options_never_swallow_a_recipe_field():
@@ -24,7 +24,7 @@ def test_a_failed_runs_cause_is_the_ranks_own_line_not_the_launchers(tmp_path):
     """issue 25, point 6: verify printed a failed run's last 40 lines, the launcher's ChildFailedError traceback. Now
     the recipe's own line (each once), else the last exception a rank raised, else the tail; then the log's path.
     The real failed launch: tests/launch/test_launcher_errors.py."""
-    from toolkit.verify import failure_cause
+    from toolkit.cli.verify import failure_cause
 
     launcher = ["E1205 10:06:16.444000 13961 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
                 "(exitcode: 1) local_rank: 0 (pid: 13982) of binary: /work/venv/bin/python",
@@ -53,7 +53,7 @@ def test_a_field_of_another_recipe_stops_verify_before_any_launch(tiny_model, pa
     is the recipe's own refusal, in a second, not a failed launch."""
     from helpers import ROOT
 
-    from toolkit.verify import main
+    from toolkit.cli.verify import main
 
     code = main(["--config_file", f"{ROOT}/accelerate_configs/ddp.yaml", "--num_processes", "2",
                  "--recipe", f"{ROOT}/recipes/gpt2.py", "--model_name_or_path", tiny_model,
@@ -69,7 +69,7 @@ def test_what_a_launched_rank_would_refuse_stops_verify_before_any_launch(tiny_m
     a pipeline under ZeRO-3 is refused in a second, naming the field, not by the ranks of a launch."""
     from helpers import ROOT
 
-    from toolkit.verify import main
+    from toolkit.cli.verify import main
 
     code = main(["--config_file", f"{ROOT}/accelerate_configs/zero3.yaml", "--num_processes", "2",
                  "--model_name_or_path", tiny_model, "--train_file", padded_data["train_file"], "--block_size", "32",

@@ -27,7 +27,8 @@ from accelerate.utils import DistributedType
 
 from toolkit import layout
 from toolkit.checkpointing import staged
-from toolkit.distributed import deepspeed_out_of_sight, has_accelerator
+from toolkit.env.launcher import has_accelerator
+from toolkit.parallel.accelerator import deepspeed_out_of_sight
 
 # torch.distributed.checkpoint folders of a tensor-parallel checkpoint, laid out as accelerate's FSDP ones
 # ({"model": ...} and {"optimizer": ...}, FQN-keyed)
@@ -120,7 +121,7 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
     groups' own values, which the recipe fixes, are put back, and each group's learning rate is the one the
     restored ``scheduler`` gives it.
 
-    ``pipeline_model``: a pipeline's stages (``toolkit.pipeline``), which read their tensors from the one-process
+    ``pipeline_model``: a pipeline's stages (``toolkit.parallel.pipeline``), which read their tensors from the one-process
     layout by name (``toolkit.checkpointing.staged``); accelerate's load then restores the RNG states only.
     """
     if pipeline_model is not None:
@@ -248,7 +249,7 @@ def full_state_dict(accelerator: Accelerator, model):
     weights already live on the CPU (measured, torch 2.13); DCP's full state dict without the offload gathers the
     same weights (diff 0 to the unsharded model) on every rank.
     """
-    if hasattr(model, "gather_state_dict"):  # a pipeline's stages (toolkit.pipeline), gathered on the first rank
+    if hasattr(model, "gather_state_dict"):  # a pipeline's stages (toolkit.parallel.pipeline), gathered on the first rank
         return model.gather_state_dict()
     if _is_fsdp1(accelerator) and not has_accelerator():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -289,7 +290,7 @@ def _realias_tied(state_dict: dict, model) -> dict:
 def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool = False) -> None:
     """Full (unsharded) weights via ``save_pretrained``, loadable by ``AutoModelFor*.from_pretrained``; for a LoRA
     model the adapter alone (``PeftModel.from_pretrained``), and with ``merge_lora`` the merged full weights in
-    ``final/merged/`` too (``toolkit.lora``).
+    ``final/merged/`` too (``toolkit.models.lora``).
 
     Gathering is collective (ZeRO-3 / FSDP shards), so every rank calls it; only the main process writes.
     """
@@ -299,7 +300,7 @@ def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora
 
 
 def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool) -> None:
-    from toolkit import lora
+    from toolkit.models import lora
 
     state_dict = full_state_dict(accelerator, model)
     unwrapped = getattr(model, "whole_model", None) or accelerator.unwrap_model(model)  # a pipeline's: the model's

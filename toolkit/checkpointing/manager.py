@@ -2,7 +2,7 @@
 ``prepare``, ``save`` after every optimizer step (it decides whether that step writes, and exports ``final/`` after
 the last one).
 
-The resume is planned once, before the weights load (``plan_resume``: ``toolkit.build`` calls it so that a resume
+The resume is planned once, before the weights load (``plan_resume``: ``toolkit.training.build`` calls it so that a resume
 that cannot continue is refused before any weights load), and the plan is carried into ``Checkpointer``. What the
 plan decides before ``prepare`` (DeepSpeed must be told it will load a universal checkpoint) is read from it; the
 conversion itself, the load and the position happen in ``load``.
@@ -29,7 +29,7 @@ class ResumePlan:
 
     @property
     def loads_universal(self) -> bool:
-        """DeepSpeed's config must say so before ``prepare`` (``toolkit.distributed.configure_deepspeed``)."""
+        """DeepSpeed's config must say so before ``prepare`` (``toolkit.parallel.accelerator.configure_deepspeed``)."""
         return self.conversion == UNIVERSAL
 
 
@@ -53,7 +53,7 @@ class Checkpointer:
         self.merge_lora = cfg.model.merge_lora
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         self.exported: str | None = None  # final/, once this run wrote it (the summary names only what was written)
-        self.task = None  # the run's task (toolkit.tasks): its checkpoint_state is saved and loaded with the loop's
+        self.task = None  # the run's task (toolkit.tasks.base): its checkpoint_state is saved and loaded with the loop's
 
     def load(self, state) -> str | None:
         """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
@@ -82,7 +82,7 @@ class Checkpointer:
         return plan.checkpoint
 
     def _stages(self):
-        """A pipeline's stages (``toolkit.pipeline``), checkpointed by the whole model's names; None otherwise."""
+        """A pipeline's stages (``toolkit.parallel.pipeline``), checkpointed by the whole model's names; None otherwise."""
         return self.model if self.args.pipeline_parallel_size > 1 else None
 
     def _whole_model(self):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 
-from toolkit import layout, quantization
+from toolkit import layout
 from toolkit.checkpointing import convert
-from toolkit.distributed import data_parallel_size, strategy_name
+from toolkit.data.stream import TrainStream
 from toolkit.errors import ConfigError
-from toolkit.stream import TrainStream
+from toolkit.models import quantization
+from toolkit.parallel.accelerator import data_parallel_size, strategy_name
 
 # order key -> the config field a user changes to change it
 ORDER_FIELDS = {
@@ -47,7 +48,7 @@ def data_fingerprint(dataset, samples: int = 64) -> str:
 
 def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
     """What the sample order depends on, as stored in a checkpoint (block_size as configured; a resolved default
-    that changed would change the rows, which the data hash sees). A stream (``toolkit.stream``) has no row count:
+    that changed would change the rows, which the data hash sees). A stream (``toolkit.data.stream``) has no row count:
     its files and window size stand for the rows. ``repeats``: each row listed that many times in a row (GRPO's
     num_generations; None when 1, as in the checkpoints written before it was recorded)."""
     stream = isinstance(train_dataset, TrainStream)
@@ -63,7 +64,7 @@ def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
         "shuffle_buffer_size": train_dataset.spec.window if stream else None,
         "repeats": repeats if repeats > 1 else None,
         **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
-        # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.quantization)
+        # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.models.quantization)
         "quantized_base": quantization.base_record(cfg.model),
     }
 

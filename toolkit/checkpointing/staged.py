@@ -1,9 +1,9 @@
-"""A pipeline's checkpoint (``toolkit.pipeline``): its stages' weights and optimizer state written in a plain
+"""A pipeline's checkpoint (``toolkit.parallel.pipeline``): its stages' weights and optimizer state written in a plain
 process's layout, and read back from one.
 
 The layout is the one ``accelerator.save_state`` writes for one process or DDP: ``model.safetensors`` keyed by the
 whole model's names (a tied weight once, under its first name), ``optimizer.bin`` in torch's index form, numbered in
-the order a one-process run's optimizer holds the parameters (``toolkit.loop.build_optimizer``: the weights that
+the order a one-process run's optimizer holds the parameters (``toolkit.training.loop.build_optimizer``: the weights that
 decay, then the rest, each in the model's order), ``scheduler.bin``, and accelerate's own RNG files. So a checkpoint
 written under any pipeline degree, replicated or FSDP2-sharded, resumes as written under one process, DDP, or a
 pipeline of any other degree or schedule (each rank reads the tensors of its stages by name), and a one-process or
@@ -29,7 +29,7 @@ MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE = "model.safetensors", "optimizer.bin
 
 
 def plain_order(shapes: dict) -> list[list[str]]:
-    """The names in each param group of a one-process run's optimizer (``toolkit.loop.build_optimizer``'s split: the
+    """The names in each param group of a one-process run's optimizer (``toolkit.training.loop.build_optimizer``'s split: the
     weights of 2 or more dimensions decay, the others do not; an empty group is dropped), from the whole model's
     parameter shapes in its order (tied weights once)."""
     groups = [[n for n, s in shapes.items() if len(s) >= 2], [n for n, s in shapes.items() if len(s) < 2]]

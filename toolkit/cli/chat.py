@@ -68,7 +68,7 @@ def load(folder: str):
     """(tokenizer, model in eval mode) of an export."""
     from transformers import AutoTokenizer
 
-    from toolkit.lora import load_exported
+    from toolkit.models.lora import load_exported
 
     model = load_exported(folder, model_arguments(folder) if _is_adapter(folder) else None)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -90,13 +90,13 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 def answer(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float = 0.0) -> str | None:
     """The model's answer to the chat so far (greedy at temperature 0), without its end-of-turn token; None when the
     chat leaves no room in the model's context for a new token."""
-    from toolkit.generation import continuation
+    from toolkit.models.generation import continuation
 
     return continuation(model, tokenizer, prompt_ids(tokenizer, messages), max_new_tokens, temperature)
 
 
 def context_length(model) -> int | None:
-    from toolkit.model import max_positions
+    from toolkit.models.loading import max_positions
 
     return max_positions(model.config)
 

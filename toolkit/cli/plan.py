@@ -36,7 +36,7 @@ targets for the model type unless named, e.g. Llama's q_proj and v_proj; counted
 16 bytes.
 
 With ``--load-in-4bit`` (QLoRA) the base's linear layers (all but the head) are counted as bitsandbytes holds them:
-0.5 byte a weight plus the quantization constants (``toolkit.quantization.layer_bytes``); layouts a quantized base is
+0.5 byte a weight plus the quantization constants (``toolkit.models.quantization.layer_bytes``); layouts a quantized base is
 refused under say so.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4,
@@ -62,7 +62,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from toolkit import hub
+from toolkit.env import hub
 from toolkit.errors import ConfigError
 
 GB = 1e9
@@ -77,7 +77,7 @@ class ModelCount:
     width: int
     heads: int
     vocab: int
-    # why the model cannot be split over t ranks by its TP plan (toolkit.model.tensor_parallel_problem), or None
+    # why the model cannot be split over t ranks by its TP plan (toolkit.models.loading.tensor_parallel_problem), or None
     tp_problem: Callable[[int], str | None] = lambda tp: None
     quantized: int = 0  # of ``params``, the weights held quantized (--load-in-4bit / --load-in-8bit)
     quantized_bytes: int = 0  # the bytes they take, quantization constants included
@@ -85,7 +85,7 @@ class ModelCount:
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
         return per_param * (self.params - self.quantized) + self.quantized_bytes
-    # parameters per pipeline stage for P stages (toolkit.pipeline.stage_parameters), or None where no cut is known
+    # parameters per pipeline stage for P stages (toolkit.parallel.pipeline.stage_parameters), or None where no cut is known
     stage_params: Callable[[int], list[int] | None] = lambda stages: None
 
 
@@ -94,12 +94,12 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device. With ``lora_r``,
     the adapters the recipes would train with these fields (``lora_target_modules`` None: peft's default for the
     model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model. ``quantize_bits`` 4 or 8:
-    the base's linear layers held as bitsandbytes holds them (``toolkit.quantization.layer_bytes``; ``nested``:
+    the base's linear layers held as bitsandbytes holds them (``toolkit.models.quantization.layer_bytes``; ``nested``:
     double quantization)."""
     import torch
     from transformers import AutoConfig
 
-    from toolkit.accounting import model_shape
+    from toolkit.reporting.accounting import model_shape
 
     source = os.path.dirname(model) if model.endswith(".json") else model
     offline = hub.offline_if_unreachable(source)  # at once, not after ~25 s of retries
@@ -114,7 +114,7 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     params = sum(p.numel() for p in net.parameters())  # parameters() yields a tied parameter once
     quantized = quantized_bytes = 0
     if quantize_bits:
-        from toolkit.quantization import layer_bytes, quantized_layers
+        from toolkit.models.quantization import layer_bytes, quantized_layers
 
         layers = quantized_layers(net)
         quantized = sum(n for n, _ in layers)
@@ -128,7 +128,7 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     # The logits of the micro batch: a causal LM's are vocab wide, a classifier's num_labels wide.
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
-    from toolkit.model import tensor_parallel_problem  # what the recipe refuses at load, said before launch
+    from toolkit.models.loading import tensor_parallel_problem  # what the recipe refuses at load, said before launch
 
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
                       tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
@@ -136,7 +136,7 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
 
 
 def _stage_params(net, stages: int) -> list[int] | None:
-    from toolkit.pipeline import stage_parameters
+    from toolkit.parallel.pipeline import stage_parameters
 
     try:
         return stage_parameters(net, stages)
@@ -146,7 +146,7 @@ def _stage_params(net, stages: int) -> list[int] | None:
 
 def pipeline_plan(m: ModelCount, stages: int, micro_batches: int, micro: int, seq: int, precision: str,
                   checkpointing: bool) -> list[dict] | None:
-    """Per stage of a pipeline (``toolkit.pipeline``, torch AdamW: 16 bytes a parameter, whole on each replica): the
+    """Per stage of a pipeline (``toolkit.parallel.pipeline``, torch AdamW: 16 bytes a parameter, whole on each replica): the
     model states, and the activations each schedule keeps in flight (GPipe: all m micro-batches until their
     backward; 1F1B: stage i at most P - i); the logits on the last stage only. None when the model has no cut."""
     held = m.stage_params(stages)
@@ -186,11 +186,11 @@ def format_pipeline(rows: list[dict] | None, stages: int, micro_batches: int, ar
 
 def _lora_trainable(net, lora_r: int, lora_target_modules: list[str] | None) -> int:
     """The parameters peft trains on ``net`` (meta device: nothing is allocated) with the recipes' LoRA config
-    (toolkit.lora.lora_config, their task type: a classifier's head is trained in full, as the recipe does)."""
+    (toolkit.models.lora.lora_config, their task type: a classifier's head is trained in full, as the recipe does)."""
     import torch
 
     from toolkit.config import ModelArguments
-    from toolkit.lora import lora_config, wrap
+    from toolkit.models.lora import lora_config, wrap
 
     args = ModelArguments(lora_r=lora_r, lora_target_modules=lora_target_modules)
     name = type(net).__name__
@@ -273,7 +273,7 @@ def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkp
 
 
 def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: int, precision: str) -> float:
-    """Bytes of DPO's live reference copy on one device (``toolkit.reference``): weights only, no gradients or
+    """Bytes of DPO's live reference copy on one device (``toolkit.tasks.reference``): weights only, no gradients or
     optimizer state, sharded as the policy's weights are (ZeRO-3 and FSDP2: / D, HSDP: / devices per node), whole
     under DDP and ZeRO-1/2 (a stage-0 engine: 2-byte weights under DeepSpeed's bf16/fp16, as TRL prepares it)."""
     return model_states_per_device(ModelCount(m.params, 0, m.layers, m.width, m.heads, m.vocab,
@@ -282,7 +282,7 @@ def reference_per_device(m: ModelCount, strategy: str, devices: int, per_node: i
 
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + offload", "FSDP2", "HSDP", "TP")
-QUANTIZED_STRATEGIES = ("DDP", "ZeRO-2", "FSDP2")  # toolkit.quantization.PROVEN's, as the plan names them
+QUANTIZED_STRATEGIES = ("DDP", "ZeRO-2", "FSDP2")  # toolkit.models.quantization.PROVEN's, as the plan names them
 
 
 # accelerate's --mixed_precision for the plan's --precision: the configs ship with 'no', and the plan's bytes assume
@@ -477,7 +477,7 @@ def main(argv=None) -> int:
     try:
         if args.load_in_4bit and not args.lora_r:
             raise ConfigError("load_in_4bit", "a quantized base cannot be trained, only adapters on it: add --lora-r")
-        if args.load_in_4bit and args.pipeline_parallel_size > 1:  # what the recipes refuse (toolkit.quantization)
+        if args.load_in_4bit and args.pipeline_parallel_size > 1:  # what the recipes refuse (toolkit.models.quantization)
             raise ConfigError("load_in_4bit", "a 4bit base is not supported under pipeline parallelism: drop "
                                               "--pipeline-parallel-size, or --load-in-4bit")
         m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,

@@ -6,7 +6,7 @@ launched rank ends.
 recipes/x.py``) whose work is done exits without the interpreter's teardown. Parsing (``toolkit.config``) only raises; the exit happens here.
 
 Under a launcher every rank meets the same mistake: each exits with the code, but only the first rank of a machine
-to fail prints the line (``toolkit.elastic.first_to_report``). What the launchers then print and return:
+to fail prints the line (``toolkit.env.elastic.first_to_report``). What the launchers then print and return:
 docs/reliability.md#exit-codes.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from toolkit.elastic import first_to_report
+from toolkit.env.elastic import first_to_report
 from toolkit.errors import ConfigError, TrainingStopped
 
 

@@ -28,14 +28,14 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-from toolkit import config_help
+from toolkit.config import help as config_help
 from toolkit.errors import ConfigError
 
 # toolkit train's TASK -> the task's name (Task.name; config_help.TASK_RECIPES has its recipe) and class
 TASKS = {"lm": "causal-lm", "sft": "chat-sft", "dpo": "dpo", "classify": "sequence-classification", "grpo": "grpo"}
-TASK_CLASSES = {"causal-lm": "toolkit.tasks:CausalLM", "chat-sft": "toolkit.chat:ChatSFT",
-                "dpo": "toolkit.preference:DPO", "sequence-classification": "toolkit.classification:SequenceClassification",
-                "grpo": "toolkit.grpo:GRPO"}
+TASK_CLASSES = {"causal-lm": "toolkit.tasks.lm:CausalLM", "chat-sft": "toolkit.tasks.sft:ChatSFT",
+                "dpo": "toolkit.tasks.dpo:DPO", "sequence-classification": "toolkit.tasks.classification:SequenceClassification",
+                "grpo": "toolkit.tasks.grpo.task:GRPO"}
 # the data each task reads (docs/recipes.md#dataset-formats)
 TASK_DATA = {"causal-lm": "text (a 'text' column, or text_column_name); a .txt file: one document a line",
              "chat-sft": "messages, sharegpt (conversations of {from, value}), prompt_completion (text or messages), "
@@ -50,8 +50,8 @@ DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".parquet")
 
 def packaged(folder: str, name: str) -> str:
     """``folder/name`` of the project (recipes, accelerate_configs): beside the package in a source checkout, inside
-    it in an installed wheel (setup.cfg ships both as toolkit.recipes and toolkit.accelerate_configs)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    it in an installed wheel (setup.py ships both as toolkit.recipes and toolkit.accelerate_configs)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # toolkit/, above this cli/
     for candidate in (os.path.join(os.path.dirname(package), folder, name), os.path.join(package, folder, name)):
         if os.path.exists(candidate):
             return candidate
@@ -159,9 +159,10 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
     if mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     with environment(env), _quiet_datasets():  # a rank's environment, for the checks that read it
-        from toolkit.build import check_inputs
-        from toolkit.distributed import check_launch, launched_parallel_sizes, launched_strategy_name
-        from toolkit.quantization import check_run
+        from toolkit.env.launcher import launched_parallel_sizes, launched_strategy_name
+        from toolkit.models.quantization import check_run
+        from toolkit.parallel.accelerator import check_launch
+        from toolkit.training.build import check_inputs
 
         check_launch(cfg.train)
         check_run(cfg, launched_strategy_name())  # a quantized base under a strategy it was not checked with

@@ -18,9 +18,9 @@ Adam's update is about lr * g / (|g| + eps), so with the usual 1e-8 a parameter 
 fp32 rounding noise (another summation order on another CPU) into a visible change of its step, and the verdict would
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
 shard (off by sqrt(2)) by a wide margin (figures: docs/strategies.md, tests/launch/test_core.py). DeepSpeed clips inside its
-engine at the recipe's max_grad_norm (``toolkit.distributed.configure_deepspeed``), so both runs clip alike.
+engine at the recipe's max_grad_norm (``toolkit.parallel.accelerator.configure_deepspeed``), so both runs clip alike.
 Exit code 0 on PASS, 1 on FAIL or a failed run, 2 on a usage or config error, found before any launch: the
-fields, and what a rank of the launch would refuse (``toolkit train``'s checks, ``toolkit.launch.check``). A failed
+fields, and what a rank of the launch would refuse (``toolkit train``'s checks, ``toolkit.cli.train.check``). A failed
 run's own error line (``config error: ...``, or the last exception a rank raised) is printed with its log's path,
 not the launcher's traceback, which only says that a rank failed.
 
@@ -41,9 +41,9 @@ import tempfile
 import time
 
 from toolkit import layout
+from toolkit.cli.train import check, packaged
 from toolkit.config import ConfigError, field_names, parse_args
-from toolkit.config_help import recipe_task
-from toolkit.launch import check, packaged
+from toolkit.config.help import recipe_task
 
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
@@ -221,7 +221,7 @@ def _run(cmd: list[str], log: str, single: bool) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
-# The lines toolkit.cli prints for a recipe's own errors; and the last line of a Python traceback ("OSError: ...").
+# The lines toolkit.cli.recipe prints for a recipe's own errors; and the last line of a Python traceback ("OSError: ...").
 _OWN_LINES = ("config error:", "training stopped:")
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 # What the launchers raise when a rank failed: they only say that it did (the rank's own line is above them).
@@ -261,7 +261,7 @@ def _load_final(out: str) -> tuple[dict, set[str]]:
 
 
 def _metrics(out: str) -> list[dict]:
-    from toolkit.metrics import read_metrics
+    from toolkit.reporting.metrics import read_metrics
 
     return [r for r in read_metrics(out) if "loss" in r]
 

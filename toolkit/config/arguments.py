@@ -15,8 +15,8 @@ This module lists every field: its classes name their parts, each a small module
 on the shared small checks of ``config_checks``. Parsing YAML and the command line is ``config_parsing``'s (bound
 here to these classes: ``parse_args``, ``config_from_dict``). It imports no other toolkit module but ``errors``,
 ``layout``, ``elastic`` (standard library and yaml only), and neither torch nor accelerate: parsing a config stays
-cheap. What a torch elastic restart does to a config is ``toolkit.elastic``'s; a recipe's ``--help`` and which
-recipe takes a field are ``toolkit.config_help``'s; the process exit of a recipe is ``toolkit.cli``'s.
+cheap. What a torch elastic restart does to a config is ``toolkit.env.elastic``'s; a recipe's ``--help`` and which
+recipe takes a field are ``toolkit.config.help``'s; the process exit of a recipe is ``toolkit.cli.recipe``'s.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from toolkit import config_parsing, elastic, layout
-from toolkit.config_checks import (
+from toolkit import layout
+from toolkit.config import parsing as config_parsing
+from toolkit.config.checks import (
     CHAT_TASKS,
     DATA_EXTENSIONS,
     DPO_ONLY,
@@ -43,12 +44,13 @@ from toolkit.config_checks import (
     _positive,
     _suggest,
 )
-from toolkit.config_classification import ClassificationArguments
-from toolkit.config_grpo import GRPO_LOSS_TYPES, GRPOArguments
-from toolkit.config_mixture import _check_mixture, mixture_files
-from toolkit.config_pipeline import PipelineArguments
-from toolkit.config_preference import LOSS_TYPES, PreferenceArguments
-from toolkit.config_quantization import QuantizationArguments
+from toolkit.config.classification import ClassificationArguments
+from toolkit.config.grpo import GRPO_LOSS_TYPES, GRPOArguments
+from toolkit.config.mixture import _check_mixture, mixture_files
+from toolkit.config.pipeline import PipelineArguments
+from toolkit.config.preference import LOSS_TYPES, PreferenceArguments
+from toolkit.config.quantization import QuantizationArguments
+from toolkit.env import elastic
 from toolkit.errors import ConfigError
 
 # Names other modules import from here, as before the parts had modules of their own.
@@ -69,9 +71,9 @@ SCHEDULERS = (
 LOSS_NORMALIZATIONS = ("global_tokens", "per_micro_batch")
 TORCH_DTYPES = ("float32", "auto", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.packing)
+# packing_strategy (TRL's names): concatenate-and-cut, or best-fit decreasing documents, cut or split (toolkit.data.packing)
 PACKING_STRATEGIES = ("wrapped", "bfd", "bfd_split")
-# the dataset formats (TRL's, toolkit.formats converts them)
+# the dataset formats (TRL's, toolkit.data.formats converts them)
 DATASET_FORMATS = ("text", "messages", "prompt_completion", "alpaca", "sharegpt", "preference", "implicit_preference")
 ROLE_NAMES = ("system", "user", "assistant")
 # accelerate's trackers (LoggerType) and the modules each needs, any one of them (accelerate's is_*_available).
@@ -185,7 +187,7 @@ class _ModelFields:
 
     def _check_attn_implementation(self) -> None:
         """A name transformers knows (or a Hub kernel, owner/name), at parse time; whether this machine can run it
-        (flash-attn, a GPU, the kernels package) is ``toolkit.model.check_attn_implementation``'s, with the model's
+        (flash-attn, a GPU, the kernels package) is ``toolkit.models.loading.check_attn_implementation``'s, with the model's
         config, still before the weights load."""
         value = self.attn_implementation
         if value is not None and "/" not in value:
@@ -210,7 +212,7 @@ class _ModelFields:
 
     def auto_config(self):
         """transformers' config of the model (``config_source``, no weights), ``config_overrides`` applied: the one
-        place it is loaded, for ``read_model_config`` here and for the run (``toolkit.model.load_config``).
+        place it is loaded, for ``read_model_config`` here and for the run (``toolkit.models.loading.load_config``).
         transformers is imported here, when called: importing this module stays cheap."""
         from transformers import AutoConfig
 
@@ -360,7 +362,7 @@ class _DataFields:
         return files
 
     def _check_stream(self) -> None:
-        """What a stream (``toolkit.stream``) cannot honour, refused before work."""
+        """What a stream (``toolkit.data.stream``) cannot honour, refused before work."""
         if self.train_file is None:
             raise ConfigError("streaming", "streams local files: set train_file (paths, a glob or a list), not "
                                            "dataset_name")
@@ -392,7 +394,7 @@ class _DataFields:
 
     @property
     def padding_free(self) -> bool:
-        """bfd or bfd_split: documents per packed row, each attending only to itself (``toolkit.packing``); either
+        """bfd or bfd_split: documents per packed row, each attending only to itself (``toolkit.data.packing``); either
         with packing false is refused."""
         return self.packing is not False and self.packing_strategy in ("bfd", "bfd_split")
 
@@ -459,7 +461,7 @@ class _TrainingFields:
     )
     peak_flops: Optional[float] = field(
         default=None, metadata={"help": "Peak FLOP/s of one device, for MFU; default: a datasheet value for known "
-                                        "GPUs (toolkit/accounting.py), none on a CPU."}
+                                        "GPUs (toolkit/reporting/accounting.py), none on a CPU."}
     )
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
@@ -470,7 +472,7 @@ class _TrainingFields:
         default=None, metadata={"help": "On CPU ranks, keep freed memory in the process for reuse (glibc mallopt) "
                                         "instead of handing it back to the kernel, which zero-fills fresh pages for "
                                         "every logits-sized tensor: 1.5x faster steps, but the process keeps a "
-                                        "fragmented peak heap (toolkit/host_memory.py). Unset: on, unless "
+                                        "fragmented peak heap (toolkit/env/host_memory.py). Unset: on, unless "
                                         "activation checkpointing or loss_chunk_size asks for less memory. No effect "
                                         "on GPUs."}
     )
@@ -570,20 +572,20 @@ class _TrainingFields:
 
 @dataclass
 class ModelArguments(QuantizationArguments, _ModelFields):
-    """The model: its own fields, then quantization's (``toolkit.config_quantization``)."""
+    """The model: its own fields, then quantization's (``toolkit.config.quantization``)."""
 
 
 @dataclass
 class DataArguments(ClassificationArguments, _DataFields):
-    """The data: its own fields (run_clm.py's names), then classification's (``toolkit.config_classification``)."""
+    """The data: its own fields (run_clm.py's names), then classification's (``toolkit.config.classification``)."""
 
 
 @dataclass
 class TrainingArguments(PipelineArguments, GRPOArguments, PreferenceArguments, _TrainingFields):
     """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
     ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
-    implements, checked here. Its own fields, then the preference tasks' (``toolkit.config_preference``), GRPO's
-    (``toolkit.config_grpo``) and the pipeline's (``toolkit.config_pipeline``)."""
+    implements, checked here. Its own fields, then the preference tasks' (``toolkit.config.preference``), GRPO's
+    (``toolkit.config.grpo``) and the pipeline's (``toolkit.config.pipeline``)."""
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
@@ -614,7 +616,7 @@ class RunConfig:
                               "padding-free packing and streaming are not supported under pipeline parallelism (a "
                               "pipeline passes each row's attention mask): use packing_strategy wrapped or padded "
                               "rows, streaming false")
-        # A torch elastic restart continues its earlier attempt (toolkit.elastic): resume 'latest', and that
+        # A torch elastic restart continues its earlier attempt (toolkit.env.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         elastic.check_machines()  # a scheduler's N machines, one process group each: refused before any work
         self.elastic_restart = elastic.continue_restart(self)
@@ -690,14 +692,14 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------------------------------ parsing
-# toolkit.config_parsing parses any argument classes; these bind it to this module's (the names recipes import).
+# toolkit.config.parsing parses any argument classes; these bind it to this module's (the names recipes import).
 def field_names() -> list[str]:
     return config_parsing.field_names(ARGUMENT_CLASSES)
 
 
 def parse_args(argv: list[str] | None = None, task: str | None = None,
                description: str | None = None) -> RunConfig:
-    """Parse ``--config file.yaml`` plus overrides into a checked RunConfig (``toolkit.config_parsing.parse_args``):
+    """Parse ``--config file.yaml`` plus overrides into a checked RunConfig (``toolkit.config.parsing.parse_args``):
     raises ConfigError; a recipe's ``task`` and docstring make its ``--help`` and refuse other tasks' fields."""
     return config_parsing.parse_args(ARGUMENT_CLASSES, RunConfig, argv, task, description)
 

@@ -1,5 +1,5 @@
 """The small checks every argument class shares (``_positive``, ``_one_of``, ...) and the vocabulary of its fields'
-metadata (which tasks take a field), so that each feature's fields (``toolkit.config_grpo``, ...) check themselves
+metadata (which tasks take a field), so that each feature's fields (``toolkit.config.grpo``, ...) check themselves
 exactly as ``toolkit.config``'s do, with the same messages.
 
 Standard library and yaml only (``toolkit.errors``): a config is checked before torch is imported.
@@ -15,7 +15,7 @@ import yaml
 from toolkit.errors import ConfigError
 
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-# The tasks (Task.name) of a field that only some recipes use (metadata "tasks"; toolkit.config_help): --help lists
+# The tasks (Task.name) of a field that only some recipes use (metadata "tasks"; toolkit.config.help): --help lists
 # it for those recipes only, and the others refuse it.
 DPO_ONLY = ("dpo",)
 GRPO_ONLY = ("grpo",)

@@ -1,7 +1,7 @@
 """Classification's data fields (the label column, class weights) and their checks, a part of ``toolkit.config``'s
-``DataArguments``; labels, weights and the loss are ``toolkit.classification``'s.
+``DataArguments``; labels, weights and the loss are ``toolkit.tasks.classification``'s.
 
-Standard library only (and toolkit.errors, toolkit.config_checks): no torch.
+Standard library only (and toolkit.errors, toolkit.config.checks): no torch.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from toolkit.config_checks import CLASSIFICATION_ONLY
+from toolkit.config.checks import CLASSIFICATION_ONLY
 from toolkit.errors import ConfigError
 
 

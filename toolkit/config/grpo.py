@@ -1,8 +1,8 @@
 """GRPO's fields (TRL's names: the sampling, the clipped surrogate, the rewards) and their checks, a part of
-``toolkit.config``'s ``TrainingArguments``; what they do is ``toolkit.grpo``'s and ``toolkit.grpo_loss``'s. The
+``toolkit.config``'s ``TrainingArguments``; what they do is ``toolkit.tasks.grpo.task``'s and ``toolkit.tasks.grpo.loss``'s. The
 fields GRPO shares with DPO (``beta``, ``loss_type``) stay in ``toolkit.config``: one field each, both tasks' values.
 
-Standard library only (and toolkit.errors, toolkit.config_checks): no torch.
+Standard library only (and toolkit.errors, toolkit.config.checks): no torch.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from toolkit.config_checks import GRPO_ONLY, _at_least_zero, _finite, _one_of, _positive
+from toolkit.config.checks import GRPO_ONLY, _at_least_zero, _finite, _one_of, _positive
 from toolkit.errors import ConfigError
 
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's (toolkit.grpo_loss)
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # GRPO's (toolkit.tasks.grpo.loss)
 SCALE_REWARDS = ("group", "batch", "none")
 
 

@@ -1,6 +1,6 @@
 """The dataset mixture's check (``dataset_mixture``, alignment-handbook's shape): its keys, its sets' ids, weights and
 columns, the local files an id names. ``toolkit.config``'s ``DataArguments`` parses the field and calls it; the
-mixing itself is ``toolkit.mixture``'s.
+mixing itself is ``toolkit.data.mixture``'s.
 
 Standard library only: nothing is read but the file system's names.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from toolkit.config_checks import DATA_EXTENSIONS
+from toolkit.config.checks import DATA_EXTENSIONS
 from toolkit.errors import ConfigError
 
 MIXTURE_KEYS = ("datasets", "seed", "test_split_size")

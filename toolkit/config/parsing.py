@@ -18,8 +18,8 @@ import typing
 
 import yaml
 
-from toolkit import config_help
-from toolkit.config_checks import _closest, _suggest
+from toolkit.config import help as config_help
+from toolkit.config.checks import _closest, _suggest
 from toolkit.errors import ConfigError
 
 MAPPING_FIELDS = ("sharegpt_roles", "dataset_mixture")  # fields that take a YAML mapping (their YAML text)
@@ -31,7 +31,7 @@ def field_names(classes) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ parsing
 def _parser(classes):
-    from toolkit.upstream import import_transformers
+    from toolkit.env.upstream import import_transformers
 
     import_transformers()  # the first import of transformers in a run: its model files are then read once, not twice
     from transformers import HfArgumentParser
@@ -41,7 +41,7 @@ def _parser(classes):
         def error(self, message):
             raise ConfigError(None, message)
 
-        # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config_help), not
+        # HfArgumentParser passes a field's metadata to add_argument; "tasks" is ours (toolkit.config.help), not
         # argparse's.
         def add_argument(self, *names, tasks=None, task_checks=None, **kwargs):
             return super().add_argument(*names, **kwargs)
@@ -156,12 +156,12 @@ def _read_yaml(path: str) -> dict:
 
 def parse_args(classes, make, argv: list[str] | None = None, task: str | None = None,
                description: str | None = None):
-    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli`` turns it into one line and exit 2.
+    """Parse ``--config file.yaml`` plus overrides. Raises ConfigError; ``toolkit.cli.recipe`` turns it into one line and exit 2.
     ``--field null`` on the command line unsets an optional field that the YAML file sets.
 
     A recipe passes its ``task`` (``Task.name``) and its docstring: ``--help`` then shows that description and the
     task's fields only, and a field of another task set to other than its default is refused, naming the recipe
-    that takes it (``toolkit.config_help``). Without a task (scripts) every field is taken."""
+    that takes it (``toolkit.config.help``). Without a task (scripts) every field is taken."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)

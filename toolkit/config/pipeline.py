@@ -1,15 +1,15 @@
 """Pipeline parallelism's fields (stages, schedule, stages per rank) and their checks, a part of
 ``toolkit.config``'s ``TrainingArguments``: what a pipeline does not run yet is refused here, before any work; the
-pipeline itself is ``toolkit.pipeline``'s.
+pipeline itself is ``toolkit.parallel.pipeline``'s.
 
-Standard library only (and toolkit.errors, toolkit.config_checks): no torch.
+Standard library only (and toolkit.errors, toolkit.config.checks): no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.config_checks import _one_of, _positive
+from toolkit.config.checks import _one_of, _positive
 from toolkit.errors import ConfigError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # torch.distributed.pipelining's schedules

@@ -1,8 +1,8 @@
 """The preference tasks' fields (DPO and GRPO: ``beta``, ``loss_type``, one field each with both tasks' values;
 DPO's ``precompute_ref_log_probs``) and their checks, a part of ``toolkit.config``'s ``TrainingArguments``. Which
-task takes which value and the task's default is the task's (``toolkit.preference``, ``toolkit.grpo``).
+task takes which value and the task's default is the task's (``toolkit.tasks.dpo``, ``toolkit.tasks.grpo.task``).
 
-Standard library only (and toolkit.config_checks, toolkit.config_grpo): no torch.
+Standard library only (and toolkit.config.checks, toolkit.config.grpo): no torch.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from toolkit.config_checks import DPO_ONLY, PREFERENCE_TASKS, _at_least_zero, _finite, _one_of
-from toolkit.config_grpo import GRPO_LOSS_TYPES
+from toolkit.config.checks import DPO_ONLY, PREFERENCE_TASKS, _at_least_zero, _finite, _one_of
+from toolkit.config.grpo import GRPO_LOSS_TYPES
 
 LOSS_TYPES = ("sigmoid", "ipo")  # DPO losses (TRL's loss_type names)
 

@@ -1,5 +1,5 @@
 """Quantization's fields (bitsandbytes: a frozen base in 4 or 8 bits, QLoRA) and their checks, a part of
-``toolkit.config``'s ``ModelArguments``; loading and storing the quantized base is ``toolkit.quantization``'s.
+``toolkit.config``'s ``ModelArguments``; loading and storing the quantized base is ``toolkit.models.quantization``'s.
 
 Standard library only (``importlib.util.find_spec`` asks whether bitsandbytes is installed, without importing it).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from toolkit.config_checks import _one_of
+from toolkit.config.checks import _one_of
 from toolkit.errors import ConfigError
 
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
@@ -19,7 +19,7 @@ BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 class QuantizationArguments:
     """A part of ``ModelArguments``: its fields come after that class's own (in --help and config.yaml)."""
 
-    # bitsandbytes quantization of the frozen base (QLoRA), TRL's names (ModelConfig); toolkit.quantization
+    # bitsandbytes quantization of the frozen base (QLoRA), TRL's names (ModelConfig); toolkit.models.quantization
     load_in_4bit: bool = field(default=False, metadata={"help": "Load the base in 4 bits (QLoRA; needs use_peft: true "
                                                                 "and pip install '.[qlora]'). Compute in torch_dtype."})
     load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (LLM.int8; needs use_peft: "

@@ -161,7 +161,7 @@ def pydoc_chats(seed: int = 0, multi_turn_fraction: float = 0.2, validation_ever
     of the rows are two-turn chats (user, assistant, user, assistant) that join two consecutive questions of the same
     split; every question/answer pair appears in exactly one row.
 
-    Split by topic, like :func:`toolkit.data.pydoc_dataset`: every ``validation_every``-th topic in sorted order is
+    Split by topic, like :func:`toolkit.data.loading.pydoc_dataset`: every ``validation_every``-th topic in sorted order is
     validation, so no validation question comes from a topic seen in training. On CPython 3.11: 161 question/answer
     pairs from 79 topics, 13 of them in validation with the default 10 (23 with 5). The phrasings and the multi-turn joins are drawn from
     ``random.Random(seed)``: the rows depend only on the Python version and ``seed``.

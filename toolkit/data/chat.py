@@ -1,9 +1,8 @@
-"""Chat data for supervised fine-tuning: load ``messages`` rows, render them with the chat template, and label only
-what the assistant says.
+"""Chat rows: render ``messages`` with the chat template, tokenize them, and label only what the assistant says.
 
 A row is ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (the conversational format of
 TRL and the Hub's chat datasets); ShareGPT, Alpaca and prompt-completion rows are converted to it first
-(``toolkit.formats``: a prompt-completion row keeps its completion as the only target, a standard one is plain text
+(``toolkit.data.formats``: a prompt-completion row keeps its completion as the only target, a standard one is plain text
 labelled by the completion's characters, ``tokenize_completion``). The loss is on the assistant's turns only: every prompt token (system, user, the
 template's markers) is labelled -100; each assistant turn *and its end-of-turn token* are targets, so the model learns
 to stop. In a multi-turn chat every assistant turn is a target.
@@ -19,32 +18,17 @@ Tokenizing the prompt and each answer separately would not give those ids: a Sen
 starts every piece with a ``▁`` (docs/pitfalls.md#metaspace-pieces). ``tokenize_chat`` states what a token that
 straddles a prompt/answer boundary becomes.
 
-One chat per row, truncated to ``block_size``; or, with ``packing: true`` (``packing_strategy: bfd``), several whole
-chats per row, each attending only to itself (``toolkit.packing``; ``wrapped`` is refused: it would let a chat attend
-to the one before it and cut chats across rows); ``bfd_split`` splits a chat longer than ``block_size`` into pieces
-packed on their own instead of cutting it. A chat whose assistant tokens all fall beyond ``block_size`` has nothing
-to learn and is dropped (not under ``bfd_split``, which keeps them).
-
-``ChatSFT``, at the end, is the task (``toolkit.tasks.Task``) that the SFT recipe trains: a causal LM on these rows.
+The task that trains on these rows is ``toolkit.tasks.sft.ChatSFT``; DPO and GRPO render their prompts here too.
 """
 
 from __future__ import annotations
 
 import os
 
-from datasets import DatasetDict
-
-from toolkit import data
-from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
-from toolkit.formats import CHAT_COLUMNS, convert_row
 from toolkit.loss import IGNORE_INDEX
-from toolkit.mixture import load_task_splits
-from toolkit.packing import pack_splits
-from toolkit.tasks import CausalLM, stream_limit
 
 ROLES = ("system", "user", "assistant")
-PYDOC_CHATS = "pydoc-chats"  # the built-in offline set (toolkit.builtin_data.pydoc_chats)
 
 
 def set_chat_template(tokenizer, chat_template: str | None) -> None:
@@ -61,17 +45,6 @@ def set_chat_template(tokenizer, chat_template: str | None) -> None:
         raise ConfigError("chat_template", f"the tokenizer {tokenizer.name_or_path!r} has no chat template; set "
                                            "chat_template to a Jinja template (or a file holding one), e.g. the "
                                            "ChatML template of an instruct model of the same family")
-
-
-def load_raw_chats(args: DataArguments, record: dict | None = None) -> DatasetDict:
-    """The splits in the chat schema (``toolkit.formats``: messages, sharegpt, prompt_completion or alpaca rows
-    converted), one dataset or a mixture; a mixture's rows per set go into ``record["dataset_mixture"]``."""
-    from toolkit.builtin_data import pydoc_chats
-
-    raw, mixture = load_task_splits(args, "chat", {PYDOC_CHATS: pydoc_chats})
-    if record is not None and mixture is not None:
-        record["dataset_mixture"] = mixture
-    return raw
 
 
 def _looks_like_messages(value) -> bool:
@@ -194,7 +167,7 @@ def tokenize_completion(tokenizer, prompt, completion, where: str) -> tuple[list
 
 
 def tokenize_row(tokenizer, messages, prompt_turns: int, prompt, completion, where: str):
-    """One row of the chat schema (``toolkit.formats``): a chat (every assistant turn a target), a conversational
+    """One row of the chat schema (``toolkit.data.formats``): a chat (every assistant turn a target), a conversational
     prompt-completion (the turns after the first ``prompt_turns``) or a standard one (``prompt``/``completion``)."""
     if prompt is not None:
         return tokenize_completion(tokenizer, prompt, completion, where)
@@ -202,96 +175,3 @@ def tokenize_row(tokenizer, messages, prompt_turns: int, prompt, completion, whe
         return tokenize_completion(tokenizer, messages[:prompt_turns], messages[prompt_turns:], where)
     check_messages(messages, where)
     return tokenize_chat(tokenizer, messages)
-
-
-def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
-    """Every row of the chat schema tokenized with its label mask, truncated to ``block_size`` (packed: by the
-    packing, which says how much it cut, or splits it under bfd_split); rows left without a target within block_size
-    dropped."""
-    cut = None if args.padding_free else block_size  # the packing cuts (pack_splits)
-    within = None if args.packing_strategy == "bfd_split" and args.padding_free else block_size
-
-    def tokenize(batch, indices):
-        out = {"input_ids": [], "labels": []}
-        for row in zip(*(batch[k] for k in CHAT_COLUMNS), indices):
-            ids, labels = tokenize_row(tokenizer, *row[:4], f"row {row[4]}")
-            out["input_ids"].append(ids[:cut])
-            out["labels"].append(labels[:cut])
-        return out
-
-    kwargs = {"num_proc": args.preprocessing_num_workers, "load_from_cache_file": not args.overwrite_cache}
-    tokenized = data.map_with_tokenizer(raw, tokenize, tokenizer, ("chat", cut), batched=True,
-                                        with_indices=True, desc="render chats, mask prompts", **kwargs)
-    # position i predicts label i+1, so a row needs a target after its first token
-    kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
-                            batched=True, desc="drop chats with no assistant token within block_size")
-    if len(kept["train"]) == 0:
-        raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
-                                        "raise block_size")
-    if "validation" in kept and len(kept["validation"]) == 0:
-        raise ConfigError("block_size", "no validation chat has an assistant token within block_size; raise "
-                                         "block_size, or validation_split_percentage: 0 to train without evaluation")
-    if args.padding_free:  # whole chats, several per row, each with its own label mask
-        return pack_splits(kept, block_size, kwargs, split=args.packing_strategy == "bfd_split")
-    return kept
-
-
-class ChatSFT(CausalLM):
-    """Supervised fine-tuning on chats (``messages``): the loss is on the assistant's turns only, one chat per row,
-    or whole chats packed best-fit decreasing (``packing: true``: each chat attends only to itself). The label mask
-    is built above (``tokenize_chats``); the loss, the collator and the metrics are the causal LM's."""
-
-    name = "chat-sft"
-    stream_schema = "chat"  # a stream's columns fit one of the chat formats (build.check_stream_head)
-
-    def check(self, cfg) -> None:
-        if cfg.data.packing_strategy == "wrapped":
-            raise ConfigError("packing_strategy", "chat SFT packs whole chats only (wrapped would let a chat attend "
-                                                  "to the one before it and cut chats across rows); use "
-                                                  "packing_strategy: bfd, or packing: false")
-        if cfg.data.packing is None:  # unset: one chat per row, unless packing_strategy: bfd asks for packing
-            cfg.data.packing = cfg.data.packing_strategy is not None
-        if cfg.data.packing and cfg.data.packing_strategy != "bfd_split":
-            cfg.data.packing_strategy = "bfd"
-
-    def load_raw(self, args):
-        return load_raw_chats(args, self.data_record)
-
-    def stream_rows(self, tokenizer, args, block_size: int):
-        """Each row of the stream converted from its format (detected from its columns, ``toolkit.formats``), then
-        tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
-
-        def chat_row(row) -> dict:
-            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
-
-        def keep(row) -> bool | None:
-            # Mid-run, a row that fits no chat format is dropped and counted (None), as a text stream drops a null
-            # text: stopping there would end the run without its summary, evaluation or export, and a resume would
-            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.)
-            try:
-                converted = chat_row(row)
-                if converted["prompt"] is None and not converted["prompt_turns"]:
-                    check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
-            except ConfigError:
-                return None
-            return True  # a chat with no assistant token within block_size stays: a row without targets
-
-        keep.drops = "rows that fit no chat format (null or malformed messages, prompt or completion)"
-
-        limit = stream_limit(args, block_size)
-
-        def encode(rows):
-            out = []
-            for row in rows:
-                converted = chat_row(row)
-                ids, labels = tokenize_row(tokenizer, *(converted[k] for k in CHAT_COLUMNS), "a row of the stream")
-                out.append({"input_ids": ids[:limit], "labels": labels[:limit]})
-            return out
-
-        return keep, encode
-
-    def prepare_tokenizer(self, tokenizer, cfg) -> None:
-        set_chat_template(tokenizer, cfg.data.chat_template)
-
-    def tokenize(self, raw, tokenizer, args, block_size: int):
-        return tokenize_chats(raw, tokenizer, args, block_size)

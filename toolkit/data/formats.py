@@ -1,5 +1,5 @@
 """Dataset formats: which one a split is in (from its columns, or the ``dataset_format`` field), and the split
-converted to the schema its task trains on, so that sets of different formats can be mixed (``toolkit.mixture``).
+converted to the schema its task trains on, so that sets of different formats can be mixed (``toolkit.data.mixture``).
 
 The formats are TRL's (trl/data_utils.py), by the columns that name them:
 

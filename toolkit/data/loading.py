@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
-from toolkit import hub
 from toolkit.config import DATA_EXTENSIONS, DataArguments
+from toolkit.data.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_splits
+from toolkit.env import hub
 from toolkit.errors import ConfigError
 from toolkit.loss import count_targets
-from toolkit.packing import SEQ_LENGTHS, collate_packed, document_lengths, pack_splits
 
 PYDOC = "pydoc"
 
@@ -159,7 +159,7 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
             files["validation"] = args.data_files("validation_file")
         builder, kwargs = file_builder(files)
         # each split read on its own: a validation file with other columns than the training file's is then the
-        # format detection's to accept or refuse, naming it (toolkit.formats), not a cast error inside datasets
+        # format detection's to accept or refuse, naming it (toolkit.data.formats), not a cast error inside datasets
         raw = DatasetDict({split: read_files(builder, paths, kwargs, f"{split}_file") for split, paths in files.items()})
         if "validation" not in raw and args.validation_split_percentage > 0:
             fraction = args.validation_split_percentage / 100

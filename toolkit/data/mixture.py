@@ -1,5 +1,5 @@
 """A task's raw splits: one dataset (``dataset_name`` or ``train_file``), or several mixed (``dataset_mixture``),
-each converted to the task's schema (``toolkit.formats``).
+each converted to the task's schema (``toolkit.data.formats``).
 
 ``dataset_mixture`` has alignment-handbook's shape and meaning (its ``DatasetMixtureConfig`` and ``get_dataset``):
 
@@ -19,17 +19,18 @@ state, the rows kept in their file order: the same rows on any world size). The 
 given and ``test_split_size`` of the whole is held out (``train_test_split`` with the seed: numpy's generator from
 the seed, the same split everywhere). The sets' own validation splits are not used: the held-out part is drawn from
 the same mixture the model trains on, as the handbook does; without ``test_split_size`` there is no evaluation.
-The training order is then the core's (``toolkit.order``), independent of the world size like any other set's.
+The training order is then the core's (``toolkit.data.order``), independent of the world size like any other set's.
 """
 
 from __future__ import annotations
 
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 
-from toolkit import data, hub
 from toolkit.config import DataArguments, mixture_files
+from toolkit.data import loading as data
+from toolkit.data.formats import announce, convert, convert_splits, detect, detect_split
+from toolkit.env import hub
 from toolkit.errors import ConfigError
-from toolkit.formats import announce, convert, convert_splits, detect, detect_split
 
 
 def load_task_splits(args: DataArguments, schema: str, builtin: dict) -> tuple[DatasetDict, dict | None]:

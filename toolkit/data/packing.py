@@ -2,7 +2,7 @@
 ``block_size`` rows by best-fit decreasing, each attending only to itself, so a packed run trains exactly like the
 same documents unpacked.
 
-Why a strategy of its own: ``wrapped`` (run_clm's concatenate-and-cut, ``toolkit.data.pack``) lets a document attend
+Why a strategy of its own: ``wrapped`` (run_clm's concatenate-and-cut, ``toolkit.data.loading.pack``) lets a document attend
 to the one before it and cuts documents across rows; chat SFT cannot use it. Here each row is a bin of documents
 (``seq_lengths`` records them). A document longer than ``block_size`` is cut to it under ``bfd`` and split into
 ``block_size`` pieces under ``bfd_split`` (``pieces``; each piece a document of its own); ``cut_report`` is the line
@@ -20,7 +20,7 @@ even in training), and it fails silently: the documents attend across each other
 that it did not.
 
 The bins are computed once, from the tokenized rows (deterministic: lengths sorted decreasing, ties by row index),
-before the global order (``toolkit.order``) shuffles them with the seed: the rows are then ordinary rows, so the same
+before the global order (``toolkit.data.order``) shuffles them with the seed: the rows are then ordinary rows, so the same
 global batches come on any world size and a resume is exact. The label of each document's first token is -100, so
 no target crosses a boundary (the last token of one document does not predict the first of the next), and a packed
 micro-batch has exactly the targets of the same documents unpadded: the loss normalisation is unchanged.
@@ -146,7 +146,7 @@ def pack_documents(tokenized, block_size: int, map_kwargs: dict, split: bool = F
 
 def pack_splits(tokenized, block_size: int, map_kwargs: dict, split: bool):
     """``pack_documents`` of every split of a ``DatasetDict``; its ``PACKING_REPORT`` attribute holds the training
-    split's ``cut_report`` (``toolkit.build`` logs it)."""
+    split's ``cut_report`` (``toolkit.training.build`` logs it)."""
     from datasets import DatasetDict
 
     packed = DatasetDict({name: pack_documents(part, block_size, map_kwargs, split)
@@ -157,7 +157,7 @@ def pack_splits(tokenized, block_size: int, map_kwargs: dict, split: bool):
 
 
 def pack_rows(rows: list[dict], block_size: int) -> list[dict]:
-    """Packed rows of a list of documents (a stream's micro-batch, ``toolkit.stream``), as ``pack_documents`` packs
+    """Packed rows of a list of documents (a stream's micro-batch, ``toolkit.data.stream``), as ``pack_documents`` packs
     a dataset's: a document longer than ``block_size`` is split (the stream cut it to ``block_size`` under ``bfd``)."""
     columns = [c for c in ("input_ids", "labels") if c in rows[0]]
     parts = pieces([len(r["input_ids"]) for r in rows], block_size, split=True)

@@ -1,4 +1,4 @@
-"""The global sample order of a stream (``streaming: true``): ``toolkit.order``'s contract for data read as it comes.
+"""The global sample order of a stream (``streaming: true``): ``toolkit.data.order``'s contract for data read as it comes.
 
 A stream has no length and cannot be permuted whole, and ``datasets``' own tools break the contract
 (docs/reliability.md#streams: a shuffle buffer that a checkpoint does not save, ``split_dataset_by_node`` handing
@@ -26,9 +26,9 @@ a streamed step costs what a map-style step does (bench/streaming.py, docs/perfo
 
 Memory: the windows that hold the current and the next step (W rows + two steps), and those steps' tokenized rows.
 Packing with ``bfd`` places each micro-batch's documents into ``block_size`` rows (best-fit decreasing, each attending only to
-itself, ``toolkit.packing``): a layout of the same documents, so the update is that of the unpacked rows. ``wrapped``
+itself, ``toolkit.data.packing``): a layout of the same documents, so the update is that of the unpacked rows. ``wrapped``
 packing, whose rows mix the tokens of neighbouring documents, would make the rows depend on which documents a rank
-holds, and is refused on a stream (``toolkit.tasks.CausalLM.check``).
+holds, and is refused on a stream (``toolkit.tasks.lm.CausalLM.check``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from toolkit.data.packing import pack_rows
 from toolkit.errors import ConfigError
-from toolkit.packing import pack_rows
 
 
 def shard_order(files: list[str], seed: int, shuffle: bool) -> list[str]:
@@ -109,7 +109,7 @@ def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None =
     read so that a malformed line is a row of nulls (``lenient_json``), which the task drops and counts."""
     from datasets import load_dataset_builder
 
-    from toolkit.data import file_builder
+    from toolkit.data.loading import file_builder
 
     ordered = shard_order(files, seed, shuffle)
     name, kwargs = file_builder({"train": ordered})
@@ -165,7 +165,7 @@ def lenient_json(builder, tables: Callable) -> Callable:
 def _json_row(line: bytes, path: str, number: int, builder) -> dict:
     """One line of a chunk the JSON reader could not parse: its row, or a row of nulls (said once, from the first
     process) when it is not a JSON object."""
-    from toolkit.data import json_object
+    from toolkit.data.loading import json_object
 
     row, why = json_object(line)
     if row is not None:
@@ -178,7 +178,7 @@ def _json_row(line: bytes, path: str, number: int, builder) -> dict:
 class UnreadableLine(ConfigError):
     """A row of a stream's file that its reader cannot parse nor skip (a CSV row with too many fields; a JSON line is
     skipped: ``lenient_json``). Every rank reads every row of the stream, so every rank meets it at the same row: the
-    loop can end the run there on every rank alike (``toolkit.loop``), which it cannot do for an error only some ranks
+    loop can end the run there on every rank alike (``toolkit.training.loop``), which it cannot do for an error only some ranks
     raise."""
 
 
@@ -196,7 +196,7 @@ def source_rows(source, files: list[str], field: str = "train_file") -> Iterator
         except StopIteration:
             return
         except (ValueError, pa.ArrowException) as e:  # pyarrow's ArrowInvalid: a malformed line
-            from toolkit.data import unreadable
+            from toolkit.data.loading import unreadable
 
             reading = _shard_index(source.state_dict())
             error = unreadable(field, files[reading:] if reading is not None else files, e)
@@ -281,7 +281,7 @@ class Windows:
 
 
 def pack_bfd(rows: list[dict], block_size: int) -> list[dict]:
-    """A micro-batch's documents as packed rows (``toolkit.packing.pack_rows``: one longer than ``block_size`` is split,
+    """A micro-batch's documents as packed rows (``toolkit.data.packing.pack_rows``: one longer than ``block_size`` is split,
     under bfd_split; bfd's ``encode`` cut it)."""
     return pack_rows(rows, block_size)
 
@@ -292,7 +292,7 @@ def read_ahead(items: Iterator, name: str):
 
     The thread never outlives its use: it ends at the end of ``items``, on an exception in ``items`` (raised here, in
     the caller, with its traceback), and when the caller closes this generator or drops it (a run that ended early,
-    was preempted or raised: ``toolkit.loop`` closes it, and a dropped generator closes itself). It waits with a
+    was preempted or raised: ``toolkit.training.loop`` closes it, and a dropped generator closes itself). It waits with a
     timeout and is a daemon, so it cannot hold a process at exit either."""
     results: queue.Queue = queue.Queue()
     demand, stop, end = threading.Semaphore(1), threading.Event(), object()

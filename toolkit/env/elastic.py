@@ -13,9 +13,9 @@ dies; the agent tells the workers which attempt they are through the environment
 What the cluster scheduler says (``check_machines``): ``PET_NNODES`` (Kubeflow's operators) or
 ``SLURM_STEP_NUM_NODES`` (srun) above 1 while the process group will span one machine is refused.
 
-The launcher itself: ``record_launcher`` notes this process's parent when it starts (``toolkit.preemption`` stops
+The launcher itself: ``record_launcher`` notes this process's parent when it starts (``toolkit.training.preemption`` stops
 a rank whose launcher is gone). The policy (``continue_restart``): a restart continues the attempt before it. ``toolkit.config`` calls it while it
-checks a config; ``toolkit.distributed`` starts the process group of each attempt under a key prefix of its own.
+checks a config; ``toolkit.parallel.accelerator`` starts the process group of each attempt under a key prefix of its own.
 
 Imports only ``errors``, ``layout`` and yaml: it runs while a config is parsed, before torch is imported.
 """
@@ -71,9 +71,9 @@ _LAUNCHERS: dict[int, int] = {}
 def record_launcher() -> None:
     """Remember this process's parent as its launcher, once per process and only under torch elastic: called when
     this module is imported (the config is parsed first thing in every recipe) and by
-    ``toolkit.distributed.make_accelerator`` (the first toolkit call inside a ``notebook_launcher`` rank, forked
+    ``toolkit.parallel.accelerator.make_accelerator`` (the first toolkit call inside a ``notebook_launcher`` rank, forked
     from a kernel that imported this module outside torch elastic). Recorded this early, a launcher that dies during
-    tokenization, model loading or a conversion is seen (``toolkit.preemption``); recorded only when ``train()``
+    tokenization, model loading or a conversion is seen (``toolkit.training.preemption``); recorded only when ``train()``
     starts, the orphan's new parent would be taken for its launcher."""
     if launched_by_torch_elastic():
         _LAUNCHERS.setdefault(os.getpid(), os.getppid())
@@ -161,7 +161,7 @@ def check_restarts_supported() -> None:
     if max_restarts() > 0 and shares_agent_store() and machines() > 1:
         # The agent shares its rendezvous store with the ranks, across attempts
         # (docs/pitfalls.md#pytorch-135712-elastic-restarts-on-a-shared-store). On one machine
-        # the ranks start their process group under a prefix of the attempt (toolkit.distributed
+        # the ranks start their process group under a prefix of the attempt (toolkit.parallel.accelerator
         # ._process_group_per_elastic_attempt); across machines the agents' restart counts can differ (one that
         # restarts its workers for a joining node does not count it), so there each attempt needs a store of
         # its own: c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
@@ -226,7 +226,7 @@ def _config_written_by_this_job(cfg) -> bool:
         return False
     # a restart that resumed wrote resume_from_checkpoint: latest; everything else must be equal, but for the fields
     # this command line leaves unset (None), which the earlier attempt's task resolved before it wrote its config
-    # (disable_dropout: DPO's true, the others' false; toolkit.tasks.Task.defaults)
+    # (disable_dropout: DPO's true, the others' false; toolkit.tasks.base.Task.defaults)
     written.pop("resume_from_checkpoint", None)
     mine.pop("resume_from_checkpoint", None)
     return set(written) == set(mine) and all(written[k] == v for k, v in mine.items() if v is not None)

@@ -12,11 +12,11 @@ freed memory at the heap's top instead of returning it. Both act inside the runn
 environment variable set before start), which is what torch's own CPU launcher gets by preloading tcmalloc or
 jemalloc (``python -m torch.backends.xeon.run_cpu --enable_tcmalloc``). The cost: the process keeps its peak heap
 until it exits, like CUDA's caching allocator, and that heap fragments (torch asks for 64-byte aligned blocks, which a
-freed block of the same size cannot serve): peak RSS grows (docs/performance.md), so ``toolkit.loop`` leaves it off for runs
+freed block of the same size cannot serve): peak RSS grows (docs/performance.md), so ``toolkit.training.loop`` leaves it off for runs
 that turn on a memory switch. GPU ranks never call this (their large tensors are on the device, in torch's caching
 allocator); nor do allocators other than glibc's (musl, macOS), where it returns False.
 
-Undone. ``toolkit.loop.train`` calls ``restore_freed_memory`` when it returns, if that call of ``train`` made the
+Undone. ``toolkit.training.loop.train`` calls ``restore_freed_memory`` when it returns, if that call of ``train`` made the
 setting: a notebook kernel lives on after the run, and whatever it forks later (``notebook_launcher``'s ranks,
 DataLoader workers) would inherit a heap that never shrinks. glibc has no call that reads a setting back, so
 "restore" means the values the process started with: glibc's defaults, or those its environment gave it

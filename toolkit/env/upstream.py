@@ -6,15 +6,15 @@ every process's start-up that loads a model (measured: docs/pitfalls.md#scipy-im
 chat, classifier or DPO run calls. ``import_transformers_losses`` imports that table with a stand-in for
 ``scipy.optimize`` whose ``linear_sum_assignment`` imports scipy's own on its first call, and takes the stand-in out
 of ``sys.modules`` again, so that any later ``import scipy.optimize`` (a detection model's own module, the user's
-code) gets scipy's module. ``toolkit.model`` and ``toolkit.loop`` call it once their own imports are done, before
-transformers' modeling code loads. (Importing this module imports nothing: ``toolkit.config_parsing`` imports it to
+code) gets scipy's module. ``toolkit.models.loading`` and ``toolkit.training.loop`` call it once their own imports are done, before
+transformers' modeling code loads. (Importing this module imports nothing: ``toolkit.config.parsing`` imports it to
 parse a config, which loads neither torch nor a model.)
 
 Likewise transformers' schedulers (``get_scheduler``: ``transformers.optimization`` imports ``trainer_utils``) import
 peft wherever it is installed, peft imports bitsandbytes wherever that is installed (``peft.helpers``, for a function
 that dequantizes a 4-bit weight), and bitsandbytes imports torch's compiler (``torch._inductor``): 2.3 s of a rank's
 start-up for a run with no quantized layer. ``import_peft`` imports peft with a stand-in for bitsandbytes whose
-attributes import the real one on first use, and takes the stand-in out of ``sys.modules`` again; ``toolkit.loop``
+attributes import the real one on first use, and takes the stand-in out of ``sys.modules`` again; ``toolkit.training.loop``
 calls it before it imports the scheduler.
 
 And transformers reads its model files twice in every process: ``import transformers`` builds the lazy import table of
@@ -22,7 +22,7 @@ And transformers reads its model files twice in every process: ``import transfor
 folder), and the first import of ``transformers.models`` (``AutoConfig``, ``AutoTokenizer``: every run) builds the same
 table again from ``models/__init__.py``, a path the cache (keyed by the argument) has not seen: about 0.25 s of
 every process's start-up. ``import_transformers`` imports transformers and has the second build find the first's scan
-(the folder of a file is the folder itself, as the scan already takes it); ``toolkit.config_parsing`` calls it before
+(the folder of a file is the folder itself, as the scan already takes it); ``toolkit.config.parsing`` calls it before
 it parses a recipe's arguments, the first thing a run does.
 """
 
@@ -69,7 +69,7 @@ def import_transformers_losses() -> None:
     where either is imported already."""
     if "transformers.loss.loss_utils" in sys.modules or "scipy.optimize" in sys.modules:
         return
-    stand_in = types.ModuleType("scipy.optimize", "toolkit.upstream's stand-in: scipy.optimize imports on first use")
+    stand_in = types.ModuleType("scipy.optimize", "toolkit.env.upstream's stand-in: scipy.optimize imports on first use")
     stand_in.linear_sum_assignment = _linear_sum_assignment
     sys.modules["scipy.optimize"] = stand_in
     try:
@@ -96,7 +96,7 @@ def import_peft() -> None:
     if "peft" in sys.modules or "bitsandbytes" in sys.modules or importlib.util.find_spec("peft") is None:
         return
     spec = importlib.util.find_spec("bitsandbytes")
-    stand_in = _DeferredModule("bitsandbytes", "toolkit.upstream's stand-in: bitsandbytes imports on first use")
+    stand_in = _DeferredModule("bitsandbytes", "toolkit.env.upstream's stand-in: bitsandbytes imports on first use")
     stand_in.__spec__ = spec  # importlib.util.find_spec("bitsandbytes") still answers while it stands in
     if spec is not None:
         sys.modules["bitsandbytes"] = stand_in

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.distributed import plain_loading
-from toolkit.lora import load_exported
 from toolkit.loss import IGNORE_INDEX
-from toolkit.model import load_model, max_positions
+from toolkit.models.loading import load_model, max_positions, plain_loading
+from toolkit.models.lora import load_exported
 
 
 def first_prompt(dataset) -> list[int]:
     """The prompt tokens of a tokenized dataset's first chat: everything before its first assistant token."""
-    row = dataset.head(1)[0] if hasattr(dataset, "head") else dataset[0]  # a stream (toolkit.stream): its first row
+    row = dataset.head(1)[0] if hasattr(dataset, "head") else dataset[0]  # a stream (toolkit.data.stream): its first row
     first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
     return row["input_ids"][:first]
 

@@ -11,19 +11,19 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from toolkit import hub, upstream
 from toolkit.config import ModelArguments, max_positions
+from toolkit.env import hub, upstream
 from toolkit.errors import ConfigError
 
 # before transformers' modeling code loads (the imports above do not load it): without scipy.optimize
 upstream.import_transformers_losses()
 
-__all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions"]
+__all__ = ["load_config", "load_tokenizer", "load_model", "disable_dropout", "max_positions", "plain_loading"]
 
 
 def _unreachable(field_name: str, name: str, err: OSError, offline: str | None = None) -> ConfigError:
     # transformers raises OSError for a name that is neither a local folder nor reachable on the Hub (offline, a
-    # typo, a private repo); four chained tracebacks otherwise. ``offline``: why the Hub was not asked (toolkit.hub).
+    # typo, a private repo); four chained tracebacks otherwise. ``offline``: why the Hub was not asked (toolkit.env.hub).
     if offline:
         return ConfigError(field_name, f"cannot load {name!r}: {hub.not_cached(name, offline)}")
     reason = str(err).strip().splitlines()[0][:200]
@@ -33,7 +33,7 @@ def _unreachable(field_name: str, name: str, err: OSError, offline: str | None =
 
 def load_config(args: ModelArguments, disable_dropout: bool = False):
     """The model's config (``ModelArguments.auto_config``: config_overrides applied), a name the Hub cannot provide
-    refused as a ConfigError (at once when the Hub is unreachable: toolkit.hub); ``disable_dropout``: every dropout
+    refused as a ConfigError (at once when the Hub is unreachable: toolkit.env.hub); ``disable_dropout``: every dropout
     rate in it 0."""
     offline = hub.offline_if_unreachable(args.config_source)
     try:
@@ -123,10 +123,10 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     In ``torch_dtype`` (float32 unless asked otherwise): transformers 5 loads a checkpoint in the dtype it was stored
     in, and most Hub releases are stored in bf16, so without this AdamW would update bf16 weights and small updates
     would round away (and ZeRO, which keeps fp32 shards, would disagree with DDP on the same model).
-    ``auto_class``: the transformers Auto class of the task (``toolkit.tasks``). ``tp_size`` > 1: the weights load
+    ``auto_class``: the transformers Auto class of the task (``toolkit.tasks.base``). ``tp_size`` > 1: the weights load
     split over the tensor-parallel ranks by the model's own TP plan (transformers' ``DistributedConfig``).
     ``load_in_4bit`` / ``load_in_8bit``: the base quantized by bitsandbytes on ``device`` (the rank's; CPU when None),
-    computing in ``torch_dtype`` (``toolkit.quantization``).
+    computing in ``torch_dtype`` (``toolkit.models.quantization``).
     """
     auto = getattr(transformers, auto_class)
     with _load_report_for_stderr():
@@ -138,7 +138,7 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
 
 
 def _load_quantized(args: ModelArguments, config, auto, device):
-    from toolkit import quantization
+    from toolkit.models import quantization
 
     config = config if config is not None else load_config(args)
     model = auto.from_pretrained(args.model_name_or_path, config=config, dtype=quantization.compute_dtype(args, config),
@@ -253,7 +253,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
                 row_lengths=None, **kwargs):
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        # position_ids: a packed row's per-document positions (toolkit.packing), None for a padded one
+        # position_ids: a packed row's per-document positions (toolkit.data.packing), None for a padded one
         hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
         positions = max_positions if self.training else max_eval_positions
@@ -268,3 +268,15 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
 def parameter_dtypes(model: torch.nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when a model holds several (for the log)."""
     return "+".join(sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()}))
+
+
+@contextmanager
+def plain_loading(accelerator):
+    """Load a model whole in this one process, also inside a ZeRO-3 launch (whose ``zero.Init`` would otherwise
+    partition it across ranks that are not loading it)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    with plugin.zero3_init_context_manager(enable=False):
+        yield

@@ -1,6 +1,6 @@
 """LoRA adapters through peft: wrap the model, export the adapter, merge it into full weights.
 
-Only the adapters (and ``lora_modules_to_save``) get gradients, so the optimizer (``toolkit.loop.build_optimizer``
+Only the adapters (and ``lora_modules_to_save``) get gradients, so the optimizer (``toolkit.training.loop.build_optimizer``
 takes the parameters that require grad) holds their state only; the base weights are frozen and come out of training
 unchanged, bit for bit. Every strategy works through the same code (measured: the adapters trained under DDP,
 ZeRO-2, ZeRO-3 and FSDP2 are identical: docs/strategies.md#lora-under-every-strategy):
@@ -24,7 +24,7 @@ MERGED = "merged"  # final/merged/: base + adapter as one plain model (merge_lor
 
 
 def check_available() -> None:
-    from toolkit.quantization import quiet_cpu_kernel_notice
+    from toolkit.models.quantization import quiet_cpu_kernel_notice
 
     quiet_cpu_kernel_notice()  # peft imports bitsandbytes where it is installed
     try:
@@ -174,7 +174,7 @@ def load_exported(folder: str, args: ModelArguments):
         return getattr(transformers, auto).from_pretrained(folder)
     from peft import PeftConfig, PeftModel
 
-    from toolkit.model import load_model
+    from toolkit.models.loading import load_model
 
     peft_config = PeftConfig.from_pretrained(folder)
     auto = "AutoModelForSequenceClassification" if peft_config.task_type == "SEQ_CLS" else "AutoModelForCausalLM"

@@ -13,8 +13,8 @@ rest of the library loads it with ``from_pretrained(path)`` like any Hub model.
 
 Command line::
 
-    python -m toolkit.offline tiny-gpt2 DIR
-    python -m toolkit.offline smollm2 DIR
+    python -m toolkit offline tiny-gpt2 DIR
+    python -m toolkit offline smollm2 DIR
 
 torch and transformers are imported inside the functions, so importing this module (or ``--help``) is instant.
 """
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # only for annotations; keeps `import toolkit.offline` free of torch/transformers
+if TYPE_CHECKING:  # only for annotations; keeps `import toolkit.models.offline` free of torch/transformers
     import transformers
 
 __all__ = ["gpt2_tokenizer", "pydoc_bpe_tokenizer", "bpe_from_file", "save_tiny_gpt2", "smollm2_gguf_path", "save_smollm2", "main"]
@@ -410,7 +410,7 @@ def save_minilm(path) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m toolkit.offline",
+        prog="toolkit offline",
         description="Write a real model + tokenizer checkpoint without the Hugging Face Hub.",
     )
     sub = parser.add_subparsers(dest="which", required=True)

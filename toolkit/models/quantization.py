@@ -25,7 +25,7 @@ from toolkit.config import ModelArguments, RunConfig
 from toolkit.errors import ConfigError
 
 QLORA_INSTALL = "pip install '.[qlora]'"
-# Strategies (toolkit.distributed.strategy_name) where training on a quantized base was checked equal to one process
+# Strategies (toolkit.parallel.accelerator.strategy_name) where training on a quantized base was checked equal to one process
 PROVEN = {"load_in_4bit": ("single", "ddp", "deepspeed-zero2", "fsdp2"), "load_in_8bit": ("single",)}
 # Where bitsandbytes' 8-bit AdamW was checked (a resume bit for bit). Under FSDP2 (and tensor parallelism) its update
 # kernel is handed DTensors, which it has no rule for: the first step fails.
@@ -48,9 +48,9 @@ def quantized_field(args: ModelArguments) -> str | None:
 
 
 def layout_name(cfg: RunConfig, strategy: str) -> str:
-    """``strategy`` (``toolkit.distributed.strategy_name``), or the layout on top of it that it does not name:
+    """``strategy`` (``toolkit.parallel.accelerator.strategy_name``), or the layout on top of it that it does not name:
     'pipeline parallelism' (on ddp.yaml or fsdp.yaml), 'hsdp' (FSDP2 over a replicate x shard mesh)."""
-    from toolkit.distributed import launched_parallel_sizes
+    from toolkit.env.launcher import launched_parallel_sizes
 
     if cfg.train.pipeline_parallel_size > 1:
         return "pipeline parallelism"

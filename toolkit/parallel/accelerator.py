@@ -28,41 +28,17 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration
 
-from toolkit import elastic, layout
+from toolkit import layout
 from toolkit.config import TrainingArguments
+from toolkit.env import elastic
+from toolkit.env.launcher import (
+    _env_true,
+    has_accelerator,
+    launched_parallel_sizes,
+    launched_strategy,
+    launched_world_size,
+)
 from toolkit.errors import ConfigError
-
-
-def has_accelerator() -> bool:
-    try:
-        return bool(torch.accelerator.is_available())
-    except AttributeError:  # torch < 2.6
-        return torch.cuda.is_available()
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
-def launched_strategy() -> str:
-    """What ``accelerate launch`` asked for, from the environment it sets: 'deepspeed', 'fsdp' or 'ddp'."""
-    if _env_true("ACCELERATE_USE_DEEPSPEED"):
-        return "deepspeed"
-    if _env_true("ACCELERATE_USE_FSDP"):
-        return "fsdp"
-    return "ddp"
-
-
-def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_parallel_sizes() -> dict:
-    """The ``ParallelismConfig`` sizes ``accelerate launch`` set (its ``parallelism_config`` section), or {}."""
-    if not _env_true("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        return {}
-    return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
-            for name in ("dp_replicate", "dp_shard", "tp", "cp")}
 
 
 def _check_parallel_sizes() -> None:
@@ -138,7 +114,7 @@ def _process_group_per_elastic_attempt() -> None:
     accelerate (which, like DeepSpeed, keeps a group that already exists), on
     ``PrefixStore("toolkit-attempt-<restart count>")``, reads only keys of its own attempt. The restart count is the
     agent's; on one machine every rank has the same. Across machines it can differ, so there restarts keep needing a
-    store per attempt (``toolkit.elastic`` refuses them without)."""
+    store per attempt (``toolkit.env.elastic`` refuses them without)."""
     if (not elastic.shares_agent_store() or elastic.max_restarts() <= 0
             or not torch.distributed.is_available() or torch.distributed.is_initialized()):
         return
@@ -186,7 +162,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
 
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     """The Accelerator for a run, checked to have the world that was launched."""
-    elastic.record_launcher()  # a notebook_launcher rank's first toolkit call (toolkit.preemption)
+    elastic.record_launcher()  # a notebook_launcher rank's first toolkit call (toolkit.training.preemption)
     strategy = launched_strategy()
     _process_group_per_elastic_attempt()
     check_launch(args, kwargs.get("mixed_precision"))
@@ -231,7 +207,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
 
 
 def _check_pipeline_precision(args: TrainingArguments, asked: str | None) -> None:
-    # the stages' schedule has no loss scaler (toolkit.pipeline.build refuses it too, for an Accelerator made elsewhere)
+    # the stages' schedule has no loss scaler (toolkit.parallel.pipeline.build refuses it too, for an Accelerator made elsewhere)
     asked = asked or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if args.pipeline_parallel_size > 1 and asked == "fp16":
         raise ConfigError("mixed_precision", "fp16 loss scaling is not supported under pipeline parallelism: use bf16 "
@@ -297,7 +273,7 @@ def keep_process_groups() -> None:
     threads while that thread holds the GIL, and a worker still holding the last reference to a finished
     collective's output (a tensor Python made: freeing it takes the GIL) waits for the GIL forever: a deadlock
     (docs/pitfalls.md#gloo-teardown-deadlock; the quickstart notebook's ``notebook_launcher`` cell hung in 2 of 5
-    executions, rank 1 stuck there). A kept group dies with the process: ``toolkit.cli`` ends a launched rank with
+    executions, rank 1 stuck there). A kept group dies with the process: ``toolkit.cli.recipe`` ends a launched rank with
     ``os._exit``, and a ``notebook_launcher`` worker ends as every forked ``multiprocessing`` child does."""
     import torch.distributed as dist
 
@@ -315,7 +291,7 @@ def _destroy_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        if _KEPT_GROUPS:  # train() kept them: they die with the process (toolkit.cli ends it with os._exit)
+        if _KEPT_GROUPS:  # train() kept them: they die with the process (toolkit.cli.recipe ends it with os._exit)
             keep_process_groups()
         dist.destroy_process_group()  # otherwise the group dies here, while the interpreter is whole
 
@@ -521,19 +497,6 @@ def _refuse_parallel_sizes(tp: int, dp_shard: int, dp_replicate: int, cp: int) -
         raise ConfigError("parallelism_config_cp_size", "context parallelism is not supported by the toolkit yet")
 
 
-def launched_strategy_name() -> str:
-    """``strategy_name`` of the launch this process is in, from the environment ``accelerate launch`` sets, before any
-    Accelerator exists (``toolkit train`` checks a run with it before it launches)."""
-    if launched_parallel_sizes().get("tp", 1) > 1:
-        return "tp"
-    strategy = launched_strategy()
-    if strategy == "deepspeed":
-        return f"deepspeed-zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    if strategy == "fsdp":
-        return "fsdp2" if os.environ.get("FSDP_VERSION", "1") == "2" else "fsdp1"
-    return "ddp" if launched_world_size() > 1 else "single"
-
-
 def strategy_name(accelerator: Accelerator) -> str:
     """The checkpoint format family a run writes: 'single', 'ddp', 'fsdp1', 'fsdp2', 'deepspeed-zero<stage>' or 'tp'
     (tensor parallel, which runs alone here (``check_parallelism``): its tp_size is its world size)."""
@@ -565,16 +528,13 @@ def check_world(accelerator: Accelerator, strategy: str | None = None) -> None:
         )
 
 
-@contextmanager
-def plain_loading(accelerator: Accelerator):
-    """Load a model whole in this one process, also inside a ZeRO-3 launch (whose ``zero.Init`` would otherwise
-    partition it across ranks that are not loading it)."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        yield
-        return
-    with plugin.zero3_init_context_manager(enable=False):
-        yield
+def unwrap(model):
+    """The module under DDP's or DeepSpeed's wrapper (an FSDP2 module is the model itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        return model.module
+    return model
 
 
 def notebook_launcher(function, args=(), num_processes=None, **kwargs):

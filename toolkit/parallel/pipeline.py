@@ -419,13 +419,13 @@ class ReplicaBatches:
 def check_task(task, model) -> None:
     """What runs under pipeline parallelism is a causal LM (plain text or chat SFT), fully trained (a model handed to
     ``train`` directly; a recipe's run was checked before its data and weights loaded: ``check_run``)."""
-    from toolkit import lora
+    from toolkit.models import lora
 
     _check(lora.is_peft_model(model), task, model.config)
 
 
 def check_run(cfg, task, model_config) -> None:
-    """Before the data is tokenized and the weights load (``toolkit.build.check_inputs``, also in ``toolkit train``'s
+    """Before the data is tokenized and the weights load (``toolkit.training.build.check_inputs``, also in ``toolkit train``'s
     own process): a pipeline run's task, LoRA and architecture, from the config alone."""
     if cfg.train.pipeline_parallel_size > 1:
         _check(cfg.model.use_peft, task, model_config)

@@ -72,7 +72,7 @@ def best_key(metric: str) -> str:
 
 
 def format_run_summary(summary: dict) -> str:
-    """The loop's end-of-run summary dict (``toolkit.loop.train``'s return value) as a few readable lines."""
+    """The loop's end-of-run summary dict (``toolkit.training.loop.train``'s return value) as a few readable lines."""
     best = next(((key[len("best_eval_"):], value) for key, value in summary.items() if key.startswith("best_eval_")),
                 ("perplexity", None))
     lines = [
@@ -196,7 +196,7 @@ class Throughput:
 
 class LogWindow:
     """Training loss, throughput, MFU and peak memory since the last logged step. The loss is reduced over ranks only
-    when logged (``toolkit.accounting`` says how MFU is counted)."""
+    when logged (``toolkit.reporting.accounting`` says how MFU is counted)."""
 
     def __init__(self, accelerator, flops_per_token: float, peak_flops: float | None, replicas: int = 1):
         import torch
@@ -212,7 +212,7 @@ class LogWindow:
         self.throughput = Throughput()
 
     def add(self, result) -> None:
-        """Count a ``toolkit.state.StepResult``."""
+        """Count a ``toolkit.training.state.StepResult``."""
         self.loss += result.loss_sum
         self.targets += result.targets
         self.steps += 1
@@ -230,7 +230,7 @@ class LogWindow:
 
     def flush(self) -> dict:
         """Collective: the window's mean token loss, throughput, MFU and the peak memory of every rank."""
-        from toolkit.accounting import mfu
+        from toolkit.reporting.accounting import mfu
 
         total = float(self.accelerator.reduce(self.loss.clone(), reduction="sum")) / self.replicas
         memory = peak_memory_per_rank(self.accelerator)
@@ -251,10 +251,10 @@ class LogWindow:
 
 
 def peak_memory_per_rank(accelerator):
-    """Collective: every rank's peak memory so far, in GB (``toolkit.accounting.peak_memory_gb``), as a tensor."""
+    """Collective: every rank's peak memory so far, in GB (``toolkit.reporting.accounting.peak_memory_gb``), as a tensor."""
     import torch
 
-    from toolkit.accounting import peak_memory_gb
+    from toolkit.reporting.accounting import peak_memory_gb
 
     return accelerator.gather(torch.tensor([peak_memory_gb(accelerator.device)], device=accelerator.device))
 
@@ -278,7 +278,7 @@ def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: in
     ``final_model``: the export this run wrote, or None; ``ended``: one of the ENDED_* above, after ``state.step``
     of ``total_steps``; ``stop_reason``: a stopped run's message; ``train_rows``: the training split's rows (after
     packing); ``fill_rate``: real tokens / positions computed."""
-    from toolkit.accounting import mfu
+    from toolkit.reporting.accounting import mfu
 
     world = accelerator.num_processes
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0

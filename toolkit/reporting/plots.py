@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from toolkit import layout
-from toolkit.metrics import read_metrics
+from toolkit.reporting.metrics import read_metrics
 
 
 def _points(rows: list[dict], key: str) -> list[tuple[int, float]]:

@@ -19,8 +19,8 @@ import os
 import sys
 
 from toolkit import layout
-from toolkit.metrics import read_metrics
-from toolkit.plots import plot_runs
+from toolkit.reporting.metrics import read_metrics
+from toolkit.reporting.plots import plot_runs
 
 
 class ReportError(ValueError):

@@ -2,7 +2,7 @@
 metrics) and the plain causal language model.
 
 Everything else (sample order, accumulation, the loss normalisation over the global batch, checkpoints, resume,
-export) is the core's, the same for every task. A task answers, for ``toolkit.build`` and ``toolkit.loop``:
+export) is the core's, the same for every task. A task answers, for ``toolkit.training.build`` and ``toolkit.training.loop``:
 
     check(cfg)                          fields the task cannot honour, refused before any work
     load_raw(data_args)                 the raw splits, columns checked (before any weights load)
@@ -26,7 +26,7 @@ and names ``name``, ``auto_class`` (the transformers Auto class of its model), `
 eval metric whose best value the summary reports, and which is best), ``row_unit`` (what one dataset row is, in the
 run's printed batch sizes: sequences, examples, pairs) and ``loss_unit`` (what the logged loss is a mean of, on the
 loss plot's axis: nats/token, nats/example, per pair). The tasks live beside their
-data: ``CausalLM`` here, ``ChatSFT`` in ``toolkit.chat``, ``SequenceClassification`` in ``toolkit.classification``;
+data: ``CausalLM`` here, ``ChatSFT`` in ``toolkit.data.chat``, ``SequenceClassification`` in ``toolkit.tasks.classification``;
 a new task is a module with a ``Task`` subclass, and the recipe that passes it to ``build``.
 
 A "target" is what the loss averages over: a next-token prediction for a language model (the prompt's tokens are
@@ -36,22 +36,18 @@ the whole global batch is what makes N ranks x micro-batch b x accumulation k tr
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
 
-from toolkit import data
+from toolkit.data.packing import packed_inputs
 from toolkit.errors import ConfigError
-from toolkit.loss import count_targets, row_logit_sums, token_losses
-from toolkit.mixture import load_task_splits
-from toolkit.packing import ROW_LENGTHS, packed_inputs
 
 
 def model_inputs(batch: dict) -> dict:
     """A causal LM's forward arguments: a padded micro-batch's ids and mask, or a packed one's ids and per-document
-    positions (``toolkit.packing.packed_inputs``: no mask, or the documents would attend to each other)."""
+    positions (``toolkit.data.packing.packed_inputs``: no mask, or the documents would attend to each other)."""
     if "position_ids" in batch:
         return packed_inputs(batch)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
@@ -100,7 +96,7 @@ class Task(ABC):
         """The raw splits as rows the collator takes."""
 
     def stream_rows(self, tokenizer, args, block_size: int) -> tuple[Callable, Callable]:
-        """For ``streaming: true`` (``toolkit.stream``): ``keep(row) -> bool``, run on every source row on every
+        """For ``streaming: true`` (``toolkit.data.stream``): ``keep(row) -> bool``, run on every source row on every
         rank (cheap checks; False skips the row before it gets a global index), and ``encode(rows) -> rows``, the
         rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``)."""
         raise NotImplementedError
@@ -164,7 +160,7 @@ class Task(ABC):
 
 
 def check_stream_packing(args) -> None:
-    """On a stream, packing is ``bfd`` over each micro-batch (``toolkit.stream``); ``wrapped`` is refused."""
+    """On a stream, packing is ``bfd`` over each micro-batch (``toolkit.data.stream``); ``wrapped`` is refused."""
     if args.packing_strategy == "wrapped":
         raise ConfigError("packing_strategy", "wrapped packing mixes neighbouring documents into rows, so on a stream "
                                               "the rows would depend on which documents each rank holds and the order "
@@ -176,94 +172,5 @@ def check_stream_packing(args) -> None:
 
 def stream_limit(args, block_size: int) -> int | None:
     """Where a stream's ``encode`` cuts a document: ``block_size``; not at all under bfd_split, whose packing splits
-    it (``toolkit.packing.pack_rows``)."""
+    it (``toolkit.data.packing.pack_rows``)."""
     return None if args.packing and args.packing_strategy == "bfd_split" else block_size
-
-
-class CausalLM(Task):
-    """Next-token prediction on plain text, packed into ``block_size`` rows or one document per row."""
-
-    name = "causal-lm"
-    auto_class = "AutoModelForCausalLM"
-    peft_task_type = "CAUSAL_LM"
-    best_metric = ("perplexity", min)  # the eval metric whose best value the summary reports, and which is best
-    row_unit = "sequences"  # a packed row or one document (chat SFT: one chat, or whole chats packed)
-    loss_unit = "nats/token"  # cross-entropy averaged over the next-token targets
-    stream_refusal = None
-    stream_schema = "text"  # the formats a stream's columns must fit (toolkit.formats; build.check_stream_head)
-
-    def check(self, cfg) -> None:
-        if cfg.data.packing is None:  # unset: this task's default (chat SFT and classification: false)
-            cfg.data.packing = True
-        if cfg.data.streaming:  # toolkit.stream: a stream packs whole documents, per micro-batch
-            check_stream_packing(cfg.data)
-        if cfg.data.packing and cfg.data.packing_strategy is None:
-            cfg.data.packing_strategy = "wrapped"  # run_clm's concatenate-and-cut, the figures in the docs
-
-    def stream_rows(self, tokenizer, args, block_size: int):
-        column, eos = data.text_column(args), tokenizer.eos_token_id
-        encode_texts, _ = data.token_encoder(tokenizer)
-
-        def keep(row) -> bool | None:
-            # null, empty or not text: dropped and counted (None), as the map-style path does (data.drop_null_texts)
-            return True if data.has_text(row.get(column)) else None
-
-        limit = stream_limit(args, block_size)
-        keep.drops = f"rows with no text (null, empty or not a string) in column {column!r}"  # the log's count
-
-        def encode(rows):
-            ids = encode_texts([r[column] for r in rows])
-            return [{"input_ids": (x + [eos] if eos is not None else x)[:limit]} for x in ids]
-
-        return keep, encode
-
-    def load_raw(self, args):
-        raw, mixture = load_task_splits(args, "text", {data.PYDOC: data.pydoc_dataset})
-        # as a stream drops them; the counts in summary.json (dropped_rows)
-        raw = data.drop_null_texts(raw, data.text_column(args), self.log, self.data_record)
-        if mixture is not None:
-            self.data_record["dataset_mixture"] = mixture
-        return raw
-
-    def tokenize(self, raw, tokenizer, args, block_size: int):
-        return data.tokenize_and_group(raw, tokenizer, args, block_size)
-
-    def collator(self, tokenizer):
-        return data.CausalLMCollator(tokenizer.pad_token_id)
-
-    def count_targets(self, batch: dict) -> torch.Tensor:
-        return count_targets(batch["labels"])
-
-    def forward_rows(self, model, batch: dict, chunked: bool = False,
-                     mean_logits: bool = False) -> tuple[torch.Tensor, ...]:
-        """(row loss sums, row target counts), and with ``mean_logits`` each row's ``loss.row_logit_sums``: from the
-        logits, or from the model's chunked loss (``chunked``). ``use_cache=False``: a training forward has no use for
-        the key/value cache transformers would otherwise build (Trainer turns it off too); the config, and so
-        generation after export, keeps its own setting."""
-        rows = batch.get(ROW_LENGTHS)  # a flattened packed micro-batch: the loss per packed row (collate_packed)
-        if chunked:
-            inputs = {k: v for k, v in model_inputs(batch).items() if k != "use_cache"}  # the chunked forward's own
-            extra = {"mean_logits": True} if mean_logits else {}
-            if rows is not None:
-                extra["row_lengths"] = rows
-            out = model(**inputs, labels=batch["labels"], **extra)
-            return tuple(out[k] for k in ("row_loss", "row_targets", "row_logit_sum")[:3 if mean_logits else 2])
-        logits = model(**model_inputs(batch)).logits
-        losses = token_losses(logits, batch["labels"], rows)
-        return (*losses, row_logit_sums(logits, batch["labels"])) if mean_logits else losses
-
-    def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
-        """Per-row summed token cross-entropy (``forward_rows``)."""
-        return self.forward_rows(model, batch, chunked)[0]
-
-    def eval_rows(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, ...]:
-        """(row loss sums, row target counts). ``chunked``: from the model's chunked loss, as in training: the whole
-        batch's logits (eval rows x seq x vocab, often more rows than a training micro-batch) would not fit where
-        only the chunked loss made training fit."""
-        return self.forward_rows(model, batch, chunked)
-
-    def eval_metrics(self, rows: list[tuple[torch.Tensor, ...]]) -> dict:
-        loss_sum = sum(r[0].double().sum() for r in rows)
-        targets = int(sum(r[1].sum() for r in rows))
-        loss = float(loss_sum / max(targets, 1))
-        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "eval_tokens": targets}

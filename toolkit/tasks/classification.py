@@ -11,7 +11,7 @@ its target tokens, so accumulation and world size do not change the objective. (
 the sum of the batch's weights instead; over a global batch split into micro-batches that sum is the same, but the
 objective differs from batch to batch with the class mix. We keep the plain mean over examples.)
 
-``SequenceClassification``, at the end, is the task (``toolkit.tasks.Task``) that the classify recipe trains.
+``SequenceClassification``, at the end, is the task (``toolkit.tasks.base.Task``) that the classify recipe trains.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from datasets import ClassLabel, DatasetDict, Value
 
-from toolkit import data
 from toolkit.config import DataArguments
+from toolkit.data import loading as data
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
-from toolkit.tasks import Task
+from toolkit.tasks.base import Task
 
-STDLIB_DOCSTRINGS = "stdlib-docstrings"  # the built-in offline set (toolkit.builtin_data.stdlib_docstrings)
+STDLIB_DOCSTRINGS = "stdlib-docstrings"  # the built-in offline set (toolkit.data.builtin.stdlib_docstrings)
 
 
 def label_column(args: DataArguments) -> str:
@@ -107,7 +107,7 @@ def _small_for_stratified(train, names: list[str], column: str, percentage: floa
 
 def load_raw_labelled(args: DataArguments) -> tuple[DatasetDict, list[str]]:
     """The splits with the text column checked and the label column encoded; the class names."""
-    from toolkit.builtin_data import stdlib_docstrings
+    from toolkit.data.builtin import stdlib_docstrings
 
     column = label_column(args)
 

@@ -3,7 +3,7 @@ one, relative to a frozen reference model.
 
 Data: TRL's preference format, columns ``prompt``, ``chosen``, ``rejected``, either plain text (a completion follows
 its prompt; the tokenizer's EOS is appended, as TRL does) or conversational (lists of messages, rendered with the chat
-template). Either way ``prompt + completion`` is tokenized once, as chat SFT tokenizes a chat (``toolkit.chat``:
+template). Either way ``prompt + completion`` is tokenized once, as chat SFT tokenizes a chat (``toolkit.data.chat``:
 ``tokenize_chat``, ``tokenize_spans``), and the completion's tokens (an assistant turn with its end-of-turn token; a
 text completion and its EOS) are the targets. A row is a *pair*: its chosen and rejected sequences are collated into
 the same micro-batch (chosen rows first, then rejected, one forward), so they stay on one rank and one micro-step.
@@ -24,14 +24,14 @@ divided by the global batch's pair count, so the objective is the mean over ever
 its split over ranks and micro-steps. (TRL averages each micro-batch and divides by the accumulation steps: a mean of
 micro-batch means, the same only when every micro-batch holds as many pairs; docs/pitfalls.md.)
 
-Reference (``toolkit.reference``): by default a live frozen copy of the starting weights (or
+Reference (``toolkit.tasks.reference``): by default a live frozen copy of the starting weights (or
 ``ref_model_name_or_path``), sharded like the policy, evaluated beside it on every micro-batch without grad; with
 ``use_peft`` the policy with its adapter disabled. With ``precompute_ref_log_probs`` (TRL's name) the starting weights
 are evaluated once before training from a whole copy loaded for it and freed (``add_reference``; the policy itself may
 already be partitioned under ZeRO-3), on the device: the pairs in fixed chunks of ``per_device_eval_batch_size`` in
 dataset order, each rank its share of the chunks, under the run's precision (``accelerator.autocast``, as the live
 reference runs), gathered; they travel with the rows (``ref_chosen_logps``, ``ref_rejected_logps``) and are kept in
-the run folder for a resume or restart (``toolkit.reference``). Both give the same run.
+the run folder for a resume or restart (``toolkit.tasks.reference``). Both give the same run.
 
 Metrics on the held-out pairs, named as TRL's evaluation names them: ``eval_rewards/chosen`` and
 ``eval_rewards/rejected`` (beta x log-ratio), ``eval_rewards/accuracies`` (the share of pairs whose chosen reward is
@@ -50,13 +50,16 @@ import torch
 import torch.nn.functional as F
 from datasets import DatasetDict
 
-from toolkit import data, layout
-from toolkit.chat import set_chat_template, tokenize_completion  # noqa: F401 (tokenize_completion: its old home)
+from toolkit import layout
 from toolkit.config import LOSS_TYPES, DataArguments
+from toolkit.data import loading as data
+from toolkit.data.chat import set_chat_template, tokenize_completion
+from toolkit.data.mixture import load_task_splits
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
-from toolkit.mixture import load_task_splits
-from toolkit.reference import (
+from toolkit.parallel.accelerator import unwrap
+from toolkit.tasks.lm import CausalLM
+from toolkit.tasks.reference import (
     check_reference,
     fingerprint,
     load_live,
@@ -67,24 +70,13 @@ from toolkit.reference import (
     reshard,
     write_precomputed,
 )
-from toolkit.tasks import CausalLM
-
-
-def unwrap(model):
-    """The module under DDP's or DeepSpeed's wrapper (an FSDP2 module is the model itself)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
-        return model.module
-    return model
-
 
 COLUMNS = ("prompt", "chosen", "rejected")
 SIDES = ("chosen", "rejected")
 # A row's keys per side: the chosen sequence under the core's names (what the resume check's data hash and the FLOPs
 # estimate read from any task's rows), the rejected one beside it.
 KEYS = {"chosen": ("input_ids", "labels"), "rejected": ("rejected_input_ids", "rejected_labels")}
-PYDOC_PREFERENCES = "pydoc-preferences"  # the built-in offline set (toolkit.builtin_data.pydoc_preferences)
+PYDOC_PREFERENCES = "pydoc-preferences"  # the built-in offline set (toolkit.data.builtin.pydoc_preferences)
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -93,9 +85,9 @@ def _conversational(value) -> bool:
 
 
 def load_raw_pairs(args: DataArguments, record: dict | None = None) -> DatasetDict:
-    """The splits as prompt/chosen/rejected pairs (``toolkit.formats``: explicit or implicit prompt, all text or all
+    """The splits as prompt/chosen/rejected pairs (``toolkit.data.formats``: explicit or implicit prompt, all text or all
     conversational), one dataset or a mixture (its rows per set go into ``record["dataset_mixture"]``)."""
-    from toolkit.builtin_data import pydoc_preferences
+    from toolkit.data.builtin import pydoc_preferences
 
     raw, mixture = load_task_splits(args, "preference", {PYDOC_PREFERENCES: pydoc_preferences})
     if record is not None and mixture is not None:
@@ -197,7 +189,7 @@ class DPO(CausalLM):
 
     def __init__(self):
         self.beta, self.loss_type, self.cfg = 0.1, "sigmoid", None  # set from the config by check
-        self.reference, self.block_size, self.start = None, None, None  # the live copy (toolkit.reference)
+        self.reference, self.block_size, self.start = None, None, None  # the live copy (toolkit.tasks.reference)
         self.last_eval: dict = {}  # the last evaluation's metrics, for the summary
         self.dropped: dict = {}  # pairs dropped per split: the prompt leaves no completion token (drop_long_prompts)
 
@@ -248,7 +240,7 @@ class DPO(CausalLM):
     @torch.no_grad()
     def reference_logps(self, model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's (chosen, rejected) log-probabilities: carried in the batch when precomputed, else from the
-        live copy, or from the policy with its adapter disabled (``toolkit.reference``)."""
+        live copy, or from the policy with its adapter disabled (``toolkit.tasks.reference``)."""
         if REF_COLUMNS[0] in batch:
             return batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]
         if self.reference is not None:

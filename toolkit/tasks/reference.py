@@ -9,7 +9,7 @@ Three kinds, TRL's (``precompute_ref_log_probs``, ``ref_model``, peft's adapter)
   otherwise whole on the device. It is never registered with the Accelerator, so checkpoints hold the policy alone.
 - ``adapter``: with ``use_peft`` and no ``ref_model_name_or_path``, the policy with its LoRA adapter disabled
   (peft's ``disable_adapter``): the frozen base is the starting weights, and no copy is loaded.
-- ``precomputed`` (``precompute_ref_log_probs: true``): ``toolkit.preference.DPO.add_reference`` evaluates a whole copy
+- ``precomputed`` (``precompute_ref_log_probs: true``): ``toolkit.tasks.dpo.DPO.add_reference`` evaluates a whole copy
   on the device once before training, each rank its share of the pairs under the run's precision, and frees it; the
   values travel with the rows. They are kept in the run folder (``layout.reference_logps_file``) under a key of the
   reference's fingerprint, the pairs and the precision (``precomputed_key``), so a resume or a restart reads them
@@ -30,9 +30,9 @@ import torch
 
 from toolkit import layout
 from toolkit.config import ModelArguments
-from toolkit.distributed import launched_parallel_sizes, launched_strategy, plain_loading
+from toolkit.env.launcher import launched_parallel_sizes, launched_strategy
 from toolkit.errors import ConfigError
-from toolkit.model import enable_chunked_loss, load_model
+from toolkit.models.loading import enable_chunked_loss, load_model, plain_loading
 
 
 def reference_kind(cfg) -> str:

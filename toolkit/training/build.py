@@ -17,18 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit import data, lora, pipeline, quantization
 from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
-from toolkit.distributed import (
-    data_parallel_rank,
-    data_parallel_size,
-    resolve_activation_checkpointing,
-    strategy_name,
-    tensor_parallel_size,
-)
+from toolkit.data import loading as data
+from toolkit.data.order import require_one_global_batch
+from toolkit.data.packing import PACKING_REPORT, cut_report
+from toolkit.data.stream import StreamSpec, TrainStream, eval_rows, open_source, shard_order, source_rows
 from toolkit.errors import ConfigError
-from toolkit.model import (
+from toolkit.models import lora, quantization
+from toolkit.models.loading import (
     check_chunked_loss,
     check_tensor_parallel,
     disable_dropout,
@@ -40,10 +37,16 @@ from toolkit.model import (
     max_positions,
     parameter_dtypes,
 )
-from toolkit.order import require_one_global_batch
-from toolkit.packing import PACKING_REPORT, cut_report
-from toolkit.stream import StreamSpec, TrainStream, eval_rows, open_source, shard_order, source_rows
-from toolkit.tasks import CausalLM, Task
+from toolkit.parallel import pipeline
+from toolkit.parallel.accelerator import (
+    data_parallel_rank,
+    data_parallel_size,
+    resolve_activation_checkpointing,
+    strategy_name,
+    tensor_parallel_size,
+)
+from toolkit.tasks.base import Task
+from toolkit.tasks.lm import CausalLM
 
 STREAM_CUT_SAMPLE = 4_096  # the stream's first documents that the cut report counts (tokenized once more)
 STREAM_HEAD_ROWS = 64  # a stream's first rows, read by check_inputs (in toolkit train's launching process too)
@@ -57,18 +60,18 @@ class Parts:
     eval_dataset: Any  # None when the data has no validation split
     collator: Any  # pads a micro-batch (the task's)
     block_size: int
-    task: Task | None = None  # what a row's loss and the evaluation are (a toolkit.tasks.Task)
+    task: Task | None = None  # what a row's loss and the evaluation are (a toolkit.tasks.base.Task)
     resume: ResumePlan | None = None  # planned before the weights loaded (None without an accelerator)
 
     def train_kwargs(self) -> dict:
-        """The keyword arguments of ``toolkit.loop.train`` after ``cfg`` and ``accelerator``."""
+        """The keyword arguments of ``toolkit.training.loop.train`` after ``cfg`` and ``accelerator``."""
         return dict(model=self.model, tokenizer=self.tokenizer, train_dataset=self.train_dataset,
                     eval_dataset=self.eval_dataset, collator=self.collator, task=self.task, resume=self.resume)
 
 
 def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) -> Parts:
     """Seed, then load the tokenizer, the data (tokenized, then packed or padded) and the model, for ``task``
-    (a ``toolkit.tasks.Task``; a causal LM on text by default).
+    (a ``toolkit.tasks.base.Task``; a causal LM on text by default).
 
     ``accelerator`` may be None outside a run (e.g. to look at the data in a notebook before any Accelerator
     exists, which ``notebook_launcher`` requires): then tokenization runs in this process without coordination.
@@ -131,7 +134,7 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     template), the model's config, the raw data's files and columns (not a stream's rows: ``stream_data`` reads its
     first ones), the block size, and a tensor-parallel split of the model. Returns (tokenizer, model config, raw
     splits or None for a stream, block size). ``build`` starts with it; ``toolkit train`` runs it in the launching
-    process (``toolkit.launch``), so that a mistake is one line there instead of one under a launcher's traceback."""
+    process (``toolkit.cli.train``), so that a mistake is one line there instead of one under a launcher's traceback."""
     if cfg.data.streaming and task.stream_refusal:
         raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
                                        "streaming: false")
@@ -163,7 +166,7 @@ def check_stream_head(cfg: RunConfig, task: Task, keep) -> None:
     are the run's to drop and count (``keep``)."""
     from itertools import islice
 
-    from toolkit.formats import detect
+    from toolkit.data.formats import detect
 
     files = shard_order(cfg.data.data_files("train_file"), cfg.train.seed, cfg.train.shuffle)
     rows = list(islice(source_rows(open_source(files, cfg.train.seed, cfg.train.shuffle), files), STREAM_HEAD_ROWS))

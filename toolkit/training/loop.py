@@ -2,7 +2,7 @@
 
 One optimizer step (``train_step``), on each of the W data-parallel ranks:
 
-    1. this rank's k micro-batches of the step (the rows come from ``toolkit.order``: independent of W and k);
+    1. this rank's k micro-batches of the step (the rows come from ``toolkit.data.order``: independent of W and k);
     2. count target tokens locally, all-reduce: T = target tokens of the whole global batch (one tiny all-reduce);
     3. for each micro-step, inside ``accelerator.accumulate(model)`` (which applies ``no_sync`` on all but the last
        micro-step where the strategy allows it, and tells DeepSpeed where its boundary is):
@@ -14,7 +14,7 @@ order, ``train_step``, advance the position, log, evaluate, checkpoint; and stop
 stream runs out, or on SIGTERM, or when a step stops the run: however it ends, the summary says how,
 docs/reliability.md#how-a-run-ends).
 
-Everything needed to continue exactly lives in ``LoopState`` (``toolkit.state``; written as JSON into every
+Everything needed to continue exactly lives in ``LoopState`` (``toolkit.training.state``; written as JSON into every
 checkpoint, with what the sample order depends on) and the optimizer/scheduler/RNG states that ``save_state`` writes;
 ``toolkit.checkpointing.Checkpointer`` saves and loads them: the loop calls its ``load`` once and its ``save`` after
 every step.
@@ -31,22 +31,28 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit import layout, upstream
-from toolkit.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
+from toolkit import layout
 from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
-from toolkit.clipping import clip_grad_norm
 from toolkit.config import RunConfig, TrainingArguments, write_config
-from toolkit.distributed import (
+from toolkit.data.order import GlobalBatchSampler, require_one_global_batch
+from toolkit.data.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
+from toolkit.data.stream import TrainStream, UnreadableLine
+from toolkit.env import upstream
+from toolkit.env.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
+from toolkit.errors import ConfigError, TrainingStopped
+from toolkit.loss import micro_step_loss
+from toolkit.parallel.accelerator import (
     configure_deepspeed,
     data_parallel_size,
     gather_for_metrics,
     keep_embeddings_out_of_fsdp_units,
     keep_process_groups,
 )
-from toolkit.errors import ConfigError, TrainingStopped
-from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
-from toolkit.loss import micro_step_loss
-from toolkit.metrics import (
+from toolkit.parallel.clipping import clip_grad_norm
+from toolkit.parallel.pipeline import PipelineModel, check_task
+from toolkit.parallel.pipeline import build as build_pipeline
+from toolkit.reporting.accounting import count_parameters, flops_per_token, model_shape, peak_flops, weights_dtype
+from toolkit.reporting.metrics import (
     ENDED_COMPLETED,
     ENDED_DATA_RAN_OUT,
     ENDED_PREEMPTED,
@@ -58,15 +64,11 @@ from toolkit.metrics import (
     run_summary,
     write_summary,
 )
-from toolkit.order import GlobalBatchSampler, require_one_global_batch
-from toolkit.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
-from toolkit.pipeline import PipelineModel, check_task
-from toolkit.pipeline import build as build_pipeline
-from toolkit.plots import plot_run
-from toolkit.preemption import Preemption
-from toolkit.state import LoopState, StepResult
-from toolkit.stream import TrainStream, UnreadableLine
-from toolkit.tasks import CausalLM, Task
+from toolkit.reporting.plots import plot_run
+from toolkit.tasks.base import Task
+from toolkit.tasks.lm import CausalLM
+from toolkit.training.preemption import Preemption
+from toolkit.training.state import LoopState, StepResult
 
 # transformers' schedulers (imported where used) pull in its modeling code: it loads without scipy.optimize
 upstream.import_transformers_losses()
@@ -90,7 +92,7 @@ def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.op
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
     if args.optim.endswith("_8bit"):
-        from toolkit.quantization import eight_bit_adamw
+        from toolkit.models.quantization import eight_bit_adamw
 
         return eight_bit_adamw(groups, args, paged=args.optim.startswith("paged"))
     return torch.optim.AdamW(
@@ -239,8 +241,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
     ``data_parallel_size``: ranks that each take a different shard of the global batch (the gradient average
     divides by it). ``after_backward(micro_step)``: called after each backward, inside the accumulation context.
-    ``chunked_loss``: the model computes its loss in chunks (``toolkit.model.enable_chunked_loss``).
-    ``task``: the loss of a row (``toolkit.tasks``; a causal LM by default).
+    ``chunked_loss``: the model computes its loss in chunks (``toolkit.models.loading.enable_chunked_loss``).
+    ``task``: the loss of a row (``toolkit.tasks.base``; a causal LM by default).
     ``stop_flag``: this rank was asked to stop; summed with the counts, returned as ``stop_requested`` on every rank.
     A non-finite gradient norm is never applied. Under fp16 loss scaling (a GradScaler, or DeepSpeed's fp16 engine)
     it is an overflow: the step is skipped the way the scaler skips it (``skipped``; ``overflows`` in the result),
@@ -295,7 +297,7 @@ def _pipeline_step(accelerator, model: PipelineModel, optimizer, scheduler, micr
                    counts: torch.Tensor, step: int, max_grad_norm: float, skip_nonfinite: bool, overflows: int,
                    max_consecutive_overflows: int) -> StepResult:
     """``train_step`` under pipeline parallelism: the schedule runs every micro-batch's forward and backward
-    (``toolkit.pipeline``), then the same norm check and optimizer step as any other strategy."""
+    (``toolkit.parallel.pipeline``), then the same norm check and optimizer step as any other strategy."""
     with accelerator.autocast():  # mixed precision as accelerate's prepared model would run it
         loss_sum = model.forward_backward(micro_batches, counts[0])
     grad_norm, targets, tokens, slots, stopping = _to_host(model.reduce_and_clip(max_grad_norm), counts)
@@ -387,7 +389,7 @@ class Run:
     total_steps: int
     data_parallel_size: int  # ranks that take different rows (under tensor parallelism: fewer than the world)
     checkpointer: Checkpointer
-    flops_per_token: float  # model FLOPs per trained token (toolkit.accounting)
+    flops_per_token: float  # model FLOPs per trained token (toolkit.reporting.accounting)
     peak_flops: float | None
 
     @property
@@ -437,7 +439,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     args = cfg.train
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     dp = data_parallel_size(accelerator)
-    if isinstance(train_dataset, TrainStream):  # its own order (toolkit.stream), read in this process: no loader
+    if isinstance(train_dataset, TrainStream):  # its own order (toolkit.data.stream), read in this process: no loader
         sampler, loaders = train_dataset, [None]
     else:
         require_one_global_batch(len(train_dataset) * repeats, micro, dp, accumulation)
@@ -451,7 +453,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                                   collate_fn=collator, num_workers=args.dataloader_num_workers))
     per_token = _model_flops_per_token(model, train_dataset, cfg.data.packing)
     pipelined = args.pipeline_parallel_size > 1
-    if pipelined:  # this rank's stages and its replica's rows (toolkit.pipeline), not wrapped by accelerate
+    if pipelined:  # this rank's stages and its replica's rows (toolkit.parallel.pipeline), not wrapped by accelerate
         model, *loaders = build_pipeline(accelerator, args, model, train_dataset, eval_dataset, sampler, collator)
     optimizer = build_optimizer(model, args)
     upstream.import_peft()  # before the scheduler's import imports peft, and peft bitsandbytes
@@ -461,7 +463,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                               num_training_steps=total_steps)
     resume = resume or plan_resume(cfg, accelerator, train_dataset, repeats)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
-    if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.pipeline itself
+    if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.parallel.pipeline itself
         keep_embeddings_out_of_fsdp_units(accelerator, model)
         model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders),
                                                                      scheduler)
@@ -550,16 +552,16 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
     ``on_micro_step(accelerator, state, micro_step)``, ``on_step_end(accelerator, state, row)``,
     ``on_save(accelerator, state, checkpoint)`` (a checkpoint folder written) and
     ``on_end(accelerator, model, summary)``, all called on every rank (tests use them to count all-reduces
-    and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks``; a causal
-    LM by default). ``resume``: the plan ``toolkit.build`` made before the weights loaded (planned here if None).
+    and to probe the trained model). ``task``: what a row's loss and the evaluation are (``toolkit.tasks.base``; a causal
+    LM by default). ``resume``: the plan ``toolkit.training.build`` made before the weights loaded (planned here if None).
 
-    On a CPU, freed host memory is kept for reuse while it trains (``cpu_memory_reuse``, ``toolkit.host_memory``) and
+    On a CPU, freed host memory is kept for reuse while it trains (``cpu_memory_reuse``, ``toolkit.env.host_memory``) and
     glibc's settings come back when it returns or raises, if this call made them: the process (a notebook kernel,
     what it forks next) goes on as it came in. Settings a caller made before the call stay.
     """
     kept_here = not memory_kept() and _reuse_cpu_memory(cfg.train, model, accelerator.device) and keep_freed_memory()
     if memory_kept():
-        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/host_memory.py)")
+        accelerator.print("host memory: freed blocks are kept for reuse (cpu_memory_reuse; toolkit/env/host_memory.py)")
     try:
         return _train(cfg, accelerator, model, tokenizer, train_dataset, eval_dataset, collator, callbacks, task,
                       resume)
@@ -569,7 +571,7 @@ def train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_dat
 
 
 def _check_packing(accelerator, model, strategy: str, train_dataset) -> None:
-    """The padding-free guard (toolkit.packing.check_packed_attention) on the prepared model: every rank, the same row
+    """The padding-free guard (toolkit.data.packing.check_packed_attention) on the prepared model: every rank, the same row
     (a sharded model may need collectives for a forward)."""
     rows = train_dataset.head(64) if isinstance(train_dataset, TrainStream) else train_dataset
     check_packed_attention(model, packed_guard_row(rows), accelerator.device)

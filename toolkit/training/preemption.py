@@ -15,7 +15,7 @@ its ranks running: torch elastic starts each worker in a session of its own, so 
 ranks would go on training and writing into ``output_dir`` while the user relaunches into it. Under torch elastic a
 rank therefore also raises the flag when its parent process changes (the kernel re-parents an orphan): the ranks
 finish the step, save and stop, as on SIGTERM. The launcher's pid is recorded when the process starts
-(``toolkit.elastic.record_launcher``), so a launcher lost during tokenization, model loading or a conversion is seen at
+(``toolkit.env.elastic.record_launcher``), so a launcher lost during tokenization, model loading or a conversion is seen at
 the first step. One ``getppid`` per step; no thread, no ``PR_SET_PDEATHSIG`` (which
 fires when the *thread* that started the child exits, not the process).
 """
@@ -25,14 +25,14 @@ from __future__ import annotations
 import os
 import signal
 
-from toolkit import elastic
+from toolkit.env import elastic
 
 
 class Preemption:
     def __init__(self, signals=(signal.SIGTERM,)):
         self.received: int | None = None
         self._previous = {}
-        self._launcher = elastic.launcher_pid()  # recorded at process start (toolkit.elastic.record_launcher)
+        self._launcher = elastic.launcher_pid()  # recorded at process start (toolkit.env.elastic.record_launcher)
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

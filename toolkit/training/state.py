@@ -25,8 +25,8 @@ class LoopState:
     samples_seen: int = 0  # rows, all ranks
     skipped_steps: int = 0  # steps not applied: a non-finite norm (skip_nonfinite_steps) or an fp16 overflow
     world_size: int = 1  # the world of this run (in a checkpoint: the world that wrote it)
-    global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.order depends on it
-    stream: dict | None = None  # streaming: where the source restarts for the next step (toolkit.stream.position)
+    global_batch_size: int = 0  # rows per optimizer step: the step -> rows mapping of toolkit.data.order depends on it
+    stream: dict | None = None  # streaming: where the source restarts for the next step (toolkit.data.stream.position)
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -104,7 +104,7 @@ def score(funcs: list[tuple[str, object]], prompts: list, completions: list, com
           columns: dict[str, list]) -> tuple[list[list[float]] | None, str | None]:
     """(rewards per function, each a float per completion; None on failure, then) the one line that names the
     function and what it did wrong: raised, or returned other than a sequence of len(completions) numbers. A None is
-    TRL's "no reward for this completion": NaN here, as TRL converts it (``toolkit.grpo_loss.combine_rewards`` then
+    TRL's "no reward for this completion": NaN here, as TRL converts it (``toolkit.tasks.grpo.loss.combine_rewards`` then
     leaves it out). The caller raises the line on every rank at once (``TrainingStopped``), so no rank waits in a
     collective for another."""
     out = []

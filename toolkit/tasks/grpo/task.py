@@ -2,23 +2,23 @@
 them with reward functions, and push each completion's log-probabilities by its reward against its group's.
 
 Data: TRL's prompt-only format, a ``prompt`` column as text or as messages (rendered with the chat template and its
-generation prompt); every other column goes to the reward functions by name (``toolkit.rewards``). Prompts keep their
+generation prompt); every other column goes to the reward functions by name (``toolkit.tasks.grpo.rewards``). Prompts keep their
 last ``max_prompt_length`` tokens.
 
 A step (``step_batches``, the core's per-step hook, then the core's ``train_step``):
 
-1. The global batch counts *completions*: the sample order (``toolkit.order``, ``repeats: num_generations``) lists
+1. The global batch counts *completions*: the sample order (``toolkit.data.order``, ``repeats: num_generations``) lists
    each prompt ``num_generations`` times in a row, so a global batch of B completions holds B / num_generations whole
    groups, split over ranks and micro-batches like any other rows (a group may span them).
 2. Each completion slot is sampled with its own generator seeded from (seed, step, prompt index, generation index)
-   (``toolkit.sampling``): the same completions on any world size, micro-batch or rank, and after a resume.
+   (``toolkit.tasks.grpo.sampling``): the same completions on any world size, micro-batch or rank, and after a resume.
 3. Rewards are computed where the completion is, gathered (every rank the whole global batch's, in slot order), and
-   each completion's advantage is its reward against its whole group (``toolkit.grpo_loss.group_advantages``).
-4. With ``beta`` > 0 the reference's log-probs (``toolkit.reference``, as DPO's: a live frozen copy sharded like the
+   each completion's advantage is its reward against its whole group (``toolkit.tasks.grpo.loss.group_advantages``).
+4. With ``beta`` > 0 the reference's log-probs (``toolkit.tasks.reference``, as DPO's: a live frozen copy sharded like the
    policy, or with LoRA the adapter disabled), and with ``num_iterations`` > 1 the policy's own (the old policy), are
    taken without grad before the first optimizer step on the batch.
 
-The loss of each ``loss_type`` is TRL's (``toolkit.grpo_loss``), a row sum over the global batch's targets, so N ranks
+The loss of each ``loss_type`` is TRL's (``toolkit.tasks.grpo.loss``), a row sum over the global batch's targets, so N ranks
 x micro b x accumulation k train as one process with N*b*k completions. ``num_iterations`` > 1: the next
 ``num_iterations - 1`` optimizer steps reuse the batch (their own prompts are not used); a checkpoint between two
 generations holds the batch (``checkpoint_state``: its completions, advantages and old and reference log-probs, made
@@ -41,12 +41,13 @@ from dataclasses import replace
 
 import torch
 
-from toolkit import data
-from toolkit.chat import set_chat_template
 from toolkit.config import GRPO_LOSS_TYPES, max_positions
-from toolkit.distributed import launched_parallel_sizes, launched_strategy
+from toolkit.data import loading as data
+from toolkit.data.chat import set_chat_template
+from toolkit.env.launcher import launched_parallel_sizes, launched_strategy
 from toolkit.errors import ConfigError
-from toolkit.grpo_loss import (
+from toolkit.parallel.accelerator import unwrap
+from toolkit.tasks.grpo.loss import (
     clip_fractions,
     combine_rewards,
     completion_logps,
@@ -55,11 +56,10 @@ from toolkit.grpo_loss import (
     per_token_losses,
     row_losses_and_targets,
 )
-from toolkit.preference import unwrap
-from toolkit.reference import check_reference, load_live, reference_kind, reshard
-from toolkit.rewards import ARITHMETIC, arithmetic_dataset, check_weights, load_reward_funcs, score, stop
-from toolkit.sampling import completion_mask, row_seed, sample
-from toolkit.tasks import CausalLM
+from toolkit.tasks.grpo.rewards import ARITHMETIC, arithmetic_dataset, check_weights, load_reward_funcs, score, stop
+from toolkit.tasks.grpo.sampling import completion_mask, row_seed, sample
+from toolkit.tasks.lm import CausalLM
+from toolkit.tasks.reference import check_reference, load_live, reference_kind, reshard
 
 INDEX = "prompt_index"  # a prompt's row in the training set: part of each of its completions' seeds
 
@@ -71,7 +71,7 @@ class GRPO(CausalLM):
     best_metric = ("reward", max)
     row_unit = "completions"
     loss_unit = "GRPO objective"  # the clipped surrogate (near 0 by construction); loss.png draws the mean reward
-    stream_refusal = "its sample order lists each prompt num_generations times in a row (toolkit.order)"
+    stream_refusal = "its sample order lists each prompt num_generations times in a row (toolkit.data.order)"
     defaults = {"disable_dropout": False, "beta": 0.0, "loss_type": "dapo"}  # TRL's GRPOConfig defaults
 
     def __init__(self):
@@ -220,7 +220,7 @@ class GRPO(CausalLM):
             self.generated_at = None
 
     def _slots(self, accelerator, micro: int, k: int) -> list[int]:
-        """The positions in the global batch of micro-step k's rows on this rank (``toolkit.order``: micro-step
+        """The positions in the global batch of micro-step k's rows on this rank (``toolkit.data.order``: micro-step
         major, rank minor)."""
         start = (k * accelerator.num_processes + accelerator.process_index) * micro
         return list(range(start, start + micro))
@@ -318,7 +318,7 @@ class GRPO(CausalLM):
                 batch["ref_logps"] = self._reference_logps(model, batch)
 
     def _counts(self, batch: dict) -> None:
-        """The counts the core's step reads (``toolkit.loop._global_counts``), counted where the batch is built."""
+        """The counts the core's step reads (``toolkit.training.loop._global_counts``), counted where the batch is built."""
         args = self.cfg.train
         _, targets = row_losses_and_targets(torch.zeros(batch["completion_mask"].shape), batch["completion_mask"].cpu(),
                                             args.loss_type, args.max_completion_length)

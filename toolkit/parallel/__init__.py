@@ -1,0 +1,7 @@
+"""How the work is spread over ranks.
+
+  accelerator  the Accelerator, the CPU shim for DeepSpeed/FSDP/TP on gloo, data-parallel and TP degrees, unwrapping
+  clipping     the global gradient norm and clipping, exact on a CPU (torch's fp32 CPU norm kernel is not)
+  pipeline     pipeline parallelism: a causal LM cut into stages, torch's schedules, the pp x dp step
+May import: errors, layout, loss, env, config, models.
+"""
