@@ -1,6 +1,7 @@
 """The README and docs/ match the files: every toolkit folder and top-level module is in the README's layout table, every listed path, every
 file a shown command names and every relative link exists, every config field is documented, the README stays short."""
 
+import ast
 import dataclasses
 import glob
 import os
@@ -179,3 +180,50 @@ def test_full_and_lora_commands_write_their_own_folders():
     assert len(writers) >= 5, f"found only {len(writers)} recipe commands' output folders"
     assert not shared, "full fine-tuning and LoRA commands write the same output_dir:\n" + "\n".join(
         f"{out}:\n  {kinds[False]}\n  {kinds[True]}" for out, kinds in shared.items())
+
+
+def _defined_names(source: str) -> set[str]:
+    """What a module defines or imports at any depth (a function, a class, an assignment, an imported name)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(source).read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def _resolves(dotted: str) -> bool:
+    """``toolkit.a.b.name``: the longest prefix that is a module or package of the checkout, then (if anything is
+    left) a name that module defines."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        path = os.path.join(ROOT, *parts[:i])
+        source = path + ".py" if os.path.isfile(path + ".py") else os.path.join(path, "__init__.py")
+        if os.path.isfile(source):
+            return i == len(parts) or parts[i] in _defined_names(source)
+    return False
+
+
+def test_every_dotted_toolkit_name_in_the_docs_and_the_code_exists():
+    """After the house moved into folders (issue 45) nothing may point at a module that moved: every ``toolkit.x.y``
+    written in the README, docs/, the recipes, the benchmarks, the notebook and the package's own docstrings names a
+    module of the checkout, or a name one defines (the shipped ``toolkit.recipes`` and ``toolkit.accelerate_configs``
+    exist in a wheel only)."""
+    files = [README, *glob.glob(os.path.join(ROOT, "docs", "*.md")), *glob.glob(os.path.join(ROOT, "recipes", "*.py")),
+             *glob.glob(os.path.join(ROOT, "recipes", "configs", "*.yaml")), *glob.glob(os.path.join(ROOT, "bench", "*")),
+             *glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")),
+             *glob.glob(os.path.join(ROOT, "toolkit", "**", "*.py"), recursive=True)]
+    wheel_only = ("toolkit.recipes", "toolkit.accelerate_configs")
+    dangling = set()
+    for name in files:
+        if not os.path.isfile(name):
+            continue
+        for dotted in re.findall(r"\btoolkit(?:\.[A-Za-z_]\w*)+", open(name, errors="replace").read()):
+            if not dotted.startswith(wheel_only) and not dotted.endswith(".__file__") and not _resolves(dotted):
+                dangling.add(f"{os.path.relpath(name, ROOT)}: {dotted}")
+    assert len(files) > 60  # the walk walks
+    assert _resolves("toolkit.tasks.grpo.task.GRPO") and not _resolves("toolkit.grpo")
+    assert not dangling, f"names of modules or functions that do not exist: {sorted(dangling)}"
