@@ -7,7 +7,7 @@ models and the distributed setup; the tasks; checkpoints; building a run; the lo
   layout        the names of a run folder's files, cheap reads of it (standard library only)
   state         LoopState (the loop's position, saved in every checkpoint) and StepResult (no imports)
   elastic       torch elastic restarts: the launcher's environment, and a restart continuing its run (errors, layout)
-  config_help   a recipe's --help (its fields grouped) and which recipe takes a field (standard library only)
+  config_help   a recipe's --help (its fields grouped), which recipe takes a field, a field the task ignores refused
   config_checks  the small checks the argument classes share (_positive, _one_of, ...), a field's task tuples
   config_mixture  dataset_mixture's check (alignment-handbook's shape), the local files a mixture id names
   config_quantization  quantization's fields (load_in_4bit, ...) and checks, a part of ModelArguments
