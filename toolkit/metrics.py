@@ -105,7 +105,7 @@ def _stopped_model_line(summary: dict) -> str:
     wrote any (``latest_checkpoint``); a run stopped before its first checkpoint has nothing to continue from."""
     latest = summary.get("latest_checkpoint")
     if latest is None:
-        return ("  model: not exported (training stopped before any checkpoint was written: a relaunch starts over)")
+        return "  model: not exported (training stopped before any checkpoint was written: a relaunch starts over)"
     return f"  model: not exported (training stopped; the latest checkpoint, {latest}, holds step {_step_of(latest)})"
 
 

@@ -146,6 +146,9 @@ def score(funcs: list[tuple[str, object]], prompts: list, completions: list, com
         try:
             returned[name] = fn(**kwargs)
         except Exception as e:  # noqa: BLE001 (any error of the user's function stops the run, naming it)
+            for value in returned.values():  # the async ones called so far: never awaited now
+                if inspect.iscoroutine(value):
+                    value.close()
             return None, f"reward function {name} raised {type(e).__name__}: {e}"
     pending = [name for name, value in returned.items() if inspect.isawaitable(value)]
     if pending:

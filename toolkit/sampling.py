@@ -64,7 +64,9 @@ def eos_ids(model, tokenizer) -> list[int]:
     ``<|endoftext|>``)."""
     declared = getattr(_generating_model(model).generation_config, "eos_token_id", None)
     declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
-    return declared if tokenizer.eos_token_id in declared else [tokenizer.eos_token_id, *declared]
+    if tokenizer.eos_token_id is None or tokenizer.eos_token_id in declared:
+        return declared
+    return [tokenizer.eos_token_id, *declared]
 
 
 def _generating_model(model):
@@ -109,7 +111,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | list[int])
     """(mask of each completion's tokens up to and with its first EOS, any of ``eos_token_id``; whether it has none:
     truncated), TRL's."""
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    is_eos = torch.isin(completion_ids, torch.tensor(ids, device=completion_ids.device))
+    is_eos = torch.isin(completion_ids, torch.tensor(ids, dtype=completion_ids.dtype, device=completion_ids.device))
     width = completion_ids.shape[1]
     first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(is_eos[:, 0], width,
                                                                                         dtype=torch.long))
