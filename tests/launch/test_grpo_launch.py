@@ -18,7 +18,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 def _grpo(tiny_model) -> dict:
     # rewards a random tiny model's completions earn unequally (tests/scripts/grpo_rewards.py): non-zero advantages
-    return dict(model_name_or_path=tiny_model, dataset_name="arithmetic", chat_template=CHAT_TEMPLATE, block_size=64,
+    return dict(model_name_or_path=tiny_model, dataset_name="arithmetic", chat_template=CHAT_TEMPLATE,
                 num_generations=4, max_completion_length=6, max_prompt_length=32, max_steps=3, logging_steps=1,
                 report_to="none", optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant",
                 weight_decay=0, seed=7, save_steps=2, reward_funcs="grpo_rewards:vowels")

@@ -40,3 +40,40 @@ def as_array(prompts, completions, **kwargs):
     import numpy as np
 
     return np.array([c.count(" ") / max(len(c), 1) for c in completions])
+
+
+CALLS: list = []  # what ``record`` was given, one dict a call (in-process tests read it)
+
+
+def record(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs) -> list[float]:
+    """Records its call (the completion ids, the keyword names, the trainer state's step and max_steps), logs a metric
+    (TRL's log_metric: the completions it saw) and an extra column (log_extra); rewards each completion's length in
+    tokens."""
+    CALLS.append({"completion_ids": completion_ids, "keywords": sorted(kwargs), "step": trainer_state.global_step,
+                  "max_steps": trainer_state.max_steps})
+    log_metric("record/completions", len(completions))
+    log_extra("record_lengths", [len(ids) for ids in completion_ids])
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def async_vowels(prompts, completions, **kwargs) -> list[float]:
+    """An ``async def`` reward (TRL awaits it, e.g. a judge behind an API): the completion's vowels."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [float(sum(ch in "aeiou" for ch in (c if isinstance(c, str) else c[0]["content"]))) for c in completions]
+
+
+def zero(prompts, completions, **kwargs) -> list[float]:
+    """A reward no completion earns: every group's rewards equal (std 0), every advantage 0."""
+    return [0.0] * len(completions)
+
+
+def no_kwargs(prompts, completions, answer) -> list[float]:
+    """TRL's signature without **kwargs: TRL 1.16's call (trainer_state, log_metric, ...) cannot reach it."""
+    return [0.0] * len(completions)
+
+
+def needs_difficulty(prompts, completions, difficulty, **kwargs) -> list[float]:
+    """A column the built-in arithmetic set does not have."""
+    return [float(d) for d in difficulty]

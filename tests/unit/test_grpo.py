@@ -6,9 +6,12 @@
   whole batch: loss and gradients within 1e-6; the loss's logged metrics (entropy, kl, clip ratios) equal TRL's.
 - The advantages and reward metrics: TRL's sum_then_normalize (nansum of the weighted rewards, a None reward as NaN,
   nanstd, + 1e-4), per group, per batch or none; what a reward function may return.
-- Sampling: a completion independent of its batch; temperature, top_p and top_k at their edges.
+- Sampling: a completion independent of its batch; temperature, top_p and top_k at their edges; nothing of the model's
+  generation_config but its EOS ids.
 - Runs in process: TRL's metric names, a resume before a reused batch (num_iterations 2) and one of a text-prompt
-  epoch; the refusals, ``toolkit train grpo``'s reward module check.
+  epoch; a chat model's end of turn (TRL's EOS ids) and TRL's reward call (trainer_state, log_metric, async); a run
+  that learns nothing; the refusals (before any work: a reward function TRL could not call, the fields GRPO ignores),
+  ``toolkit train grpo``'s reward module check.
 """
 
 from __future__ import annotations
@@ -269,9 +272,37 @@ def test_reward_functions_return_what_trl_takes():
     assert run(torch.tensor([0.5, 1.0])) == ([[0.5, 1.0]], None)
     assert run((1, None))[0][0][1] != run((1, None))[0][0][1]  # NaN
     for bad, said in (("ab", "returned str"), ({"a": 1, "b": 2}, "returned dict"), ([1.0], "returned 1 values"),
-                      (["x", "y"], "not a number")):
+                      (["x", "y"], "not a number"), (["1.5", 2.0], "not a number"),  # before: "1.5" taken as 1.5
+                      ([[1.0], [2.0]], "not a number")):
         rewards, error = run(bad)
         assert rewards is None and error.startswith("reward function mine ") and said in error, error
+
+
+def test_async_reward_functions_are_awaited_together_and_get_trls_keywords():
+    """An ``async def`` reward function is awaited (before: its coroutine was taken as the return value and the run
+    stopped at step 0), every async one of a batch together, beside a plain one; one that raises is named. What
+    TRL passes besides the columns (``trainer_state``, ``log_metric``, ``log_extra``) reaches each function by name."""
+    import asyncio
+
+    from toolkit.tasks.grpo.rewards import score
+
+    seen = []
+
+    async def slow(completions, **kw):
+        await asyncio.sleep(0.05)
+        seen.append(sorted(kw))
+        return [1.0] * len(completions)
+
+    async def fails(completions, **kw):
+        raise RuntimeError("judge unreachable")
+
+    context = {"trainer_state": "state", "log_metric": print, "log_extra": print}
+    funcs = [("a", slow), ("plain", lambda completions, **kw: [2.0, 3.0]), ("b", slow)]
+    assert score(funcs, ["p"] * 2, ["x", "y"], [[1], [2]], {"answer": [1, 2]}, context) == (
+        [[1.0, 1.0], [2.0, 3.0], [1.0, 1.0]], None)
+    assert seen == [["answer", "completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]] * 2
+    assert score([("judge", fails)], ["p"], ["x"], [[1]], {}, context) == (
+        None, "reward function judge raised RuntimeError: judge unreachable")
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -301,6 +332,29 @@ def test_a_rows_completion_does_not_depend_on_its_batch(tiny_model):
     assert other[0].tolist() != together[0, :other.shape[1]].tolist()
 
 
+def test_the_models_generation_config_does_not_shape_the_draws(tiny_model):
+    """A model whose generation_config suppresses tokens, penalises repetition, bans repeated n-grams, bad words and an
+    early EOS draws exactly what the same model without them draws (the loss scores the logits over the temperature
+    alone: those processors would sample off-policy; before, generate applied each of them). The model keeps its
+    generation_config."""
+    from transformers import GenerationConfig
+
+    from toolkit.tasks.grpo.sampling import row_seed, sample
+    from toolkit.tasks.grpo.task import left_pad
+
+    model, tokenizer = _model(tiny_model).eval(), _tokenizer(tiny_model)
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in ("The sky is", "Once upon a time")], tokenizer.pad_token_id)
+    kwargs = {"max_new_tokens": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": [tokenizer.eos_token_id]}
+    seeds = [row_seed(0, 0, i, 0) for i in range(2)]
+    plain = sample(model, ids, mask, seeds, **kwargs)
+    leaky = GenerationConfig(suppress_tokens=list(range(1, 1024)), repetition_penalty=3.0, no_repeat_ngram_size=1,
+                             bad_words_ids=[[t] for t in range(1024, 1100)], min_new_tokens=8)
+    model.generation_config = leaky
+    assert sample(model, ids, mask, seeds, **kwargs).tolist() == plain.tolist()
+    assert model.generation_config is leaky
+
+
 def test_sampling_draws_from_the_warped_distribution():
     """RowSampler keeps one token per row, inside top_k."""
     from toolkit.tasks.grpo.sampling import RowSampler
@@ -315,7 +369,7 @@ def test_sampling_draws_from_the_warped_distribution():
 
 def test_sampling_at_the_edges_of_temperature_top_p_and_top_k(tiny_model, tmp_path):
     """A top_k past the vocabulary is no top_k; a tiny top_p or temperature draws the likeliest token; a temperature
-    of 0, a top_p of 0 or above 1 and a negative top_k are one line naming the field."""
+    of 0, a top_p of 0 or above 1, a negative top_k, epsilon or epsilon_high are one line naming the field."""
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
     from toolkit.tasks.grpo.sampling import RowSampler
@@ -329,7 +383,9 @@ def test_sampling_at_the_edges_of_temperature_top_p_and_top_k(tiny_model, tmp_pa
 
     assert drawn(top_k=10_000) == drawn()
     assert drawn(top_p=1e-6) == drawn(temperature=1e-4) == scores.argmax(-1).tolist()
-    for field, value in (("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1)):
+    # a negative clip bound turns [1 - epsilon, 1 + epsilon_high] inside out (before: epsilon_high -1 was taken)
+    for field, value in (("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("epsilon_high", -1.0),
+                         ("epsilon", -0.1)):
         with pytest.raises(ConfigError) as err:
             config_from_dict(_values(tiny_model, tmp_path, **{field: value}))
         assert err.value.field_name == field
@@ -342,7 +398,7 @@ def _values(tiny_model, tmp_path, **over) -> dict:
               "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
               "num_generations": 4, "max_completion_length": 6, "per_device_train_batch_size": 4,
               "gradient_accumulation_steps": 2, "max_steps": 2, "logging_steps": 1, "report_to": "none",
-              "learning_rate": 1e-3, "plot": False, "save_final_model": False, "block_size": 64}
+              "learning_rate": 1e-3, "plot": False, "save_final_model": False}
     values.update(over)
     return values
 
@@ -433,17 +489,124 @@ def test_text_prompts_trls_reward_conventions_and_a_resume_of_an_epoch(tiny_mode
     resumed = train_in_process({**values, "resume_from_checkpoint": step1}, task=GRPO())
     assert resumed["steps"] == 2 and resumed["reward_start"] == first["reward_start"]
     assert max_abs_diff(load_weights(str(tmp_path / "run" / "final")), weights) == 0.0
-    # the long prompt keeps its last max_prompt_length tokens (TRL's left truncation)
-    task, cfg = GRPO(), config_from_dict({**values, "output_dir": str(tmp_path / "tokenized")})
-    task.check(cfg)
+    # the long prompt keeps its last max_prompt_length tokens, and the cut is counted (log, summary.json); unset, as
+    # TRL 1.16 has it, every prompt stays whole (before: cut to 512 tokens by default, without a word)
+    whole = AutoTokenizer.from_pretrained(tiny_model)(long)["input_ids"]
+    for keep in (16, None):
+        unset = {k: v for k, v in values.items() if k != "max_prompt_length"}  # the default
+        task, cfg = GRPO(), config_from_dict({**unset, "output_dir": str(tmp_path / "tokenized"),
+                                              **({"max_prompt_length": keep} if keep else {})})
+        assert cfg.train.max_prompt_length == keep
+        task.check(cfg)
+        tokenizer, said = AutoTokenizer.from_pretrained(tiny_model), []
+        task.prepare_tokenizer(tokenizer, cfg)
+        task.log = said.append
+        train = task.tokenize(task.load_raw(cfg.data), tokenizer, cfg.data, 64)["train"]
+        assert train.column_names == ["prompt", "topic", "input_ids", "prompt_index"]  # the reward functions' columns
+        assert train["input_ids"][1] == whole[-(keep or len(whole)):]
+        assert train["input_ids"][0] == tokenizer(prompts[0])["input_ids"]
+        if keep:
+            assert task.data_record["prompts_cut"] == {"prompts": 1, "of": 4, "tokens_removed": len(whole) - 16,
+                                                       "max_prompt_length": 16}
+            assert said == [f"max_prompt_length 16: 1 of 4 prompts cut to their last 16 tokens, {len(whole) - 16} "
+                            f"tokens removed (at most {len(whole) - 16} from one prompt)"]
+        else:
+            assert not said and "prompts_cut" not in task.data_record and len(whole) > 16
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny GPT-2 as a chat model whose turns end in ``<|im_end|>`` (added to its tokenizer; its
+    generation_config's second EOS id) while its tokenizer's EOS stays ``<|endoftext|>``, as Qwen's chat models have
+    it. Its head leans towards ``<|im_end|>`` (a shift of the final norm's bias along that token's embedding: 0.3-40%
+    a position) so that some completions end their turn within a few tokens and some do not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    task.prepare_tokenizer(tokenizer, cfg)
-    ids = task.tokenize(task.load_raw(cfg.data), tokenizer, cfg.data, 64)["train"]["input_ids"]
-    assert ids[1] == tokenizer(long)["input_ids"][-16:] and ids[0] == tokenizer(prompts[0])["input_ids"]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        direction = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0))
+        direction = 2.0 * direction / direction.norm()
+        model.transformer.ln_f.bias += direction
+        model.transformer.wte.weight[end] = direction
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, end],
+                                               bos_token_id=tokenizer.eos_token_id)
+    path = str(tmp_path_factory.mktemp("models") / "tiny-chat")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_chat_models_end_of_turn_ends_a_completion_and_rewards_get_trls_call(chat_model, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A chat model whose turns end in ``<|im_end|>`` (its generation_config's EOS) while its tokenizer's EOS is
+    ``<|endoftext|>``: each completion stops at its turn's end and its mask ends there (TRL 1.16's eos ids); before,
+    generation ran past the turn and the rewards, the loss and clipped_ratio counted the text after it. The reward
+    functions are called as TRL calls them: ``trainer_state`` (the steps done, the run's steps), ``log_metric``
+    (logged as each generation's mean), ``log_extra``, the columns; an ``async def`` one is awaited (before: the run
+    stopped at step 0). summary.json's train_rows counts completions, its row_unit (before: the prompts)."""
+    import sys
+
+    import grpo_rewards
+    from helpers import ROOT, train_in_process
+    from transformers import AutoTokenizer
+
+    from toolkit.tasks.grpo.task import GRPO
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    end = AutoTokenizer.from_pretrained(chat_model).convert_tokens_to_ids("<|im_end|>")
+    grpo_rewards.CALLS.clear()
+    summary = train_in_process(_values(chat_model, tmp_path, reward_funcs=["grpo_rewards:record",
+                                                                           "grpo_rewards:async_vowels"],
+                                       chat_template="{% for m in messages %}{{ m['content'] }}<|im_end|>\n"
+                                                     "{% endfor %}", max_train_samples=8), task=GRPO())
+    ids = [c for call in grpo_rewards.CALLS for c in call["completion_ids"]]
+    assert len(ids) == 16 and all(0 < len(c) <= 6 for c in ids)
+    ended = [c for c in ids if end in c]
+    assert ended and all(c.index(end) == len(c) - 1 for c in ended), ids  # nothing after the turn's end
+    assert len(ended) < len(ids)  # some ran to max_completion_length without ending their turn
+    assert [(call["step"], call["max_steps"]) for call in grpo_rewards.CALLS] == [(0, 2)] * 2 + [(1, 2)] * 2
+    assert grpo_rewards.CALLS[0]["keywords"] == ["answer"]  # the column; TRL's own keywords are its parameters
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"reward"' in line]
+    assert [r["record/completions"] for r in rows] == [4.0, 4.0]  # a call's value (a micro-batch's 4), its mean
+    assert [r["completions/clipped_ratio"] for r in rows] == [
+        sum(end not in c for c in ids[8 * k:8 * k + 8]) / 8 for k in range(2)]
+    assert all("rewards/async_vowels/mean" in r for r in rows)
+    assert (summary["train_rows"], summary["train_prompts"], summary["row_unit"]) == (32, 8, "completions")
+    assert "32 training completions" in capsys.readouterr().out
+
+
+def test_a_run_that_learns_nothing_says_so_and_logs_no_undefined_means(tiny_model, tmp_path, monkeypatch, capsys):
+    """Rewards all equal (every group's std 0: every advantage 0, the loss 0): the run warns, in the log and in
+    summary.json (before: it reported success and nothing else), with zero_std_batches of generated_batches. Every
+    completion truncated and masked (mask_truncated_completions, max_completion_length 1): entropy, kl and the clip
+    ratios, token means over no token, are absent from the log (before: 0.0)."""
+    import sys
+
+    from helpers import ROOT, train_in_process
+
+    from toolkit.tasks.grpo.task import GRPO
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    summary = train_in_process(_values(tiny_model, tmp_path, reward_funcs=["grpo_rewards:zero"], beta=0.04,
+                                       max_completion_length=1, mask_truncated_completions=True), task=GRPO())
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"reward"' in line]
+    assert len(rows) == 2 and all(r["completions/clipped_ratio"] == 1.0 and r["frac_reward_zero_std"] == 1.0
+                                  for r in rows)
+    assert not {"entropy", "kl", "clip_ratio/region_mean"} & {k for r in rows for k in r}, rows
+    assert (summary["generated_batches"], summary["zero_std_batches"]) == (2, 2)
+    warning = summary["warnings"][0]
+    assert warning.startswith("every group of completions had equal rewards in all 2 generated batches")
+    assert f"warning: {warning}" in capsys.readouterr().out
+    saved = json.load(open(tmp_path / "run" / "summary.json"))
+    assert saved["warnings"] == [warning] and saved["train_rows"] == 2048 and saved["train_prompts"] == 512
 
 
 # ------------------------------------------------------------------------------------------ refusals
-def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path, monkeypatch):
+def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path, monkeypatch, capsys):
     """The second of two reward functions raises: the run stops with one line naming it (what else a function does
     wrong, e.g. the wrong length, is the same stop with score's line: test_reward_functions_return_what_trl_takes)."""
     import sys
@@ -457,6 +620,14 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     with pytest.raises(TrainingStopped, match="reward function grpo_rewards:raises raised ValueError: no score for these"):
         train_in_process(_values(tiny_model, tmp_path, reward_funcs=["arithmetic_correct", "grpo_rewards:raises"],
                                  max_steps=1), task=GRPO())
+    # stopped at step 0, before any checkpoint: the end of the run says so (before: "the latest checkpoint holds the
+    # last good step", of which there was none)
+    assert json.load(open(tmp_path / "run" / "summary.json"))["latest_checkpoint"] is None
+    assert "model: not exported (training stopped before any checkpoint was written: a relaunch starts over)" in \
+        capsys.readouterr().out
+
+
+HELD_OUT = "recipes/grpo.py does not use it: delete it"  # toolkit.config.help.unused_field's line for a field GRPO ignores
 
 
 @pytest.mark.parametrize("values, field, message", [
@@ -464,17 +635,42 @@ def test_a_failing_reward_function_stops_the_run_naming_it(tiny_model, tmp_path,
     ({"num_generations": 3}, "num_generations", "global batch of 8 completions"),
     ({"reward_funcs": ["no_such_module:f"]}, "reward_funcs", "cannot import 'no_such_module:f'"),
     ({"reward_funcs": ["arithmetic_correct"], "reward_weights": [1.0, 2.0]}, "reward_weights", "2 weights for 1"),
-    ({"eval_steps": 5}, "eval_steps", "there is no held-out evaluation"),  # before: accepted, nothing evaluated
-    ({"eval_on_start": True}, "eval_on_start", "there is no held-out evaluation"),
+    # TRL 1.16 calls a reward function with trainer_state, log_metric, log_extra and every column by name; before,
+    # a function that could not take them (no **kwargs) or needed a column the data lacks failed at step 0, after the
+    # weights loaded and the first completions were drawn
+    ({"reward_funcs": ["grpo_rewards:no_kwargs"]}, "reward_funcs",
+     "grpo_rewards:no_kwargs cannot be called as TRL 1.16 calls a reward function .* got an unexpected keyword "
+     "argument 'completion_ids'; add \\*\\*kwargs to its parameters"),
+    ({"reward_funcs": ["grpo_rewards:needs_difficulty"]}, "reward_funcs",
+     "missing a required argument: 'difficulty'; the data's columns are \\['answer'\\]"),
+    # fields GRPO ignores (no held-out evaluation; prompts whole, tokenized once): before, accepted and unused
+    ({"eval_steps": 5}, "eval_steps", HELD_OUT),
+    ({"eval_on_start": True}, "eval_on_start", HELD_OUT),
+    ({"validation_split_percentage": 10}, "validation_split_percentage", HELD_OUT),
+    ({"max_eval_samples": 4}, "max_eval_samples", HELD_OUT),
+    ({"block_size": 32}, "block_size", HELD_OUT),
+    ({"per_device_eval_batch_size": 2}, "per_device_eval_batch_size", HELD_OUT),
+    ({"preprocessing_num_workers": 2}, "preprocessing_num_workers", HELD_OUT),
+    ({"dataset_format": "messages"}, "dataset_format", HELD_OUT),
+    ({"dataset_mixture": {"datasets": [{"id": "arithmetic"}]}, "dataset_name": None}, "dataset_mixture",
+     "GRPO does not take it here"),
 ])
-def test_grpo_refuses_before_any_work(tiny_model, tmp_path, values, field, message):
+def test_grpo_refuses_before_any_work(tiny_model, tmp_path, monkeypatch, values, field, message):
+    """What every run checks before its weights load (``build.check_inputs``: a recipe's ranks, ``toolkit train``
+    before it launches, a notebook's config built without a recipe)."""
+    import sys
+
+    from helpers import ROOT
+
     from toolkit.config import config_from_dict
     from toolkit.errors import ConfigError
     from toolkit.tasks.grpo.task import GRPO
+    from toolkit.training.build import check_inputs
 
-    cfg = config_from_dict(_values(tiny_model, tmp_path, **values))
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    cfg = config_from_dict({k: v for k, v in _values(tiny_model, tmp_path, **values).items() if v is not None})
     with pytest.raises(ConfigError, match=message) as err:
-        GRPO().check(cfg)
+        check_inputs(cfg, GRPO(), log=lambda line: None)
     assert err.value.field_name == field
 
 

@@ -173,6 +173,23 @@ def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):
     assert "best eval loss: 0.6745" in printed
 
 
+def test_a_grpo_runs_mean_reward_first_and_last(tmp_path):
+    """A GRPO run's mean reward (TRL's ``reward``, logged with each training row; its loss, the clipped surrogate, is
+    near 0 by construction) from its first to its last logged row, in the summary and the table (before: no reward
+    row); the end-of-run lines count its training rows in its row_unit and print its warnings."""
+    rows = [{"step": s, "tokens_seen": 100 * s, "loss": 0.0, "reward": r, "loss_unit": "GRPO objective"}
+            for s, r in ((1, 0.1875), (2, 0.25), (3, 0.9375))]
+    grpo = summarize(load_run(write_run(tmp_path / "grpo", rows, summary={"row_unit": "completions"})))
+    assert (grpo["first_reward"], grpo["final_reward"]) == (0.1875, 0.9375)
+    lm = summarize(load_run(write_run(tmp_path / "lm", synthetic_rows(), CONFIG)))
+    assert lm["first_reward"] is None
+    lines = [" ".join(line.split()) for line in table([grpo, lm]).splitlines()]
+    assert "mean reward first -> last (GRPO) 0.1875 -> 0.9375 ? -> ?" in lines, lines
+    printed = format_run_summary({"steps": 3, "tokens_seen": 300, "seconds": 1.0, "tokens_per_s": 300.0,
+                                  "train_rows": 64, "row_unit": "completions", "warnings": ["nothing learnt"]})
+    assert "64 training completions" in printed and printed.endswith("\n  warning: nothing learnt")
+
+
 def test_the_global_batch_is_counted_in_the_tasks_unit():
     """summary.json's row_unit (the task's: pairs for DPO) names what the report's global batch counts; a run written
     before the field existed reads as sequences."""

@@ -110,7 +110,10 @@ def test_a_stopped_run_writes_its_summary_and_plot_keeps_its_checkpoint_and_expo
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-3"]  # the last good step's
     # the last good step is logged though logging_steps (2) would skip it, as a preempted run's last step is
     assert os.path.isfile(out / "loss.png") and [r["step"] for r in rows if "loss" in r] == [2, 3]
-    assert "model: not exported (training stopped" in capsys.readouterr().out
+    # the checkpoint a relaunch continues from, named (a run stopped before any: test_grpo.py's failing reward)
+    assert summary["latest_checkpoint"] == str(out / "checkpoints" / "step-3")
+    assert f"model: not exported (training stopped; the latest checkpoint, {out}/checkpoints/step-3, holds step 3)" \
+        in capsys.readouterr().out
 
 
 class _SigtermAt:

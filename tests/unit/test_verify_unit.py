@@ -77,3 +77,25 @@ def test_what_a_launched_rank_would_refuse_stops_verify_before_any_launch(tiny_m
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("config error: pipeline_parallel_size") and len(err.splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []  # no run was started
+
+
+def test_verify_gives_a_recipe_only_the_fields_its_task_takes(tiny_model, tmp_path):
+    """verify's fixed fields (max_eval_samples, eval_on_start, ...) go to a recipe only where its task takes them:
+    GRPO has no held-out evaluation and refuses max_eval_samples (before verify set it for every recipe, so any
+    verify of recipes/grpo.py would be refused). Its arguments pass the recipe's parse and the checks a rank runs
+    before its weights load."""
+    from helpers import ROOT
+
+    from toolkit.cli.train import check
+    from toolkit.cli.verify import UNUSED_OUTPUT, _parser, _plan, _recipe_argv
+
+    args, recipe_args = _parser().parse_known_args([
+        "--config_file", f"{ROOT}/accelerate_configs/ddp.yaml", "--num_processes", "2", "--recipe",
+        f"{ROOT}/recipes/grpo.py", "--model_name_or_path", tiny_model, "--dataset_name", "arithmetic",
+        "--chat_template", "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "--num_generations", "4",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_completion_length", "4",
+        "--work_dir", str(tmp_path)])
+    plan = _plan(args, recipe_args)
+    argv = _recipe_argv(args, recipe_args, "sgd")
+    assert "--max_eval_samples" not in argv and "--max_steps" in argv and plan["global"] == 8
+    check("grpo", args.config_file, plan["world"], [*argv, "--output_dir", UNUSED_OUTPUT], mixed_precision="no")

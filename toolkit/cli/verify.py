@@ -31,6 +31,7 @@ argument goes to the recipe. The fields verify must fix for a fair comparison ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -42,8 +43,8 @@ import time
 
 from toolkit import layout
 from toolkit.cli.train import check, packaged
-from toolkit.config import ConfigError, field_names, parse_args
-from toolkit.config.help import recipe_task
+from toolkit.config import ARGUMENT_CLASSES, ConfigError, field_names, parse_args
+from toolkit.config.help import recipe_task, takes
 
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
@@ -71,7 +72,7 @@ def _optimizer_overrides(name: str, args) -> list[str]:
 
 def _recipe_argv(args, recipe_args: list[str], name: str) -> list[str]:
     """The recipe's arguments for check ``name``: the user's, then what verify fixes (the last value wins)."""
-    return [*recipe_args, *_fixed_overrides(args.steps), *_optimizer_overrides(name, args)]
+    return [*recipe_args, *_fixed_overrides(args.steps, recipe_task(args.recipe)), *_optimizer_overrides(name, args)]
 
 
 def _checks(value: str) -> list[str]:
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"verify {args.config_file}: {plan['world']} processes{degree} x micro batch {plan['micro']} x accumulation "
           f"{plan['accum']} vs 1 process x micro batch {plan['global']}; {args.steps} steps, fp32, dropout off, "
           f"shuffle on; recipe {args.recipe}; runs in {work}", flush=True)
-    print(f"  verify sets: {' '.join(_fixed_overrides(args.steps))} and, per check, optim, learning_rate, "
+    print(f"  verify sets: {' '.join(_fixed_overrides(args.steps, task))} and, per check, optim, learning_rate, "
           "weight_decay (sgd: max_grad_norm 0; adamw: adam_epsilon 1e-6)", flush=True)
     ok = True
     for name in args.checks:
@@ -163,8 +164,9 @@ def _plan(args, recipe_args: list[str]) -> dict:
     if world < 2:
         raise ConfigError("num_processes", f"is {world}; verify compares a multi-process launch with one process: "
                                            "pass --num_processes 2 or more")
-    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps), "--output_dir", UNUSED_OUTPUT],
-                     task=recipe_task(args.recipe))  # the recipe's own fields, as the recipe will parse them
+    task = recipe_task(args.recipe)
+    cfg = parse_args([*recipe_args, *_fixed_overrides(args.steps, task), "--output_dir", UNUSED_OUTPUT],
+                     task=task)  # the recipe's own fields, as the recipe will parse them
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
     # match is micro x accumulation x the data-parallel degree, not x the process count.
@@ -195,11 +197,14 @@ def _config_model_parallel(path: str) -> int:
             * int(parallel.get("parallelism_config_cp_size", 1) or 1))
 
 
-def _fixed_overrides(steps: int) -> list[str]:
-    # Appended after the user's arguments: the command line's last value wins.
-    return ["--max_steps", str(steps), "--logging_steps", "1", "--shuffle", "true", "--lr_scheduler_type", "linear",
-            "--warmup_steps", "0", "--eval_on_start", "false", "--max_eval_samples", "32", "--disable_dropout", "true",
-            "--report_to", "none", "--overwrite_output_dir", "true", "--save_final_model", "true"]
+def _fixed_overrides(steps: int, task: str | None = None) -> list[str]:
+    # Appended after the user's arguments: the command line's last value wins. Only the fields the recipe's task takes
+    # (GRPO has no held-out evaluation: its recipe refuses max_eval_samples).
+    fixed = {"max_steps": str(steps), "logging_steps": "1", "shuffle": "true", "lr_scheduler_type": "linear",
+             "warmup_steps": "0", "eval_on_start": "false", "max_eval_samples": "32", "disable_dropout": "true",
+             "report_to": "none", "overwrite_output_dir": "true", "save_final_model": "true"}
+    taken = {f.name for cls in ARGUMENT_CLASSES for f in dataclasses.fields(cls) if takes(f, task)}
+    return [token for name, value in fixed.items() if name in taken for token in (f"--{name}", value)]
 
 
 def _free_port() -> int:

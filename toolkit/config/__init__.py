@@ -1,6 +1,6 @@
 """The configuration: every field a recipe takes, checked before torch, accelerate or a model is touched.
 
-  help            a recipe's --help (its fields grouped) and which recipe takes a field (standard library only)
+  help            a recipe's --help (its fields grouped), which recipe takes a field, a field the task ignores refused
   checks          the small checks the argument classes share (_positive, _one_of, ...), a field's task tuples
   mixture         dataset_mixture's check (alignment-handbook's shape), the local files a mixture id names
   quantization    quantization's fields (load_in_4bit, ...) and checks, a part of ModelArguments

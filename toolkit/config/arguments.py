@@ -34,6 +34,8 @@ from toolkit.config.checks import (
     CHAT_TASKS,
     DATA_EXTENSIONS,
     DPO_ONLY,
+    FORMAT_TASKS,
+    HELD_OUT_TASKS,
     PACKING_TASKS,
     TEXT_TASKS,
     _at_least_zero,
@@ -248,9 +250,10 @@ class _DataFields:
         "help": "Local txt/json/jsonl/csv/parquet file(s): a path, a glob ('data/part-*.jsonl', quoted), or several "
                 "separated by commas (in YAML also a list)."})
     validation_file: Optional[str] = field(default=None, metadata={
-        "help": "Local validation file(s), as train_file (same format)."})
+        "help": "Local validation file(s), as train_file (same format).", "tasks": HELD_OUT_TASKS})
     validation_split_percentage: int = field(
-        default=5, metadata={"help": "Percent of train held out when the dataset has no validation split."}
+        default=5, metadata={"help": "Percent of train held out when the dataset has no validation split.",
+                             "tasks": HELD_OUT_TASKS}
     )
     text_column_name: Optional[str] = field(
         default=None, metadata={"help": "Text column (default: 'text'; chat SFT: 'messages', a list of {role, "
@@ -261,7 +264,8 @@ class _DataFields:
                                         "tokenizer's.", "tasks": CHAT_TASKS}
     )
     block_size: Optional[int] = field(
-        default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions)."}
+        default=None, metadata={"help": "Tokens per row; default min(1024, the model's positions).",
+                                "tasks": HELD_OUT_TASKS}
     )
     packing: Optional[bool] = field(
         default=None, metadata={"help": "true: several documents per block_size row (how: packing_strategy); false: "
@@ -288,7 +292,7 @@ class _DataFields:
     )
     max_eval_samples: Optional[int] = field(
         default=None, metadata={"help": "Keep N validation documents (before tokenization and packing), drawn as "
-                                        "max_train_samples' rows are."}
+                                        "max_train_samples' rows are.", "tasks": HELD_OUT_TASKS}
     )
     streaming: bool = field(
         default=False, metadata={"help": "run_clm's name: read train_file as a stream (nothing tokenized ahead, "
@@ -307,10 +311,11 @@ class _DataFields:
                                         "false: such a pair stops the run before any work, naming its row.",
                                 "tasks": DPO_ONLY}
     )
-    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map."})
+    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for datasets.map.",
+                                                                             "tasks": HELD_OUT_TASKS})
     dataset_format: Optional[str] = field(
         default=None, metadata={"help": f"The data's format, one of {', '.join(DATASET_FORMATS)}; unset: detected "
-                                        "from the columns (docs/recipes.md#dataset-formats)."}
+                                        "from the columns (docs/recipes.md#dataset-formats).", "tasks": FORMAT_TASKS}
     )
     sharegpt_roles: Optional[str] = field(
         default=None, metadata={"help": "ShareGPT data: a mapping of its 'from' names to roles (system, user, "
@@ -323,11 +328,13 @@ class _DataFields:
                                          "config, split, columns, weight}], seed, test_split_size}; each set is "
                                          "converted to the recipe's format, a weight fraction of its rows drawn with "
                                          "the seed; a YAML mapping (on the command line, its YAML/JSON text). "
-                                         "Instead of dataset_name/train_file."}
+                                         "Instead of dataset_name/train_file.", "tasks": FORMAT_TASKS,
+                                 "task_checks": True}
     )
     # Not a field: the run's seed (TrainingArguments.seed, set by RunConfig) that draws max_*_samples' rows.
     sample_seed = 42
-    overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Recompute cached tokenization.",
+                                                           "tasks": HELD_OUT_TASKS})
 
     def data_files(self, name: str = "train_file") -> list[str]:
         """The files ``train_file`` or ``validation_file`` names: comma-separated paths or globs (a YAML list is
@@ -431,7 +438,8 @@ class _TrainingFields:
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing a finished output_dir."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Rows per rank per micro-step."})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Rows per rank per eval batch."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Rows per rank per eval batch.",
+                                                                 "tasks": HELD_OUT_TASKS})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases/norms)."})
@@ -466,7 +474,8 @@ class _TrainingFields:
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
                                      "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
-                                     "(the largest activation of a small model with a big vocabulary); 0 = off."}
+                                     "(the largest activation of a small model with a big vocabulary); 0 = off.",
+                             "tasks": FORMAT_TASKS, "task_checks": True}
     )
     cpu_memory_reuse: Optional[bool] = field(
         default=None, metadata={"help": "On CPU ranks, keep freed memory in the process for reuse (glibc mallopt) "
@@ -494,8 +503,10 @@ class _TrainingFields:
         },
     )
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
-    eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end)."})
-    eval_on_start: bool = field(default=False, metadata={"help": "Evaluate before the first step."})
+    eval_steps: Optional[int] = field(default=None, metadata={"help": "Evaluate every N steps (and at the end).",
+                                                              "tasks": HELD_OUT_TASKS})
+    eval_on_start: bool = field(default=False, metadata={"help": "Evaluate before the first step.",
+                                                         "tasks": HELD_OUT_TASKS})
     save_steps: Optional[int] = field(default=None, metadata={"help": "Checkpoint every N optimizer steps."})
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the N newest checkpoints."})
     resume_from_checkpoint: Optional[str] = field(

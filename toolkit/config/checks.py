@@ -25,6 +25,13 @@ CHAT_TASKS = ("chat-sft", "dpo", "grpo")  # chat_template: chats, DPO's and GRPO
 TEXT_TASKS = ("causal-lm", "chat-sft", "sequence-classification")  # DPO's columns are prompt/chosen/rejected
 # packing and streaming: the tasks that take them; the others refuse them in Task.check, saying why ("task_checks")
 PACKING_TASKS = ("causal-lm", "chat-sft")
+# Held-out evaluation, rows cut to block_size, and a tokenizing map with workers and a cache: every task but GRPO,
+# whose prompts are whole rows (max_prompt_length), tokenized once, and which has no held-out evaluation.
+HELD_OUT_TASKS = ("causal-lm", "chat-sft", "dpo", "sequence-classification")
+# The tasks whose data toolkit.data.formats converts (dataset_format, a dataset_mixture's sets) and whose loss is over a
+# vocabulary's logits (loss_chunk_size): not the classifier (one labelled set, a class head) nor GRPO (prompts only,
+# a loss over sampled completions); those two refuse dataset_mixture and loss_chunk_size themselves, saying why.
+FORMAT_TASKS = ("causal-lm", "chat-sft", "dpo")
 
 
 def _closest(name: str, choices) -> str | None:

@@ -27,8 +27,10 @@ class GRPOArguments:
                                      "completions and must be a multiple of it.", "tasks": GRPO_ONLY}
     )
     max_prompt_length: Optional[int] = field(
-        default=512, metadata={"help": "GRPO: prompts longer than this many tokens keep their last tokens (TRL's "
-                                       "left truncation); null keeps them whole.", "tasks": GRPO_ONLY}
+        default=None, metadata={"help": "GRPO: cut each prompt longer than this many tokens to its last ones (the "
+                                        "log and summary.json count the prompts cut and the tokens removed). Unset: "
+                                        "prompts stay whole, as TRL 1.16 keeps them (it has no such field).",
+                                "tasks": GRPO_ONLY}
     )
     max_completion_length: int = field(
         default=512, metadata={"help": "GRPO (TRL's name): tokens generated per completion at most; a completion "
@@ -60,10 +62,11 @@ class GRPOArguments:
                                          "take no part in the loss.", "tasks": GRPO_ONLY}
     )
     reward_funcs: Optional[list[str]] = field(
-        default=None, metadata={"help": "GRPO: reward functions, import paths 'module:function' (TRL's signature: "
-                                        "prompts, completions, completion_ids and the dataset's other columns as "
-                                        "keyword arguments -> a list of floats) or a built-in's name "
-                                        "(arithmetic_correct, arithmetic_format). Unset: the built-in set's.",
+        default=None, metadata={"help": "GRPO: reward functions, import paths 'module:function' (TRL 1.16's call: "
+                                        "prompts, completions, completion_ids, the dataset's other columns, "
+                                        "trainer_state, log_metric and log_extra as keyword arguments -> a list of "
+                                        "floats; async def is awaited) or a built-in's name (arithmetic_correct, "
+                                        "arithmetic_format). Unset: the built-in set's.",
                                 "nargs": "+", "tasks": GRPO_ONLY}
     )
     reward_weights: Optional[list[float]] = field(
@@ -78,6 +81,12 @@ class GRPOArguments:
         _positive(self, "max_prompt_length", allow_none=True)
         _at_least_zero(self, "top_k", why=" (0 turns it off)")
         _finite(self, "temperature", "top_p", "epsilon")
+        # the clip range [1 - epsilon, 1 + epsilon_high] holds 1 (an unclipped ratio): a negative bound inverts it
+        _at_least_zero(self, "epsilon", why=" (the ratio is clipped to [1 - epsilon, 1 + epsilon_high])")
+        if self.epsilon_high is not None:
+            _finite(self, "epsilon_high")
+            _at_least_zero(self, "epsilon_high", why=" (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]); "
+                                                     "unset: epsilon")
         if self.num_generations < 2:
             raise ConfigError("num_generations", f"must be >= 2 (a group's advantages are its rewards against the "
                                                  f"group's mean), got {self.num_generations}")

@@ -1,10 +1,14 @@
 """A recipe's ``--help``, and which recipe takes a field: what a task's metadata on a config field means.
 
 A field that only some tasks use says so in its metadata, ``metadata={"tasks": ("dpo",), ...}`` (the names are the
-tasks' ``Task.name``); a field without it is every recipe's. ``"task_checks": True``: the other tasks refuse it
-themselves (``Task.check``, saying why), so parsing lets it through to them. ``toolkit.config`` keeps every field in one place and
-asks this module two things: the help text of one recipe (its description, ``--config``, then its own fields grouped
-model / data / training), and whether a field given to a recipe belongs to another one.
+tasks' ``Task.name``); a field without it is every recipe's. The rule, for every task: a field the task does not use
+(ignores) is not listed for it, so that setting it is refused instead of silently doing nothing (GRPO's held-out
+evaluation fields, a classifier's dataset_format). ``"task_checks": True``: the other tasks refuse it themselves
+(``Task.check``, saying why), so ``unused_field`` lets it through to them. ``toolkit.config`` keeps every field in
+one place and asks this module two things: the help text of one recipe (its description, ``--config``, then its own
+fields grouped model / data / training), and whether a field given to a recipe belongs to another one
+(``unused_field``: when a recipe parses its config, and again in ``toolkit.training.build.check_inputs`` for a config built
+without a recipe, a notebook's).
 
 Standard library only (argparse formats the text): nothing here touches a field's value, and ``--help`` loads
 neither transformers nor torch.
@@ -40,6 +44,19 @@ def refuses(f: dataclasses.Field, task: str | None, value) -> bool:
     A field whose metadata says ``task_checks`` is left to the tasks that do not take it: their ``Task.check`` says
     why (DPO on a stream), and accepts the value that turns it off (``packing: false``)."""
     return not takes(f, task) and value != f.default and not f.metadata.get("task_checks")
+
+
+def unused_field(groups, task: str | None) -> tuple[str, str] | None:
+    """(field, message) of the first field the recipe of ``task`` does not use set to other than its default, which
+    the caller refuses (``ConfigError``): the recipe would ignore it. A default value passes, so that a run's own
+    config.yaml (every field) parses again. No task, or one of no recipe here (a notebook's own Task): None."""
+    if task not in TASK_RECIPES:
+        return None
+    for group in groups:
+        for f in dataclasses.fields(group):
+            if f.init and refuses(f, task, getattr(group, f.name)):
+                return f.name, f"is a field of {recipes_of(f)}; recipes/{TASK_RECIPES[task]} does not use it: delete it"
+    return None
 
 
 def recipes_of(f: dataclasses.Field) -> str:

@@ -220,20 +220,12 @@ def _parse(classes, make, argv: list[str], nulls: dict, yaml_unknown: list[str] 
             raise _unknown_error(list(yaml_unknown), source, cli_unknown, known)
         # Each dataclass checks its fields as it is built, RunConfig checks the whole.
         groups = parser.parse_args_into_dataclasses(args=argv)
-        _check_task_fields(groups, task)
+        unused = config_help.unused_field(groups, task)
+        if unused:
+            raise ConfigError(*unused)
         return make(*groups)
     except ConfigError as e:
         raise _name_field(e) from None
-
-
-def _check_task_fields(groups, task: str | None) -> None:
-    """A field of another recipe's task set to other than its default: refused, naming the recipe that takes it (the
-    recipe would ignore it). A default value passes, so that a run's own config.yaml (every field) parses again."""
-    for group in groups:
-        for f in dataclasses.fields(group):
-            if f.init and config_help.refuses(f, task, getattr(group, f.name)):
-                raise ConfigError(f.name, f"is a field of {config_help.recipes_of(f)}; "
-                                          f"recipes/{config_help.TASK_RECIPES[task]} does not use it: delete it")
 
 
 def _name_field(err: ConfigError) -> ConfigError:

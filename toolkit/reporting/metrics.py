@@ -85,7 +85,7 @@ def format_run_summary(summary: dict) -> str:
                                                                                   "set peak_flops)")
         + f", peak memory per rank {summary.get('peak_memory_gb_per_rank', [])} GB",
         f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')}), "
-        f"{summary.get('train_rows', '?')} training rows, fill rate "
+        f"{summary.get('train_rows', '?')} training {summary.get('row_unit', 'rows')}, fill rate "
         + (f"{summary['fill_rate']:.3f}" if summary.get("fill_rate") is not None else "n/a"),
         f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
         *([f"  last eval: rewards/accuracies {summary['eval_rewards/accuracies']:.4f}, rewards/margins "
@@ -93,11 +93,25 @@ def format_run_summary(summary: dict) -> str:
         *_ended_line(summary),
         f"  model: {summary['final_model']}" if summary.get("final_model") else (
             "  model: not exported (preempted: relaunch with resume_from_checkpoint: latest)"
-            if summary.get("preempted") else "  model: not exported (training stopped: the latest checkpoint holds "
-            "the last good step)" if summary.get("ended") == ENDED_STOPPED else
-            "  model: not saved (save_final_model false)"),
+            if summary.get("preempted") else _stopped_model_line(summary) if summary.get("ended") == ENDED_STOPPED
+            else "  model: not saved (save_final_model false)"),
+        *[f"  warning: {w}" for w in summary.get("warnings") or []],
     ]
     return "\n".join(lines)
+
+
+def _stopped_model_line(summary: dict) -> str:
+    """A stopped run's model line: which checkpoint a relaunch would continue from, if the run (or the run it resumed)
+    wrote any (``latest_checkpoint``); a run stopped before its first checkpoint has nothing to continue from."""
+    latest = summary.get("latest_checkpoint")
+    if latest is None:
+        return "  model: not exported (training stopped before any checkpoint was written: a relaunch starts over)"
+    return f"  model: not exported (training stopped; the latest checkpoint, {latest}, holds step {_step_of(latest)})"
+
+
+def _step_of(checkpoint: str) -> str:
+    """The step a checkpoint folder's name holds (``step-12`` -> 12)."""
+    return os.path.basename(os.path.normpath(checkpoint)).removeprefix("step-")
 
 
 def _ended_line(summary: dict) -> list[str]:

@@ -121,6 +121,7 @@ def summarize(run: dict) -> dict:
         "best_accuracy": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
         **_first_and_last(evals, "eval_rewards/accuracies", "reward_accuracy"),
         **_first_and_last(evals, "eval_rewards/margins", "reward_margin"),
+        **_first_and_last(rows, "reward", "reward"),  # GRPO's mean reward of each logged window (its loss is ~0)
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / world if world and tokens_per_s else None,
         "steps_per_s": summary.get("steps_per_s"),
@@ -134,8 +135,8 @@ def summarize(run: dict) -> dict:
 
 
 def _first_and_last(evals: list[dict], metric: str, name: str) -> dict:
-    """``first_<name>`` and ``final_<name>``: ``metric`` (e.g. DPO's eval_rewards/accuracies) at the first and the last
-    evaluation that has it; None where none has."""
+    """``first_<name>`` and ``final_<name>``: ``metric`` (e.g. DPO's eval_rewards/accuracies, GRPO's reward) in the
+    first and the last row that has it; None where none has."""
     values = [r[metric] for r in evals if r.get(metric) is not None]
     return {f"first_{name}": values[0] if values else None, f"final_{name}": values[-1] if values else None}
 
@@ -163,6 +164,7 @@ ROWS = (  # (label, key, format)
     ("best eval accuracy (classifiers)", "best_accuracy", ".4f"),
     ("eval reward accuracy first -> last (DPO)", "reward_accuracy", ".4f"),
     ("eval reward margin first -> last (DPO)", "reward_margin", ".4f"),
+    ("mean reward first -> last (GRPO)", "reward", ".4f"),
     ("training tokens/s", "tokens_per_s", ",.0f"),
     ("tokens/s per device", "tokens_per_s_per_device", ",.0f"),
     ("optimizer steps/s (wall)", "steps_per_s", ".3f"),
@@ -193,7 +195,7 @@ def _cell(s: dict, label: str, key, spec) -> str:
         best = _fmt(s["best_eval_loss"], ".4f")
         at = f" (step {s['best_eval_step']})" if s["best_eval_step"] is not None else ""
         return f"{_fmt(s['first_eval_loss'], '.4f')} -> {best}{at}"
-    if key in ("reward_accuracy", "reward_margin"):
+    if key in ("reward_accuracy", "reward_margin", "reward"):
         return f"{_fmt(s['first_' + key], spec)} -> {_fmt(s['final_' + key], spec)}"
     value = _fmt(s[key], spec)
     if key == "global_batch" and s[key] is not None:

@@ -13,7 +13,8 @@ export) is the core's, the same for every task. A task answers, for ``toolkit.tr
     count_targets(batch)                the targets of a micro-batch, as a tensor (the loop's per_micro_batch mode)
     row_losses(model, batch, chunked)   per-row *summed* loss: the loop divides by the global batch's targets
     eval_rows(model, batch, chunked)    per-row tensors for ``gather_for_metrics``; ``eval_metrics`` reduces them
-    prepared(accelerator, model)        after the strategy prepared the model (DPO: its live reference, sharded alike)
+    prepared(accelerator, model)        after the strategy prepared the model (DPO: its live reference, sharded alike);
+                                        ``total_steps`` and ``steps_per_epoch`` are set by then
     sample_repeats(cfg)                 each row listed this many times in a row in the sample order (GRPO's groups)
     step_batches(accelerator, model, micro_batches, step)   before each step: the micro-batches it trains on
     log_metrics()                       at each logged step: the task's own metrics (GRPO: rewards, lengths, KL)
@@ -66,6 +67,9 @@ class Task(ABC):
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
     log: Callable[[str], None] = print  # where the task says what it did to the data (build sets the run's log)
+    # the run's optimizer steps and steps per epoch (None for a stream), set by the loop before ``prepared``
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
 
     # The value an unset (None) training field takes for this task: the fields stay listed once, in toolkit.config,
     # and a recipe that needs another default says so here (DPO: disable_dropout true, TRL's default).

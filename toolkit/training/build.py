@@ -19,6 +19,7 @@ from typing import Any
 
 from toolkit.checkpointing import ResumePlan, plan_resume
 from toolkit.config import RunConfig
+from toolkit.config.help import unused_field
 from toolkit.data import loading as data
 from toolkit.data.order import require_one_global_batch
 from toolkit.data.packing import PACKING_REPORT, cut_report
@@ -135,6 +136,9 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     first ones), the block size, and a tensor-parallel split of the model. Returns (tokenizer, model config, raw
     splits or None for a stream, block size). ``build`` starts with it; ``toolkit train`` runs it in the launching
     process (``toolkit.cli.train``), so that a mistake is one line there instead of one under a launcher's traceback."""
+    unused = unused_field((cfg.model, cfg.data, cfg.train), task.name)  # a config parsed without a recipe (a notebook)
+    if unused:
+        raise ConfigError(*unused)
     if cfg.data.streaming and task.stream_refusal:
         raise ConfigError("streaming", f"the {task.name} task cannot train on a stream: {task.stream_refusal}; set "
                                        "streaming: false")

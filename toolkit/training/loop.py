@@ -588,6 +588,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
                       repeats=task.sample_repeats(cfg))
     model = run.model
     run.checkpointer.task = task  # its state (GRPO: a batch the next steps reuse) goes into each checkpoint
+    task.total_steps, task.steps_per_epoch = run.total_steps, run.steps_per_epoch  # GRPO's reward functions read them
     task.prepared(accelerator, model)  # e.g. DPO's live reference, prepared as the model was
     if cfg.data.padding_free:
         _check_packing(accelerator, model, cfg.data.packing_strategy, train_dataset)
@@ -627,8 +628,12 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), ended=ended, total_steps=run.total_steps,
         stop_reason=str(stop) if stop else None, final_model=os.path.abspath(exported) if exported else None,
         data_parallel_size=run.data_parallel_size, fill_rate=window.run_fill_rate(),
-        train_rows=state.samples_seen if isinstance(train_dataset, TrainStream) else len(train_dataset))
+        # an epoch's rows of the sample order, in the task's row_unit (GRPO: each prompt num_generations times)
+        train_rows=state.samples_seen if isinstance(train_dataset, TrainStream)
+        else len(train_dataset) * run.sampler.repeats)
     summary.update(row_unit=task.row_unit, **task.summary(accelerator, model))  # row_unit: what a global batch counts
+    latest = layout.latest_checkpoint(args.output_dir)  # what a relaunch continues from (none: it starts over)
+    summary["latest_checkpoint"] = os.path.abspath(latest) if latest else None
     # Before end_training, which destroys the process group: a sharded model (ZeRO-3, FSDP) needs collectives even
     # for a forward pass. A stopped run's model is not the run's result: no on_end.
     if stop is None:

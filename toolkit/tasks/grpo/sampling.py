@@ -8,10 +8,18 @@ distribution (transformers' own temperature, top-k and top-p warpers, row by row
 row's generator, and leaves it the only token greedy can pick. A row's draws then depend only on its seed and its own
 logits (which a batch does not change beyond float rounding), whatever else is in the batch. Under ZeRO-3 and FSDP2
 ``synced_gpus`` keeps every rank's forward passes in step until all of them are done.
+
+Nothing of the model's own ``generation_config`` shapes the draws but its EOS ids (TRL's: every one of them ends a
+completion, ``eos_ids``): ``generate`` fills every field a passed config leaves unset from the model's, and
+``suppress_tokens``, ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``bad_words_ids`` ... are
+logits processors that run before ``RowSampler``. The loss scores the model's logits over the temperature alone
+(``toolkit.tasks.grpo.loss.completion_logps``), so such a processor would draw completions from another distribution than
+the one the loss takes them from (off-policy, silently). ``sample`` hides the model's config while it generates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -50,25 +58,60 @@ class RowSampler:
         return out
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion, TRL 1.16's (``GRPOTrainer.__init__``): the tokenizer's EOS, then each EOS id
+    of the model's ``generation_config`` (a chat model's end of turn, e.g. ``<|im_end|>`` beside a tokenizer's
+    ``<|endoftext|>``)."""
+    declared = getattr(_generating_model(model).generation_config, "eos_token_id", None)
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    if tokenizer.eos_token_id is None or tokenizer.eos_token_id in declared:
+        return declared
+    return [tokenizer.eos_token_id, *declared]
+
+
+def _generating_model(model):
+    """The transformers model whose ``generate`` (and so whose ``generation_config``) runs: under a peft wrapper, its
+    base model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def _without_generation_config(model):
+    """The model's ``generation_config`` replaced by transformers' defaults while it generates (module docstring)."""
+    from transformers import GenerationConfig
+
+    inner = _generating_model(model)
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: list[int], *, max_new_tokens: int,
-           temperature: float, top_k: int, top_p: float, pad_token_id: int, eos_token_id: int,
+           temperature: float, top_k: int, top_p: float, pad_token_id: int, eos_token_id: int | list[int],
            synced_gpus: bool = False) -> torch.Tensor:
     """The completions (right of the left-padded prompts) of ``model.generate`` with ``RowSampler``: at most
-    ``max_new_tokens`` each, padded with ``pad_token_id`` after a row's EOS."""
+    ``max_new_tokens`` each, a row stopped at any of ``eos_token_id`` and padded with ``pad_token_id`` after it.
+    Nothing else of the model's ``generation_config`` applies (module docstring)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=eos_token_id, num_beams=1, use_cache=True)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                         logits_processor=LogitsProcessorList([RowSampler(seeds, temperature, top_k, top_p)]),
-                         synced_gpus=synced_gpus)
+    with _without_generation_config(model):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                             logits_processor=LogitsProcessorList([RowSampler(seeds, temperature, top_k, top_p)]),
+                             synced_gpus=synced_gpus)
     return out[:, prompt_ids.shape[1]:]
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask of each completion's tokens up to and with its first EOS, whether it has none: truncated), TRL's."""
-    is_eos = completion_ids == eos_token_id
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of each completion's tokens up to and with its first EOS, any of ``eos_token_id``; whether it has none:
+    truncated), TRL's."""
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    is_eos = torch.isin(completion_ids, torch.tensor(ids, dtype=completion_ids.dtype, device=completion_ids.device))
     width = completion_ids.shape[1]
     first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(is_eos[:, 0], width,
                                                                                         dtype=torch.long))

@@ -2,8 +2,9 @@
 them with reward functions, and push each completion's log-probabilities by its reward against its group's.
 
 Data: TRL's prompt-only format, a ``prompt`` column as text or as messages (rendered with the chat template and its
-generation prompt); every other column goes to the reward functions by name (``toolkit.tasks.grpo.rewards``). Prompts keep their
-last ``max_prompt_length`` tokens.
+generation prompt); every other column goes to the reward functions by name (``toolkit.tasks.grpo.rewards``). Prompts stay whole,
+as TRL 1.16 keeps them; ``max_prompt_length`` cuts each to its last tokens, and the log and summary.json say how many
+prompts and tokens that cut (``prompts_cut``).
 
 A step (``step_batches``, the core's per-step hook, then the core's ``train_step``):
 
@@ -11,9 +12,13 @@ A step (``step_batches``, the core's per-step hook, then the core's ``train_step
    each prompt ``num_generations`` times in a row, so a global batch of B completions holds B / num_generations whole
    groups, split over ranks and micro-batches like any other rows (a group may span them).
 2. Each completion slot is sampled with its own generator seeded from (seed, step, prompt index, generation index)
-   (``toolkit.tasks.grpo.sampling``): the same completions on any world size, micro-batch or rank, and after a resume.
-3. Rewards are computed where the completion is, gathered (every rank the whole global batch's, in slot order), and
-   each completion's advantage is its reward against its whole group (``toolkit.tasks.grpo.loss.group_advantages``).
+   (``toolkit.tasks.grpo.sampling``): the same completions on any world size, micro-batch or rank, and after a resume. A
+   completion ends at the tokenizer's EOS or any EOS id of the model's ``generation_config`` (TRL's: a chat model's
+   end of turn); nothing else of that config shapes the draws (the distribution the loss scores).
+3. Rewards are computed where the completion is (TRL's call: ``trainer_state``, ``log_metric``, ``log_extra`` with
+   the columns; ``async def`` functions awaited together), gathered (every rank the whole global batch's, in slot
+   order), and each completion's advantage is its reward against its whole group
+   (``toolkit.tasks.grpo.loss.group_advantages``).
 4. With ``beta`` > 0 the reference's log-probs (``toolkit.tasks.reference``, as DPO's: a live frozen copy sharded like the
    policy, or with LoRA the adapter disabled), and with ``num_iterations`` > 1 the policy's own (the old policy), are
    taken without grad before the first optimizer step on the batch.
@@ -29,11 +34,17 @@ Metrics, named as TRL logs them: ``reward``, ``reward_std``, ``rewards/<name>/me
 ``completions/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``, ``entropy``, ``kl``
 (beta > 0), ``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; and the step's time split,
 ``time/generation_s`` and ``time/training_s`` (seconds per step; this rank's, the main process's logged), and
-``completions/tokens_per_s`` (this rank's generated tokens over its generation time).
+``completions/tokens_per_s`` (this rank's generated tokens over its generation time); a reward function's
+``log_metric(name, value)``, each generation's mean over every rank. The token means (``entropy``, ``kl``, the clip
+ratios) are absent from a row whose window had no completion token in the loss (undefined, not 0). summary.json:
+``reward_start``, ``reward_end``, ``train_prompts`` (``train_rows`` counts completions, the run's ``row_unit``),
+``zero_std_batches`` of ``generated_batches``, and a warning when every batch's groups had equal rewards (every
+advantage 0: nothing learnt).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import defaultdict
@@ -56,12 +67,21 @@ from toolkit.tasks.grpo.loss import (
     per_token_losses,
     row_losses_and_targets,
 )
-from toolkit.tasks.grpo.rewards import ARITHMETIC, arithmetic_dataset, check_weights, load_reward_funcs, score, stop
-from toolkit.tasks.grpo.sampling import completion_mask, row_seed, sample
+from toolkit.tasks.grpo.rewards import (
+    ARITHMETIC,
+    arithmetic_dataset,
+    check_signatures,
+    check_weights,
+    load_reward_funcs,
+    score,
+    stop,
+)
+from toolkit.tasks.grpo.sampling import completion_mask, eos_ids, row_seed, sample
 from toolkit.tasks.lm import CausalLM
 from toolkit.tasks.reference import check_reference, load_live, reference_kind, reshard
 
 INDEX = "prompt_index"  # a prompt's row in the training set: part of each of its completions' seeds
+CUT = "prompt_tokens_cut"  # tokenize's count of what max_prompt_length cut from a prompt (dropped after counting)
 
 
 class GRPO(CausalLM):
@@ -83,6 +103,8 @@ class GRPO(CausalLM):
         self.sums = defaultdict(float)  # masked token sums of the loss's metrics since the last log (this rank)
         self.rewards_seen: list[float] = []  # the mean reward of every generated batch, for the summary
         self.generated_at = None  # when this step's completions were ready (the step's time split)
+        self.batches = {"generated": 0, "zero_std": 0}  # generated batches, and those whose every group's std is 0
+        self.eos = None  # the ids that end a completion (``toolkit.tasks.grpo.sampling.eos_ids``), once the model is prepared
 
     # ------------------------------------------------------------------------------------------ checks, data
     def check(self, cfg) -> None:
@@ -91,10 +113,10 @@ class GRPO(CausalLM):
         if args.loss_type not in GRPO_LOSS_TYPES:
             raise ConfigError("loss_type", f"GRPO's loss_type is one of {', '.join(GRPO_LOSS_TYPES)}, got "
                                            f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
+        # the fields of held-out evaluation, block_size and the other fields GRPO does not take are refused by their
+        # metadata (toolkit.config.help.unused_field); these are every other task's but some, said here why
         refusals = {"packing": cfg.data.packing, "loss_chunk_size": args.loss_chunk_size,
-                    "precompute_ref_log_probs": args.precompute_ref_log_probs,
-                    "dataset_mixture": cfg.data.dataset_mixture, "validation_file": cfg.data.validation_file,
-                    "eval_steps": args.eval_steps, "eval_on_start": args.eval_on_start}  # else silently no evaluation
+                    "dataset_mixture": cfg.data.dataset_mixture}
         for field, value in refusals.items():
             if value:
                 raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "
@@ -131,6 +153,8 @@ class GRPO(CausalLM):
         if "prompt" not in raw["train"].column_names:
             raise ConfigError("dataset_name", f"GRPO reads a 'prompt' column (text or messages); the data has "
                                               f"{raw['train'].column_names}")
+        # TRL passes every column but the prompt by name: a function that cannot take them stops here, not at step 0
+        check_signatures(self.funcs, [c for c in raw["train"].column_names if c != "prompt"])
         self.conversational = len(raw["train"]) > 0 and isinstance(raw["train"][0]["prompt"], list)
         return {"train": raw["train"]}
 
@@ -147,20 +171,35 @@ class GRPO(CausalLM):
         keep = self.cfg.train.max_prompt_length if self.cfg is not None else None
 
         def encode(batch, indices):
-            ids = []
+            ids, cut = [], []
             for prompt in batch["prompt"]:
                 if isinstance(prompt, list):
                     text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
                     row = tokenizer(text, add_special_tokens=False)["input_ids"]
                 else:
                     row = tokenizer(prompt)["input_ids"]
-                ids.append(row[-keep:] if keep else row)  # TRL's left truncation: the prompt's end stays
-            return {"input_ids": ids, INDEX: indices}
+                ids.append(row[-keep:] if keep else row)  # left truncation: the prompt's end stays
+                cut.append(len(row) - len(ids[-1]))
+            return {"input_ids": ids, INDEX: indices, CUT: cut}
 
         train = raw["train"].map(encode, batched=True, with_indices=True, desc="tokenize prompts")
+        self._count_cut(train[CUT], keep)
+        train = train.remove_columns(CUT)  # not a column of the data: the reward functions get the data's own
+        self.train_prompts = len(train)  # summary.json's: train_rows counts completions (prompts x num_generations)
         if self.cfg is not None:
             self.check_lengths(train)
         return {"train": train}
+
+    def _count_cut(self, cut: list[int], keep: int | None) -> None:
+        """What ``max_prompt_length`` cut, in the log and summary.json (``prompts_cut``): a cut prompt loses its
+        start (a system message, the question's first words), which nothing else would show."""
+        if keep is None:
+            return
+        cut_rows = [n for n in cut if n]
+        self.data_record["prompts_cut"] = {"prompts": len(cut_rows), "of": len(cut), "tokens_removed": sum(cut_rows),
+                                           "max_prompt_length": keep}
+        self.log(f"max_prompt_length {keep}: {len(cut_rows)} of {len(cut)} prompts cut to their last {keep} tokens, "
+                 f"{sum(cut_rows)} tokens removed" + (f" (at most {max(cut_rows)} from one prompt)" if cut_rows else ""))
 
     def configure_model(self, config, tokenizer) -> None:
         self.positions = max_positions(config)  # a prompt and its completion must fit (``check_lengths``)
@@ -171,10 +210,13 @@ class GRPO(CausalLM):
         longest = max((len(ids) for ids in prompts["input_ids"]), default=0)
         need = longest + self.cfg.train.max_completion_length
         if getattr(self, "positions", None) and need > self.positions:
-            raise ConfigError("max_prompt_length", f"the longest prompt keeps {longest} tokens and a completion takes up "
-                                                   f"to max_completion_length {self.cfg.train.max_completion_length}: "
-                                                   f"{need} positions, more than the model's {self.positions}; lower "
-                                                   "max_prompt_length (or max_completion_length) to fit")
+            keep = self.cfg.train.max_prompt_length
+            fix = ("lower max_prompt_length" if keep else "set max_prompt_length (each prompt keeps its last tokens), "
+                   "shorten the prompts") + " or lower max_completion_length to fit"
+            raise ConfigError("max_prompt_length", f"the longest prompt {'keeps' if keep else 'has'} {longest} tokens "
+                                                   "and a completion takes up to max_completion_length "
+                                                   f"{self.cfg.train.max_completion_length}: {need} positions, more "
+                                                   f"than the model's {self.positions}; {fix}")
 
     def collator(self, tokenizer):
         return PromptCollator()
@@ -183,6 +225,7 @@ class GRPO(CausalLM):
     def prepared(self, accelerator, model) -> None:
         self.accelerator = accelerator
         args = self.cfg.train
+        self.eos = eos_ids(unwrap(model), self.tokenizer)
         if args.beta > 0 and reference_kind(self.cfg) == "live":
             self.reference = load_live(self.cfg, accelerator, block_size=0)
 
@@ -241,10 +284,10 @@ class GRPO(CausalLM):
                 ids, mask = ids.to(accelerator.device), mask.to(accelerator.device)
                 completions = sample(generator, ids, mask, seeds, max_new_tokens=args.max_completion_length,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=self.eos,
                                      synced_gpus=sharded)
                 out.append({**self._completion_batch(batch, ids, mask, completions), "slots": slots})
-                local.append(self._score(batch, out[-1], slots))
+                local.append(self._score(batch, out[-1], slots, step))
         finally:
             generator.train(was_training)
         self._advantages(accelerator, out, local)
@@ -252,22 +295,49 @@ class GRPO(CausalLM):
         return out
 
     def _completion_batch(self, batch, prompt_ids, prompt_mask, completions) -> dict:
-        cmask, truncated = completion_mask(completions, self.tokenizer.eos_token_id)
+        cmask, truncated = completion_mask(completions, self.eos)
         lengths = cmask.sum(1)
         loss_mask = cmask * (~truncated).long().unsqueeze(1) if self.cfg.train.mask_truncated_completions else cmask
         return {"input_ids": torch.cat([prompt_ids, completions], 1), "attention_mask": torch.cat([prompt_mask, cmask], 1),
                 "completion_ids": completions, "completion_mask": loss_mask, "prompt_length": prompt_ids.shape[1],
                 "lengths": lengths, "truncated": truncated, "rows": batch["rows"]}
 
-    def _score(self, batch, completion_batch, slots) -> tuple:
-        """(slots, rewards per function per completion or None, error, lengths, truncated) of one micro-batch."""
+    def _score(self, batch, completion_batch, slots, step: int) -> tuple:
+        """(slots, rewards per function per completion or None, error, lengths, truncated, the values the functions
+        gave ``log_metric``) of one micro-batch."""
         tokenizer, rows = self.tokenizer, batch["rows"]
         ids = [c[:n].tolist() for c, n in zip(completion_batch["completion_ids"].cpu(), completion_batch["lengths"])]
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         columns = {c: [r[c] for r in rows] for c in rows[0] if c not in ("input_ids", INDEX, "prompt")}
-        rewards, error = score(self.funcs, [r["prompt"] for r in rows], completions, ids, columns)
-        return (slots, rewards, error, completion_batch["lengths"].tolist(), completion_batch["truncated"].tolist())
+        logged = defaultdict(list)
+
+        def log_metric(name: str, value: float) -> None:  # TRL's: averaged over the generation, every rank's
+            logged[name].append(float(value))
+
+        def log_extra(column: str, values: list) -> None:  # TRL's completions table's columns: no such table here
+            pass
+
+        context = {"trainer_state": self._trainer_state(step), "log_metric": log_metric, "log_extra": log_extra}
+        rewards, error = score(self.funcs, [r["prompt"] for r in rows], completions, ids, columns, context)
+        return (slots, rewards, error, completion_batch["lengths"].tolist(), completion_batch["truncated"].tolist(),
+                dict(logged))
+
+    def _trainer_state(self, step: int):
+        """TRL's ``trainer_state`` (transformers' ``TrainerState``) at a generation: the optimizer steps done, the
+        run's steps, the epoch; for reward functions that shape their reward by the run's progress."""
+        from toolkit.env import upstream
+
+        upstream.import_peft()  # trainer_callback imports peft: without bitsandbytes, as the loop's imports do
+        from transformers.trainer_callback import TrainerState
+
+        args, per_epoch = self.cfg.train, self.steps_per_epoch
+        main = self.accelerator.is_main_process
+        return TrainerState(epoch=step / per_epoch if per_epoch else None, global_step=step,
+                            max_steps=self.total_steps or 0, logging_steps=args.logging_steps,
+                            save_steps=args.save_steps or 0, train_batch_size=args.per_device_train_batch_size,
+                            num_train_epochs=math.ceil((self.total_steps or 0) / per_epoch) if per_epoch else 0,
+                            is_local_process_zero=self.accelerator.is_local_main_process, is_world_process_zero=main)
 
     def _advantages(self, accelerator, out: list[dict], local: list[tuple]) -> None:
         """Every rank's scores gathered (the whole global batch, in slot order), each group's advantages, and the
@@ -276,6 +346,7 @@ class GRPO(CausalLM):
 
         parts = gather_object([local]) if accelerator.num_processes > 1 else [local]
         stop([p[2] for rank in parts for p in rank])
+        self._logged_metrics([p[5] for rank in parts for p in rank])
         flat = sorted(((slot, [f[i] for f in p[1]], p[3][i], p[4][i]) for rank in parts for p in rank
                        for i, slot in enumerate(p[0])), key=lambda x: x[0])
         per_func = torch.tensor([x[1] for x in flat], dtype=torch.float32)
@@ -286,13 +357,22 @@ class GRPO(CausalLM):
             batch["advantages"] = advantages[positions].to(batch["input_ids"].device)
         self._generation_metrics(per_func, rewards, std, flat)
 
+    def _logged_metrics(self, logged: list[dict]) -> None:
+        """The reward functions' ``log_metric`` values of one generation, every rank's: each name's mean (TRL's)."""
+        for name in sorted({name for part in logged for name in part}):
+            values = [v for part in logged for v in part.get(name, [])]
+            self.window[name].append(sum(values) / len(values))
+
     def _generation_metrics(self, per_func, rewards, std, flat) -> None:
         """TRL's: means and stds over the rewards that are not NaN (a function's None), frac_reward_zero_std of the
         std the advantages were scaled by, the lengths of all completions and of those that ended (0 if none)."""
         w, lengths = self.window, torch.tensor([x[2] for x in flat], dtype=torch.float32)
         w["reward"].append(float(torch.nanmean(rewards)))
         w["reward_std"].append(float(nanstd(rewards)))
-        w["frac_reward_zero_std"].append(float(torch.isclose(std, torch.zeros_like(std)).float().mean()))
+        zero_std = torch.isclose(std, torch.zeros_like(std))
+        w["frac_reward_zero_std"].append(float(zero_std.float().mean()))
+        self.batches["generated"] += 1
+        self.batches["zero_std"] += int(bool(zero_std.all()))  # every advantage 0: the batch teaches nothing
         for i, (name, _) in enumerate(self.funcs):
             name = name.split(":")[-1]  # TRL's: the function's name (an import path's last part)
             w[f"rewards/{name}/mean"].append(float(torch.nanmean(per_func[:, i])))
@@ -377,7 +457,8 @@ class GRPO(CausalLM):
         totals = torch.tensor([self.sums[k] for k in names] + [self.sums["_tokens"]], dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
-        row = {name: float(totals[i] / max(float(totals[-1]), 1.0)) for i, name in enumerate(names)}
+        # no completion token in the loss since the last log (every one masked): a token mean is undefined, not 0
+        row = {name: float(totals[i] / totals[-1]) for i, name in enumerate(names)} if totals[-1] > 0 else {}
         row.update({k: sum(v) / len(v) for k, v in self.window.items() if v})
         self.window.clear()
         self.sums.clear()
@@ -391,8 +472,15 @@ class GRPO(CausalLM):
 
     def summary(self, accelerator, model) -> dict:
         start, end = self._reward_ends()
-        return {"reward_start": start, "reward_end": end, "reward_funcs": [name for name, _ in self.funcs],
-                **self.data_record}
+        out = {"reward_start": start, "reward_end": end, "reward_funcs": [name for name, _ in self.funcs],
+               "train_prompts": self.train_prompts, "generated_batches": self.batches["generated"],
+               "zero_std_batches": self.batches["zero_std"], **self.data_record}
+        if self.batches["generated"] and self.batches["zero_std"] == self.batches["generated"]:
+            out["warnings"] = [f"every group of completions had equal rewards in all {self.batches['generated']} "
+                               "generated batches (reward std 0 in each group): every advantage was 0 and the "
+                               "policy learnt nothing; check the reward functions (rewards/<name>/mean in "
+                               "metrics.jsonl) against the completions they score"]
+        return out
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def checkpoint_state(self, step: int) -> dict:
@@ -403,7 +491,7 @@ class GRPO(CausalLM):
         from accelerate.utils import gather_object
 
         start, end = self._reward_ends()
-        state = {"reward_start": start, "reward_end": end}
+        state = {"reward_start": start, "reward_end": end, "batches": dict(self.batches)}
         mu = self.cfg.train.num_iterations
         if step % mu and self.cached_step == step - step % mu:
             rows = [row for batch in self.cached for row in slot_rows(batch)]
@@ -416,6 +504,7 @@ class GRPO(CausalLM):
         """A resume: what ``checkpoint_state`` wrote (None: a checkpoint without it)."""
         saved = saved or {}
         self.reward_first, self.reward_last = saved.get("reward_start"), saved.get("reward_end")
+        self.batches = dict(saved.get("batches") or self.batches)
         if saved.get("batch"):
             self.restored = (saved["batch"]["step"], {row["slot"]: row for row in saved["batch"]["rows"]})
 
