@@ -4,9 +4,10 @@ A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks un
 of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas and 2 stages x 2
 DDP replicas on 4 ranks; chat SFT; AdamW with clipping (the norm over all stages); checkpoints (every pipeline run
 saves after each step) resumed under a pipeline, DDP and one process, and DDP's under a pipeline; SIGTERM and
-SIGKILL; validation rows that split unevenly over the replicas (13 rows, and 1 row: a replica without a share). Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the
-shared 2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the
-later one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
+SIGKILL; validation rows that split unevenly over the replicas (13 rows, and 1 row: a replica without a share).
+Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the shared
+2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the later
+one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
 Each equality test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's
 forward) and the logged loss and grad norm.
 """
