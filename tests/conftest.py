@@ -157,6 +157,21 @@ def padded_data(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def few_validation_rows(padded_data, tmp_path_factory) -> dict:
+    """rows -> a validation file of padded_data's first 13 or 1 validation rows: sets that split unevenly over the
+    data-parallel ranks (13 rows in eval batches of 2: 3 batches on one rank, 4 on the other) or leave a rank without
+    a row of its own (1). One file per count for the session: runs of several modules on it are one run."""
+    lines = open(padded_data["validation_file"]).read().splitlines()
+    folder = tmp_path_factory.mktemp("few-validation-rows")
+    files = {}
+    for rows in (13, 1):
+        files[rows] = str(folder / f"valid-{rows}.jsonl")
+        with open(files[rows], "w") as f:
+            f.write("\n".join(lines[:rows]) + "\n")
+    return files
+
+
+@pytest.fixture(scope="session")
 def quickstart(tmp_path_factory) -> dict:
     """notebooks/quickstart.ipynb executed once per session (~45 s), its notebook_launcher cell QUICKSTART_LAUNCHES
     times in a row; its two runs serve the notebook and report tests."""

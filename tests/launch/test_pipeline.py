@@ -4,9 +4,10 @@ A tied model (tiny GPT-2) and an untied one (tiny Llama), 2 stages on 2 ranks un
 of 2 rows; interleaved 1F1B with 2 stages per rank (a 4-layer Llama); 2 stages x 2 FSDP2 replicas and 2 stages x 2
 DDP replicas on 4 ranks; chat SFT; AdamW with clipping (the norm over all stages); checkpoints (every pipeline run
 saves after each step) resumed under a pipeline, DDP and one process, and DDP's under a pipeline; SIGTERM and
-SIGKILL. Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the
-shared 2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the
-later one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
+SIGKILL; validation rows that split unevenly over the replicas (13 rows, and 1 row: a replica without a share).
+Every run but the SIGTERM / SIGKILL test's own is planned into the session's pool: the 2-rank runs join the shared
+2-rank DDP launch, the one-process references the one-process batch (a resume from a 2-rank checkpoint the later
+one-process launch), the 4-rank runs one FSDP2 and one DDP launch.
 Each equality test asserts the final weights (final/, gathered from the stages), the evaluation (the pipeline's
 forward) and the logged loss and grad norm.
 """
@@ -54,6 +55,16 @@ ADAMW_CKPT = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr
 RESUME = {"resume_from_checkpoint": "latest"}
 # the SIGKILL and SIGTERM test's run: 16 steps of a 6-step epoch, a checkpoint every step (all kept)
 KILLED = {**SGD, "max_steps": 16, "save_steps": 1}
+# Evaluation on validation rows that split unevenly over 2 replicas (conftest's few_validation_rows): 13 rows in
+# batches of 2 (shares of 6 and 7 rows: 3 and 4 forwards), and 1 row (one replica's share empty); one step, evaluated
+# at its end. A hang fails its launch after EVAL_TIMEOUT_S (probe_runs.py's watchdog), not the suite's timeout.
+EVAL_ROWS = (13, 1)
+EVAL_TIMEOUT_S = 120
+
+
+def uneven_eval(files: dict, rows: int, stages: int = 1) -> dict:
+    staged = {"pipeline_parallel_size": stages, "save_final_model": False} if stages > 1 else {}
+    return {**SGD, "max_steps": 1, "per_device_eval_batch_size": 2, "validation_file": files[rows], **staged}
 
 
 def pp(schedule: str = "1f1b", **extra) -> dict:
@@ -61,7 +72,8 @@ def pp(schedule: str = "1f1b", **extra) -> dict:
     return {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, "save_steps": 1, **extra}
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_256, chats, bpe_2048):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_256, chats, bpe_2048,
+              few_validation_rows):
     from toolkit.models.offline import save_tiny_llama
 
     llama4 = save_tiny_llama(str(tmp_path_factory.mktemp("models") / "tiny-llama-4"), num_hidden_layers=4,
@@ -82,6 +94,12 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
     runs["gpt2"].plan("fsdp_adamw_resumed", "fsdp.yaml", 4, 2, 2, {**ADAMW, **pp(), **RESUME}, probe=False,
                       copy_from=("fsdp_adamw", 1))
     _plan_checkpoints(runs["gpt2"])
+    for rows in EVAL_ROWS:  # (the one-process references are test_strategies' too: equal runs, one run)
+        runs["gpt2"].plan(f"one_eval{rows}", None, 1, 8, 1, uneven_eval(few_validation_rows, rows))
+        runs["gpt2"].plan(f"fsdp_eval{rows}", "fsdp.yaml", 4, 2, 2, uneven_eval(few_validation_rows, rows, 2),
+                          probe=False, timeout=EVAL_TIMEOUT_S)
+    runs["gpt2"].plan("ddp4_eval1", None, 4, 2, 2, uneven_eval(few_validation_rows, 1, 2), probe=False,
+                      timeout=EVAL_TIMEOUT_S)
     sft = runs["sft"] = Runs(tmp_path_factory.mktemp("pipeline-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("pp", None, 2, 2, 4, pp("gpipe"), recipe="sft", probe=False)
@@ -207,6 +225,32 @@ def test_chat_sft_padded_chats_under_a_pipeline_equal_one_process(pipeline_runs)
     _assert_equal_runs(one, staged, 1e-6)
 
 
+@pytest.mark.parametrize("rows", EVAL_ROWS)
+def test_validation_rows_split_unevenly_over_the_replicas_evaluate_like_one_process(pipeline_runs,
+                                                                                    few_validation_rows, rows):
+    """2 stages x 2 replicas on 4 ranks, each replica evaluating its own share of the validation rows. Under FSDP2
+    every forward gathers the stage's weights from both replicas: with 13 rows (3 forwards on one replica, 4 on the
+    other) the replicas agree on the number of forwards before the first, and the one out of batches runs forwards
+    that evaluate nothing (it used to hang at the first mismatched gather: trained every step, then no final
+    evaluation, no summary). With 1 row one replica's share is empty (it used to be an IndexError in
+    ``eval_dataset.select``), under FSDP2 and DDP. Every run ends, and its evaluation is one process's on the same
+    rows. The record says what ran: ``pp 2 x dp 2``; tokens/s per device over all 4 devices, as MFU counts them."""
+    runs = pipeline_runs["gpt2"]
+    one = _metrics(runs.get(f"one_eval{rows}", None, 1, 8, 1, uneven_eval(few_validation_rows, rows)))[-1]
+    staged = [runs.get(f"fsdp_eval{rows}", "fsdp.yaml", 4, 2, 2, uneven_eval(few_validation_rows, rows, 2))]
+    if rows == 1:
+        staged.append(runs.get("ddp4_eval1", None, 4, 2, 2, uneven_eval(few_validation_rows, 1, 2)))
+    for out in staged:
+        summary = json.load(open(os.path.join(out, "summary.json")))
+        assert (summary["ended"], summary["steps"], summary["parallelism"]) == ("completed", 1, "pp 2 x dp 2")
+        assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 4)
+        last = _metrics(out)[-1]
+        print(f"{rows} rows, {summary['distributed_type']}: eval_loss {last['eval_loss']!r}, one process "
+              f"{one['eval_loss']!r}")
+        assert (last["step"], last["eval_tokens"], last["tokens_seen"]) == (1, one["eval_tokens"], one["tokens_seen"])
+        assert abs(last["eval_loss"] - one["eval_loss"]) <= 1e-6 * one["eval_loss"]
+
+
 def _weights_diff(a: str, b: str) -> float:
     return max_abs_diff(load_weights(os.path.join(a, "final")), load_weights(os.path.join(b, "final")))
 
@@ -303,6 +347,7 @@ def test_sigkill_then_sigterm_under_a_pipeline_resume_exactly(pipeline_runs, tmp
         finally:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "world size 2 (MULTI_CPU; pp 2) | micro batch 2" in output  # the stages named where the run starts
     stopped = max(steps_logged(out))
     assert killed + 3 <= stopped < KILLED["max_steps"]
     assert f"SIGTERM: saved checkpoint step-{stopped}" in output

@@ -94,11 +94,23 @@ STREAM_LAYOUTS = {"zero2": ("zero2.yaml", 2, 2, 2), "zero3": ("zero3.yaml", 2, 2
                   "fsdp1": ("fsdp1.yaml", 2, 2, 2), "hsdp": ("hsdp.yaml", 4, 2, 1), "tp": ("tp.yaml", 2, 8, 1)}
 
 
+# Validation rows that split unevenly over the 2 ranks (conftest's few_validation_rows), where each forward of ZeRO-3
+# and FSDP2 gathers parameters from both: 13 rows in eval batches of 2 (7 batches) under FSDP2, 1 row (rank 1 has none
+# of its own) under ZeRO-3; one step, evaluated at its end. A hang fails its launch after EVAL_TIMEOUT_S.
+EVEN_BATCHES = [("fsdp", 13), ("zero3", 1)]
+EVAL_TIMEOUT_S = 120
+
+
+def uneven_eval(files: dict, rows: int) -> dict:
+    """test_pipeline.py's one-process evaluation runs: the same fields, so one run serves both modules."""
+    return {**SGD, "max_steps": 1, "per_device_eval_batch_size": 2, "validation_file": files[rows]}
+
+
 def scratch(tiny_model) -> dict:
     return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_shards):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_shards, few_validation_rows):
     """Every run below, planned (conftest's run_pool): the runs of one launch config and world size share a launch
     with those of the other modules."""
     r = StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model, padded_data, COMMON, pool=pool)
@@ -122,6 +134,10 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
     for strategy, switch in SWITCHES:
         if switch in SWITCH_VALUES:
             r.plan(f"sgd_{switch}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, {**SGD, switch: SWITCH_VALUES[switch]})
+    for strategy, rows in EVEN_BATCHES:
+        r.plan(f"eval{rows}_1x8x1", None, 1, 8, 1, uneven_eval(few_validation_rows, rows))
+        r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
+               probe=False, timeout=EVAL_TIMEOUT_S)
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
     streams = {}
@@ -320,6 +336,25 @@ def test_a_stream_under_each_layout_trains_like_one_process(stream_runs, layout)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(one))) <= 1e-6
     if layout in ("fsdp", "hsdp", "tp"):  # toolkit.parallel.clipping's norm: each weight once (HSDP: not once a replica)
         assert rows[out][0]["grad_norm"] == pytest.approx(rows[one][0]["grad_norm"], rel=GRAD_NORM_REL_FIRST_STEP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, rows", EVEN_BATCHES)
+def test_validation_rows_split_unevenly_over_the_ranks_evaluate_like_one_process(runs, few_validation_rows, strategy,
+                                                                                 rows):
+    """Every evaluation path makes as many collective calls on every rank before it makes them. Here accelerate's
+    eval loader gives each rank the same number of batches (``even_batches``: the last ones filled with rows from the
+    start, which ``gather_for_metrics`` drops), so the gathers of every forward pair up across the ranks: the run ends
+    and its evaluation is one process's on the same rows. (A pipeline's replicas agree on their forwards themselves:
+    test_pipeline.py.)"""
+    extra = uneven_eval(few_validation_rows, rows)
+    one = metrics(runs.get(f"eval{rows}_1x8x1", None, 1, 8, 1, extra))[-1]
+    out = runs.strategy(strategy, f"eval{rows}", extra)
+    assert json.load(open(os.path.join(out, "summary.json")))["ended"] == "completed"
+    last = metrics(out)[-1]
+    print(f"{strategy}, {rows} rows: eval_loss {last['eval_loss']!r}, one process {one['eval_loss']!r}")
+    assert (last["step"], last["eval_tokens"]) == (1, one["eval_tokens"])
+    assert last["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
 
 
 def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:

@@ -12,8 +12,13 @@ destroys it at the end), accelerate's per-run state (``AcceleratorState``, ``Gra
 waits for every other at a barrier, as a fresh launch would at its process group's start. Each run builds its own
 Accelerator, seed, data, model and optimizer from its own config exactly as a fresh process does. The first run that
 fails ends the launch (as a lone launch would: its exit code, its message).
+
+A run still going after its ``"timeout"`` seconds (default RUN_TIMEOUT_S; these runs take seconds) hangs, e.g. in a
+collective another rank never joins: ``faulthandler`` prints every thread's stack ("Timeout (h:mm:ss)!" and where each
+rank waits) and exits the rank with status 1, so the launch fails there instead of waiting for the test's timeout.
 """
 
+import faulthandler
 import gc
 import importlib
 import json
@@ -27,6 +32,8 @@ import torch.distributed as dist  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 
 from toolkit.cli.recipe import cli  # noqa: E402
+
+RUN_TIMEOUT_S = 300
 
 
 def _run_all(runs: list[dict]) -> None:
@@ -53,9 +60,13 @@ def _run_all(runs: list[dict]) -> None:
             sys.argv = [sys.argv[0], *run["argv"]]
             recipe = importlib.import_module(run.get("recipe", "gpt2"))  # recipes/ is on the path (probe_run.py)
             probe = probe_run.Probe() if run.get("probe", True) else None
-            recipe.main(callbacks=[probe] if probe else None)
-            if probe:
-                probe.after_train()
+            faulthandler.dump_traceback_later(run.get("timeout") or RUN_TIMEOUT_S, exit=True)
+            try:
+                recipe.main(callbacks=[probe] if probe else None)
+                if probe:
+                    probe.after_train()
+            finally:
+                faulthandler.cancel_dump_traceback_later()
     finally:
         PartialState.destroy_process_group = destroy
 

@@ -323,3 +323,19 @@ def test_the_stages_hold_one_row_length_at_a_time(one_rank_group, tiny_llama):
             expected = token_losses(whole(input_ids=ids, attention_mask=mask).logits, labels)[0].sum()
         assert abs(float(loss) - float(expected)) <= 1e-5 * float(expected)
         assert list(staged._schedules) == [length]
+
+
+@pytest.mark.parametrize("rows, replicas", [(13, 2), (9, 4), (1, 2), (1, 4), (3, 4), (16, 2)])
+def test_each_replica_evaluates_its_share_and_a_share_can_be_empty(rows, replicas):
+    """A pipeline's replicas split the validation rows into consecutive shares that differ by one row at most, every
+    row once. Fewer rows than replicas leaves shares empty, and ``Dataset.select`` takes them (a share of
+    ceil(rows / replicas) started past the end for the last replicas: 9 rows over 4, 1 over 2; an IndexError after the
+    weights loaded). The launched runs: tests/launch/test_pipeline.py (1 and 13 rows over 2 replicas)."""
+    from datasets import Dataset
+
+    from toolkit.parallel.pipeline import replica_rows
+
+    data = Dataset.from_dict({"row": list(range(rows))})
+    shares = [data.select(replica_rows(rows, replicas, i))["row"] for i in range(replicas)]
+    assert [r for share in shares for r in share] == list(range(rows))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1

@@ -148,6 +148,9 @@ def test_format_run_summary():
                                "distributed_type": "MULTI_CPU"})
     assert "12 optimizer steps, 3,072 tokens in 11.7 s (262 tokens/s" in text
     assert "world size 2 (MULTI_CPU)" in text and "best eval perplexity: 9644.44" in text and "/x/final" in text
+    staged = format_run_summary({"steps": 1, "tokens_seen": 290, "seconds": 1.0, "tokens_per_s": 290.0,
+                                 "world_size": 4, "distributed_type": "FSDP", "parallelism": "pp 2 x dp 2"})
+    assert "world size 4 (FSDP; pp 2 x dp 2)" in staged  # a pipeline's stages named, as a TP run's degree is
 
 
 def test_dpo_reward_accuracy_and_margin_first_and_last(tmp_path):

@@ -25,7 +25,6 @@ Every micro-batch of a step is padded to the step's longest row; the stages are 
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
@@ -278,11 +277,9 @@ class PipelineModel(nn.Module):
         return norm
 
     # ------------------------------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def eval_rows(self, batch: dict, task) -> tuple:
-        """The pipeline's forward only, the stages in turn (no micro-batching): the task's eval rows of ``batch``,
-        computed on the last stage and sent to every rank of the pipeline."""
-        ids, mask, labels = _stack([batch], self.device)
+    def _forward_stages(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The pipeline's forward only, the stages in turn (no micro-batching): the last stage's output on its rank,
+        None on the others. Under FSDP2 each stage's forward gathers its weights from the stage's replicas."""
         h, dtype = None, next(self.whole_model.parameters()).dtype
         for s in range(self.n_stages):
             owner, prev = s % self.pp, (s - 1) % self.pp
@@ -294,24 +291,42 @@ class PipelineModel(nn.Module):
                 h = self.stage_modules[self.stage_ids.index(s)](ids if s == 0 else h, mask)
                 if s < self.n_stages - 1 and (s + 1) % self.pp != self.pp_rank:
                     dist.send(h.contiguous(), dst=self.ranks[(s + 1) % self.pp], group=self.pp_group)
+        return h if self.n_stages - 1 in self.stage_ids else None
+
+    @torch.no_grad()
+    def eval_rows(self, batch: dict, task) -> tuple:
+        """The task's eval rows of ``batch``, computed on the last stage and sent to every rank of the pipeline."""
+        ids, mask, labels = _stack([batch], self.device)
+        logits = self._forward_stages(ids, mask)
         rows = [None]
-        if self.n_stages - 1 in self.stage_ids:
-            logits = h
+        if logits is not None:
             rows = [tuple(t.cpu() for t in task.eval_rows(lambda **_: SimpleNamespace(logits=logits),
                                                            {**batch, "labels": labels}))]
         dist.broadcast_object_list(rows, src=self.ranks[(self.n_stages - 1) % self.pp], group=self.pp_group)
         return rows[0]
 
+    @torch.no_grad()
+    def _forward_nothing(self) -> None:
+        """A forward of one token that evaluates nothing: a replica with fewer eval batches than another still joins
+        the stage's FSDP2 gathers of every batch."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._forward_stages(ids, torch.ones_like(ids))
+
     def evaluate_rows(self, eval_dl, task) -> list[tuple]:
-        """Every eval batch's rows from every data-parallel replica (each took its own share of the rows)."""
+        """Every eval batch's rows from every data-parallel replica (each took its own share of the rows, possibly
+        none). Under FSDP2 each forward is a collective of the stage's replicas: they agree on the number of
+        forwards BEFORE the first (the most batches of any replica), and a replica out of batches runs forwards that
+        evaluate nothing; gathering after its own forwards would pair one replica's gathers with another's count."""
         self.eval()
         batches = list(eval_dl)
-        rows = [self.eval_rows(batch, task) for batch in batches]
-        if self.fsdp and self.dp > 1:  # every replica runs as many forwards (FSDP2 gathers each stage together)
+        forwards = len(batches)
+        if self.fsdp and self.dp > 1:
             most = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
-            for _ in range(int(most) - len(batches)):
-                self.eval_rows(batches[0], task)  # its rows were counted already: dropped
+            forwards = int(most)
+        rows = [self.eval_rows(batch, task) for batch in batches]
+        for _ in range(forwards - len(batches)):
+            self._forward_nothing()
         if self.fsdp:  # a forward without backward leaves each stage's root gathered: sharded again, as in training
             for stage in self.stage_modules:
                 stage.reshard()
@@ -461,9 +476,17 @@ def build(accelerator, args, model, train_dataset, eval_dataset, sampler, collat
     train_dl = DataLoader(train_dataset, batch_sampler=ReplicaBatches(sampler, dp, replica), collate_fn=collator,
                           num_workers=args.dataloader_num_workers)
     eval_dl = None
-    if eval_dataset is not None and len(eval_dataset) > 0:
-        share = math.ceil(len(eval_dataset) / dp)
-        rows = range(replica * share, min(len(eval_dataset), (replica + 1) * share))
-        eval_dl = DataLoader(eval_dataset.select(rows), batch_size=args.per_device_eval_batch_size, shuffle=False,
-                             collate_fn=collator, num_workers=args.dataloader_num_workers)
+    if eval_dataset is not None and len(eval_dataset) > 0:  # on every rank, even where its share is empty
+        eval_dl = DataLoader(eval_dataset.select(replica_rows(len(eval_dataset), dp, replica)),
+                             batch_size=args.per_device_eval_batch_size, shuffle=False, collate_fn=collator,
+                             num_workers=args.dataloader_num_workers)
     return staged, train_dl, eval_dl
+
+
+def replica_rows(rows: int, replicas: int, index: int) -> range:
+    """The eval rows of data-parallel replica ``index``: consecutive, the shares differing by one row at most (a share
+    of ceil(rows / replicas) left the last replicas past the end: 9 rows over 4 replicas, 3 + 3 + 3 + an out-of-range
+    start); empty where there are fewer rows than replicas, its start still a row of the set (``Dataset.select``
+    refuses a range starting past the end, even an empty one). The replica with an empty share evaluates nothing and
+    still joins every collective of the evaluation."""
+    return range(index * rows // replicas, (index + 1) * rows // replicas)

@@ -84,7 +84,8 @@ def format_run_summary(summary: dict) -> str:
         + (f"{100 * summary['mfu']:.1f}%" if summary.get("mfu") is not None else "n/a (peak FLOP/s unknown: "
                                                                                   "set peak_flops)")
         + f", peak memory per rank {summary.get('peak_memory_gb_per_rank', [])} GB",
-        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')}), "
+        f"  world size {summary.get('world_size', '?')} ({summary.get('distributed_type', '?')}"
+        + (f"; {summary['parallelism']}" if summary.get("parallelism") else "") + "), "
         f"{summary.get('train_rows', '?')} training {summary.get('row_unit', 'rows')}, fill rate "
         + (f"{summary['fill_rate']:.3f}" if summary.get("fill_rate") is not None else "n/a"),
         f"  best eval {best[0]}: {best[1]:.4f}" if best[1] is not None else f"  best eval {best[0]}: no evaluation",
@@ -274,13 +275,18 @@ def peak_memory_per_rank(accelerator):
 
 
 def parallel_degrees(accelerator) -> str:
-    """'; dp_replicate 2 x dp_shard 2' when accelerate's ParallelismConfig splits the ranks (HSDP), else ''."""
+    """How the ranks split beyond plain data parallelism: 'dp_replicate 2 x dp_shard 2' (HSDP) or 'tp 2' from
+    accelerate's ParallelismConfig, 'pp 2 x dp 2' for a pipeline's stages (``pipeline_parallel_size``, which no
+    accelerate config holds) and its replicas; '' when every rank is a data-parallel one."""
     config = getattr(accelerator, "parallelism_config", None)
-    if config is None or config.total_size <= 1:
-        return ""
-    parts = [f"{name} {getattr(config, name + '_size')}" for name in ("dp_replicate", "dp_shard", "tp", "cp")
-             if getattr(config, name + "_size", 1) > 1]
-    return "; " + " x ".join(parts)
+    parts = [] if config is None or config.total_size <= 1 else [
+        f"{name} {getattr(config, name + '_size')}" for name in ("dp_replicate", "dp_shard", "tp", "cp")
+        if getattr(config, name + "_size", 1) > 1]
+    stages = getattr(accelerator, "pipeline_parallel_size", 1)
+    if stages > 1:
+        replicas = accelerator.num_processes // stages
+        parts += [f"pp {stages}"] + ([f"dp {replicas}"] if replicas > 1 else [])
+    return " x ".join(parts)
 
 
 def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: int, steps: int, flops_per_token: float,
@@ -313,8 +319,9 @@ def run_summary(accelerator, state, *, epochs: float, seconds: float, tokens: in
         "stop_reason": stop_reason,
         "preempted": ended == ENDED_PREEMPTED,
         "world_size": world,
-        "data_parallel_size": data_parallel_size,  # ranks taking other rows: world / tp_size
+        "data_parallel_size": data_parallel_size,  # ranks taking other rows: world / (tp_size or pp stages)
         "distributed_type": accelerator.distributed_type.value,
+        "parallelism": parallel_degrees(accelerator) or None,  # e.g. "pp 2 x dp 2", "tp 2"; None: data parallel
         "train_rows": train_rows,
         "fill_rate": fill_rate,
     }

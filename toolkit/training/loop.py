@@ -489,11 +489,12 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
     tokens_per_row = len(train_dataset[0]["input_ids"]) if cfg.data.packing and not cfg.data.padding_free else None
     streaming = isinstance(train_dataset, TrainStream)
     rows = None if streaming else len(train_dataset) * run.sampler.repeats  # GRPO: each prompt num_generations times
+    degrees = parallel_degrees(accelerator)  # e.g. "pp 2 x dp 2", "tp 2"
     length = ("a stream, one pass" if streaming else
               f"{per_epoch} steps/epoch ({rows - per_epoch * global_batch} rows left out per epoch)")
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}"
-        f"{parallel_degrees(accelerator)}) | micro batch {args.per_device_train_batch_size} | accumulation "
+        f"{'; ' + degrees if degrees else ''}) | micro batch {args.per_device_train_batch_size} | accumulation "
         f"{args.gradient_accumulation_steps} | global batch {global_batch} {task.row_unit}"
         + (f" = {global_batch * tokens_per_row} tokens" if tokens_per_row else
            " (whole documents packed per row, padding-free)" if cfg.data.padding_free else " (padded, variable length)")
