@@ -204,10 +204,11 @@ def tokenize_row(tokenizer, messages, prompt_turns: int, prompt, completion, whe
     return tokenize_chat(tokenizer, messages)
 
 
-def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int, log=print,
+                   record: dict | None = None) -> DatasetDict:
     """Every row of the chat schema tokenized with its label mask, truncated to ``block_size`` (packed: by the
     packing, which says how much it cut, or splits it under bfd_split); rows left without a target within block_size
-    dropped."""
+    dropped, counted in one line of ``log`` and per split in ``record["dropped_rows"]`` (summary.json)."""
     cut = None if args.padding_free else block_size  # the packing cuts (pack_splits)
     within = None if args.packing_strategy == "bfd_split" and args.padding_free else block_size
 
@@ -226,6 +227,13 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")
     if len(kept["train"]) == 0:
+    dropped = {name: len(tokenized[name]) - len(split) for name, split in kept.items()}
+    if record is not None:
+        record["dropped_rows"] = dropped
+    if any(dropped.values()):
+        log(f"dropped the chats with no assistant token within block_size {block_size}: " + ", ".join(
+            f"{n} of {len(tokenized[name])} in the {name} split" for name, n in dropped.items() if n)
+            + " (summary.json's dropped_rows)")
         raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
                                         "raise block_size")
     if "validation" in kept and len(kept["validation"]) == 0:
@@ -294,4 +302,4 @@ class ChatSFT(CausalLM):
         set_chat_template(tokenizer, cfg.data.chat_template)
 
     def tokenize(self, raw, tokenizer, args, block_size: int):
-        return tokenize_chats(raw, tokenizer, args, block_size)
+        return tokenize_chats(raw, tokenizer, args, block_size, self.log, self.data_record)
