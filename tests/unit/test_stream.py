@@ -174,7 +174,8 @@ def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_i
               "shuffle_buffer_size": 8, "max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 4,
               "block_size": 16, "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
               "optim": "sgd"}
-    assert train_in_process(values)["steps"] == 2
+    first = train_in_process(values)
+    assert first["steps"] == 2 and first["epochs"] is None  # a stream not read to its end: no length, no fraction
     before = paths[1].read_bytes()
     paths[1].write_text("".join(json.dumps({"text": f"row {19 - i:02d} of shard 1"}) + "\n" for i in range(20)))
     assert len(paths[1].read_bytes()) == len(before) and paths[1].read_bytes() != before
@@ -206,7 +207,7 @@ def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp
                                 "report_to": "none", "save_final_model": False, "optim": "sgd"})
     out = capsys.readouterr().out
     if streaming:  # 20 rows with text: 5 steps of 4, the stream read to its end
-        assert summary["steps"] == 5 and summary["train_rows"] == 20
+        assert summary["steps"] == 5 and summary["train_rows"] == 20 and summary["epochs"] == 1.0
         assert out.count("the stream dropped 10 rows with no text (null, empty or not a string) in column 'text'") == 1
     else:
         assert summary["steps"] == 20
