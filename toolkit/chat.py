@@ -37,10 +37,11 @@ from datasets import DatasetDict
 from toolkit import data
 from toolkit.config import DataArguments
 from toolkit.errors import ConfigError
-from toolkit.formats import CHAT_COLUMNS, convert_row
+from toolkit.formats import CHAT_COLUMNS, convert_row, row_format
 from toolkit.loss import IGNORE_INDEX
 from toolkit.mixture import load_task_splits
 from toolkit.packing import pack_splits
+from toolkit.stream import UnreadableLine
 from toolkit.tasks import CausalLM, stream_limit
 
 ROLES = ("system", "user", "assistant")
@@ -226,7 +227,6 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     # position i predicts label i+1, so a row needs a target after its first token
     kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")
-    if len(kept["train"]) == 0:
     dropped = {name: len(tokenized[name]) - len(split) for name, split in kept.items()}
     if record is not None:
         record["dropped_rows"] = dropped
@@ -234,6 +234,7 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
         log(f"dropped the chats with no assistant token within block_size {block_size}: " + ", ".join(
             f"{n} of {len(tokenized[name])} in the {name} split" for name, n in dropped.items() if n)
             + " (summary.json's dropped_rows)")
+    if len(kept["train"]) == 0:
         raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
                                         "raise block_size")
     if "validation" in kept and len(kept["validation"]) == 0:
@@ -242,6 +243,23 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     if args.padding_free:  # whole chats, several per row, each with its own label mask
         return pack_splits(kept, block_size, kwargs, split=args.packing_strategy == "bfd_split")
     return kept
+
+
+def other_format(row: dict, fmt: str | None, args: DataArguments) -> None:
+    """A stream's row in another chat format than the stream's (``fmt``, its first rows'; a file of ``messages``
+    rows that goes on in Alpaca rows) stops the stream, on every rank at the same row (``UnreadableLine``: the step
+    before it logged and saved). A loaded set of those rows is refused before any work: its columns name one format
+    (the first of the task's they fit) and the other format's rows hold nulls there. It was dropped as a row that
+    fits no chat format, every one of them, and the run ended with ``data_ran_out``."""
+    other = row_format(row, "chat", args)
+    if fmt is None or other in (None, fmt):
+        return
+    given = {column: value for column, value in row.items() if value is not None}
+    raise UnreadableLine("dataset_format", f"the stream's rows are in the {fmt} format (its first rows'), but a row "
+                                           f"further on is in the {other} format ({given!r:.120}); a stream holds "
+                                           "rows of one format, as a loaded set's split does (a loaded set of these "
+                                           f"rows is refused too): convert those rows to {fmt}, or train on them "
+                                           "apart")
 
 
 class ChatSFT(CausalLM):
@@ -265,22 +283,24 @@ class ChatSFT(CausalLM):
     def load_raw(self, args):
         return load_raw_chats(args, self.data_record)
 
-    def stream_rows(self, tokenizer, args, block_size: int):
-        """Each row of the stream converted from its format (detected from its columns, ``toolkit.formats``), then
-        tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None):
+        """Each row of the stream converted from the stream's format ``fmt`` (its first rows', as a loaded split's
+        is its columns'), then tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
 
         def chat_row(row) -> dict:
-            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
+            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})", fmt)
 
         def keep(row) -> bool | None:
             # Mid-run, a row that fits no chat format is dropped and counted (None), as a text stream drops a null
             # text: stopping there would end the run without its summary, evaluation or export, and a resume would
-            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.)
+            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.) A row of
+            # another format stops the stream, as a loaded set refuses it (other_format).
             try:
                 converted = chat_row(row)
                 if converted["prompt"] is None and not converted["prompt_turns"]:
                     check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
             except ConfigError:
+                other_format(row, fmt, args)
                 return None
             return True  # a chat with no assistant token within block_size stays: a row without targets
 

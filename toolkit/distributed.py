@@ -65,6 +65,14 @@ def launched_parallel_sizes() -> dict:
             for name in ("dp_replicate", "dp_shard", "tp", "cp")}
 
 
+def launched_data_parallel_size(pipeline_parallel_size: int = 1) -> int:
+    """``data_parallel_size`` of the launch this process is in, from its environment, before any Accelerator: the
+    ranks that take different rows, the launched world over its tensor- and context-parallel groups and its pipeline
+    stages (``toolkit train`` checks one global batch with it before it launches)."""
+    sizes = launched_parallel_sizes()
+    return max(1, launched_world_size() // (sizes.get("tp", 1) * sizes.get("cp", 1) * pipeline_parallel_size))
+
+
 def _check_parallel_sizes() -> None:
     """The launch config's parallelism sizes must multiply to the launched world size (a product of 1 is accelerate's
     "plain data parallel over every rank"). Otherwise torch's device mesh fails inside the Accelerator with a raw

@@ -13,9 +13,16 @@ GPUs, and without one to what the launch config says.
 
 Before launching, in this process: the fields (as the recipe parses them), the launch environment ``accelerate
 launch`` would give the ranks (strategy x fields x world size: ``distributed.check_launch``), and everything a rank
-checks before its weights load (``build.check_inputs``: the tokenizer and chat template, the model's config, the data's
-files, columns and format, a tensor-parallel split). A mistake is one line and exit code 2, with no launcher
-traceback. Then ``accelerate launch`` runs the recipe, and its exit code is this command's.
+runs before its weights load, by the ranks' own code (``build.build_data``: the tokenizer and chat template, the
+model's config, the data's files, columns and format, a tensor-parallel split, the data tokenized and one global
+batch of it). A mistake is one line and exit code 2, with no launcher traceback. Then ``accelerate launch`` runs the
+recipe, and its exit code is this command's.
+
+The tokenization's cost: a file or Hub dataset is tokenized here once through ``datasets``' cache, which rank 0 then
+reads instead of tokenizing it again (the same fingerprints: ``data.map_with_tokenizer``), so a large set costs its
+tokenization once, here rather than in rank 0, and the ranks start from the cache; a built-in set (made in memory)
+is tokenized again in the ranks. A stream is not read through: its first window (``shuffle_buffer_size`` rows) and
+its validation rows, as a rank reads them before its weights.
 """
 
 from __future__ import annotations
@@ -159,15 +166,21 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
     if mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     with environment(env), _quiet_datasets():  # a rank's environment, for the checks that read it
-        from toolkit.build import check_inputs
-        from toolkit.distributed import check_launch, launched_parallel_sizes, launched_strategy_name
-        from toolkit.quantization import check_run
+        from toolkit.build import build_data
+        from toolkit.distributed import (
+            check_launch,
+            launched_data_parallel_size,
+            launched_parallel_sizes,
+            launched_strategy_name,
+        )
 
         check_launch(cfg.train)
-        check_run(cfg, launched_strategy_name())  # a quantized base under a strategy it was not checked with
         module, name = TASK_CLASSES[task].split(":")
-        check_inputs(cfg, getattr(importlib.import_module(module), name)(), log=lambda *a, **k: None,
-                     tp_size=launched_parallel_sizes().get("tp", 1))
+        # what every rank runs before its weights load, tokenization included (build.build_data): its datasets cache
+        # is then the ranks' (a stream: its first window and validation rows, read again by each rank)
+        build_data(cfg, getattr(importlib.import_module(module), name)(), lambda *a, **k: None,
+                   strategy=launched_strategy_name(), tp_size=launched_parallel_sizes().get("tp", 1),
+                   data_parallel=launched_data_parallel_size(cfg.train.pipeline_parallel_size))
 
 
 @contextmanager

@@ -43,7 +43,7 @@ from toolkit.distributed import (
     keep_embeddings_out_of_fsdp_units,
     keep_process_groups,
 )
-from toolkit.errors import ConfigError, TrainingStopped
+from toolkit.errors import TrainingStopped
 from toolkit.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.loss import micro_step_loss
 from toolkit.metrics import (
@@ -65,7 +65,7 @@ from toolkit.pipeline import build as build_pipeline
 from toolkit.plots import plot_run
 from toolkit.preemption import Preemption
 from toolkit.state import LoopState, StepResult
-from toolkit.stream import TrainStream, UnreadableLine
+from toolkit.stream import TrainStream, UnreadableLine, no_first_step
 from toolkit.tasks import CausalLM, Task
 
 # transformers' schedulers (imported where used) pull in its modeling code: it loads without scipy.optimize
@@ -761,9 +761,7 @@ def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
     batches = epoch_batches(accelerator, None, run.sampler, state, run.sampler.accumulation)
     micro_batches = next_micro_batches(batches, run, accelerator)
     if micro_batches is None and state.step == 0:
-        raise ConfigError("train_file", f"the stream ends before its first global batch "
-                                        f"({run.sampler.global_batch_size} rows with text): nothing to train on; add "
-                                        "rows, or lower per_device_train_batch_size or gradient_accumulation_steps")
+        raise no_first_step(run.sampler.global_batch_size)
     return batches, micro_batches
 
 

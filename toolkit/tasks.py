@@ -70,6 +70,7 @@ class Task(ABC):
     # why the task cannot train on a stream (streaming: true), or None when it can (it implements stream_rows)
     stream_refusal: str | None = "it reads the whole training set before step 1"
     log: Callable[[str], None] = print  # where the task says what it did to the data (build sets the run's log)
+    stream_format: str | None = None  # a stream's format, from its first rows (build.check_stream_head)
 
     # The value an unset (None) training field takes for this task: the fields stay listed once, in toolkit.config,
     # and a recipe that needs another default says so here (DPO: disable_dropout true, TRL's default).
@@ -99,10 +100,11 @@ class Task(ABC):
     def tokenize(self, raw, tokenizer, args, block_size: int):
         """The raw splits as rows the collator takes."""
 
-    def stream_rows(self, tokenizer, args, block_size: int) -> tuple[Callable, Callable]:
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None) -> tuple[Callable, Callable]:
         """For ``streaming: true`` (``toolkit.stream``): ``keep(row) -> bool``, run on every source row on every
         rank (cheap checks; False skips the row before it gets a global index), and ``encode(rows) -> rows``, the
-        rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``)."""
+        rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``). ``fmt``: the stream's
+        format (``toolkit.formats``), detected from its first rows (``build.stream_head``)."""
         raise NotImplementedError
 
     @abstractmethod
@@ -200,7 +202,7 @@ class CausalLM(Task):
         if cfg.data.packing and cfg.data.packing_strategy is None:
             cfg.data.packing_strategy = "wrapped"  # run_clm's concatenate-and-cut, the figures in the docs
 
-    def stream_rows(self, tokenizer, args, block_size: int):
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None):
         column, eos = data.text_column(args), tokenizer.eos_token_id
         encode_texts, _ = data.token_encoder(tokenizer)
 

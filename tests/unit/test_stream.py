@@ -303,6 +303,46 @@ def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_sto
     assert "fit no chat format" in keep.drops
 
 
+def test_a_chat_stream_that_goes_on_in_another_format_is_refused_as_the_loaded_set_is(tmp_path, tiny_model, chats,
+                                                                                      bpe_2048):
+    """A file of messages rows that goes on in valid Alpaca rows: the loaded set refuses it in one line (its columns
+    name messages, the Alpaca rows hold nulls there); a stream dropped every Alpaca row as fitting no chat format
+    and ended with data_ran_out. Same data, same answer: where the first window holds the change, the check before
+    the weights (and toolkit train's) refuses it; further on, the stream stops at it on every rank alike (an
+    UnreadableLine: the loop logs and saves the step before, test_run_end.py). (Files of other columns in one stream
+    were already refused: datasets' reader cannot cast a file to the first one's columns.)"""
+    from toolkit import launch
+    from toolkit.chat import ChatSFT
+    from toolkit.stream import UnreadableLine
+
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+    def alpaca(i):
+        return {"instruction": f"do {i}", "input": "", "output": f"done {i}"}
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(row) + "\n" for row in [*map(chat, range(10)), *map(alpaca, range(30))]))
+    argv = ["--model_name_or_path", tiny_model, "--train_file", str(mixed), "--chat_template", chats["chat_template"],
+            "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2"]
+    for streaming, words in (("false", "the train split, row 10: column 'messages' holds None"),
+                             ("true", "the stream's rows are in the messages format (its first rows'), but a row "
+                                      "further on is in the alpaca format ({'instruction': 'do 0', 'input': ''")):
+        with pytest.raises(ConfigError) as err:
+            launch.check("chat-sft", launch.strategy_config("ddp"), 1, [*argv, "--streaming", streaming])
+        assert err.value.field_name == "dataset_format" and err.value.message.startswith(words), err.value.message
+    # further on: after the first window, mid-run
+    later = tmp_path / "later.jsonl"
+    later.write_text("".join(json.dumps(row) + "\n" for row in [*map(chat, range(8)), *map(alpaca, range(8))]))
+    keep, _ = ChatSFT().stream_rows(bpe_2048, DataArguments(), 64, "messages")
+    stream = TrainStream(StreamSpec([str(later)], 4, 3, False), keep=keep, collate=list, micro=2, accumulation=1,
+                         encode=lambda rows: [row["messages"][0]["content"] for row in rows])
+    steps = stream.steps()
+    assert [next(steps) for _ in range(4)] == [[[f"q {i}", f"q {i + 1}"]] for i in range(0, 8, 2)]
+    with pytest.raises(UnreadableLine, match="dataset_format: the stream's rows are in the messages format"):
+        next(steps)
+
+
 def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_reads_the_same_rows(tmp_path, capsys):
     """A malformed line in the middle of a stream was pyarrow's traceback (its JSON reader parses a chunk at once and
     cannot skip a line). The file is read on from that chunk line by line: the line is a row of nulls, dropped and
