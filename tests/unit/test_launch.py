@@ -75,7 +75,7 @@ def test_a_tasks_help_describes_it_its_data_and_only_its_fields(capsys):
     assert launch.main(["classify", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--label_column_name" in text and "--beta" not in text
-    assert launch.main(["nope"]) == 2 and "TASK: lm, sft, dpo, classify, grpo" in capsys.readouterr().err
+    assert launch.main(["nope"]) == 2 and "which takes lm, sft, dpo, classify, grpo" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("short", sorted(launch.TASKS))
@@ -179,6 +179,53 @@ def test_what_only_the_tokenized_data_shows_is_refused_before_launching(tmp_path
     argv = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--num_processes", "2", *text[2:],
             "--output_dir", str(tmp_path / "out")]
     assert _refused(capsys, argv).startswith("config error: per_device_train_batch_size: the training set has ")
+
+
+def test_accelerates_launch_options_are_passed_on_and_each_bad_one_is_one_line(capsys, tmp_path, tiny_model,
+                                                                               padded_data):
+    """toolkit train took no launcher option: two runs on one machine collided on port 29500 (the launched run of
+    tests/launch/test_train_command.py passes --main_process_port). ``--num_processes 0`` launched the default 2."""
+    given = ["--main_process_port", "29600", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
+             "10.0.0.1", "--rdzv_backend", "c10d", "--max_restarts", "0"]
+    opts, rest = launch.parser().parse_known_args(["--num_processes", "4", *given, "--seed", "1"])
+    launch.check_launcher(opts)
+    assert rest == ["--seed", "1"] and launch.launcher_argv(opts) == [
+        "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29600",
+        "--rdzv_backend", "c10d", "--max_restarts", "0"]
+    base = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "o")]
+    two = ["--num_machines", "2", "--main_process_ip", "10.0.0.1"]
+    for options, line in [
+        (["--num_processes", "0"], "num_processes: must be at least 1, got 0"),
+        (["--num_processes", "two"], "num_processes: invalid int value: 'two'"),
+        (["--main_process_port", "70000"], "main_process_port: must be a port in [1, 65535] (or 0: a free one), got "
+                                           "70000"),
+        (["--num_machines", "0"], "num_machines: must be at least 1, got 0"),
+        ([*two, "--num_processes", "4", "--machine_rank", "2"], "machine_rank: must be in [0, 1] with num_machines 2, "
+                                                                "got 2"),
+        ([*two, "--num_processes", "3"], "num_processes: 3 processes do not split evenly over num_machines 2"),
+        ([*two], "num_processes: with num_machines 2, give the total processes over every machine"),
+        (["--num_machines", "2", "--num_processes", "4"], "main_process_ip: num_machines 2 needs the address"),
+        (["--rdzv_backend", "etcd"], "rdzv_backend: invalid choice: 'etcd' (choose from "),  # quoted or not: Python's
+        (["--max_restarts", "-1"], "max_restarts: must be 0 or more, got -1"),
+        # the ranks' own check (toolkit.elastic), in the environment torch elastic's agent would give them
+        ([*two, "--num_processes", "2", "--max_restarts", "1"], "max_restarts: elastic restarts across machines need "
+                                                                "--rdzv_backend c10d"),
+    ]:
+        assert _refused(capsys, [*base, *options]).startswith(f"config error: {line}"), options
+
+
+def test_an_unknown_task_and_a_boolean_spelled_otherwise_are_one_line_naming_them(capsys, tmp_path, tiny_model,
+                                                                                  padded_data):
+    """``toolkit train sfy`` printed the usage without naming what was wrong; ``--use_peft yes`` was taken as true
+    (transformers' string_to_bool). A boolean takes true or false (in any case), nothing else."""
+    assert _refused(capsys, ["sfy", "--model", tiny_model]) == (
+        "config error: TASK: 'sfy' is not a task of toolkit train, which takes lm, sft, dpo, classify, grpo; did you "
+        "mean 'sft'?")
+    assert _refused(capsys, ["chat-sft"]).endswith("did you mean 'sft'?")  # a task's long name
+    assert _refused(capsys, ["xyz"]).endswith("which takes lm, sft, dpo, classify, grpo")
+    base = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "o")]
+    assert _refused(capsys, [*base, "--use_peft", "yes"]) == "config error: use_peft: takes true or false, got 'yes'"
+
 
 def test_the_checks_tokenization_is_the_cache_the_ranks_read(tmp_path, tiny_model, padded_data, monkeypatch):
     """toolkit train now tokenizes before it launches: the ranks must read what it wrote, not tokenize again (a
