@@ -361,3 +361,19 @@ def test_an_unquoted_glob_expanded_by_the_shell_is_a_list_of_files(tmp_path):
     assert cfg.data.data_files("train_file") == parts
     with pytest.raises(ConfigError, match="train_file"):  # a flag with no value still names the field
         parse_args([*base, "--train_file", "--seed", "1"])
+
+
+@pytest.mark.parametrize("value", ["yes", "0", "t", "on"])
+def test_a_boolean_takes_true_or_false_and_nothing_else(base, tmp_path, value):
+    """transformers' string_to_bool took yes/no, t/f, y/n and 1/0: ``--use_peft yes`` trained LoRA. Two words, in
+    any case; a flag alone is true; a YAML file's booleans are YAML's (``use_peft: yes`` is YAML 1.1's true), its
+    strings are checked as the command line's."""
+    path = _yaml(tmp_path, **base)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path, "--use_peft", value])
+    assert (err.value.field_name, err.value.message) == ("use_peft", f"takes true or false, got {value!r}")
+    assert parse_args(["--config", path, "--packing", "False"]).data.packing is False
+    assert parse_args(["--config", path, "--packing", "TRUE", "--shuffle"]).train.shuffle is True
+    (tmp_path / "yes").mkdir()
+    with pytest.raises(ConfigError, match="packing: takes true or false, got 'yes'"):
+        parse_args(["--config", _yaml(tmp_path / "yes", **base, packing="yes")])

@@ -301,3 +301,32 @@ def test_a_validation_file_in_another_format_of_the_task_is_converted_on_its_own
     assert err.value.field_name == "validation_file"
     assert err.value.message.startswith(f"{odd}: the validation split has the columns ['question', 'answer'], which "
                                         "fit none of the formats this recipe takes: messages (messages);")
+
+
+def test_chats_with_no_assistant_token_within_block_size_are_dropped_counted_and_recorded(tmp_path, tok):
+    """docs/recipes.md said the run logs how many such chats it drops; it dropped them without a word, and
+    summary.json (the task's summary) had no dropped_rows for them."""
+    from toolkit.tasks.sft import ChatSFT
+
+    short = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    long = [{"role": "user", "content": "a long question " * 10}, {"role": "assistant", "content": "Yes."}]
+    args = DataArguments(train_file=_write(tmp_path / "t.jsonl", [{"messages": short}] * 3 + [{"messages": long}] * 2),
+                         validation_file=_write(tmp_path / "v.jsonl", [{"messages": long}, {"messages": short}]))
+    task, said = ChatSFT(), []
+    task.log = said.append
+    out = task.tokenize(task.load_raw(args), tok, args, 32)
+    assert (len(out["train"]), len(out["validation"])) == (3, 1)
+    assert said == ["dropped the chats with no assistant token within block_size 32: 2 of 5 in the train split, 1 of "
+                    "2 in the validation split (summary.json's dropped_rows)"]
+    assert task.summary(None, None)["dropped_rows"] == {"train": 2, "validation": 1}
+
+
+def test_a_mixture_on_a_stream_is_refused_naming_the_fields_that_were_set(tmp_path):
+    """It was refused with "streams local files: set train_file (...), not dataset_name", a field the user never
+    set."""
+    a = _write(tmp_path / "a.jsonl", [{"text": "alpha"}])
+    with pytest.raises(ConfigError) as err:
+        DataArguments(dataset_mixture={"datasets": [{"id": a}]}, streaming=True)
+    assert err.value.field_name == "dataset_mixture" and "dataset_name" not in err.value.message
+    assert err.value.message.startswith("a mixture is drawn from whole sets, which a stream does not have: set "
+                                        "streaming: false, or stream the files as train_file")

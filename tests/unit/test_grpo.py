@@ -691,7 +691,7 @@ def test_toolkit_train_grpo_finds_a_reward_module_beside_the_user_and_refuses_a_
     monkeypatch.delitem(sys.modules, "beside_user_rewards", raising=False)
     fields = ["--model_name_or_path", tiny_model, "--dataset_name", "arithmetic", "--output_dir", str(tmp_path / "o"),
               "--chat_template", "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "--num_generations", "4",
-              "--per_device_train_batch_size", "4"]
+              "--per_device_train_batch_size", "4", "--max_completion_length", "8"]  # within the tiny model's 64
     launch.check("grpo", launch.strategy_config("ddp"), 1, [*fields, "--reward_funcs", "beside_user_rewards:score"])
     argv = ["grpo", "--model", tiny_model, "--dataset", "arithmetic", *fields[4:], "--reward_funcs",
             "beside_user_rewards:nope"]

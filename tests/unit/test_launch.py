@@ -5,6 +5,7 @@ configs are found by name. The launched run itself: tests/launch/test_train_comm
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -74,7 +75,7 @@ def test_a_tasks_help_describes_it_its_data_and_only_its_fields(capsys):
     assert launch.main(["classify", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--label_column_name" in text and "--beta" not in text
-    assert launch.main(["nope"]) == 2 and "TASK: lm, sft, dpo, classify, grpo" in capsys.readouterr().err
+    assert launch.main(["nope"]) == 2 and "which takes lm, sft, dpo, classify, grpo" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("short", sorted(launch.TASKS))
@@ -93,7 +94,6 @@ def test_a_streams_first_rows_are_read_before_launching(tmp_path, tiny_model, ch
     """toolkit train did not read a stream before launching: columns that fit no format, or a stream with no row to
     train on, met the ranks under the launcher. Now one ConfigError in the launching process (main: one line, exit 2)
     naming the columns found."""
-    import json
 
     def check(task, rows, *fields):
         path = tmp_path / f"{task}-{len(rows)}.jsonl"
@@ -132,3 +132,122 @@ def test_a_tasks_help_leaves_out_the_fields_it_refuses(short, capsys, tmp_path):
     assert parse_args(["--packing", "false", *base], task=task).data.packing is False
     with pytest.raises(ConfigError, match="shuffle_buffer_size: is a field of recipes/gpt2.py, recipes/sft.py"):
         parse_args(["--shuffle_buffer_size", "5", *base], task=task)
+
+
+def test_what_only_the_tokenized_data_shows_is_refused_before_launching(tmp_path, tiny_model, padded_data, chats,
+                                                                        capsys):
+    """toolkit train checked the data's files and columns, not what the ranks find once they tokenize it: a global
+    batch larger than the training set, GRPO's conversational prompts without a chat template, a GRPO prompt plus
+    max_completion_length past the model's positions. Each passed ("checked; launching"), then failed in the ranks
+    (exit 1; the second rank added gloo's "connection closed"). The check now runs the ranks' own code up to their
+    weights (``build.build_data``), tokenization included: chats with nothing to learn within block_size, a stream
+    without one global batch (refused by the loop after the weights loaded, before) are one line too."""
+    base = ["--model_name_or_path", tiny_model, "--output_dir", str(tmp_path / "out"), "--dataset_name", "null"]
+
+    def refused(task, processes, *fields):
+        with pytest.raises(ConfigError) as err:
+            launch.check(task, launch.strategy_config("ddp"), processes, [*base, *fields])
+        return err.value
+
+    text = ["--train_file", padded_data["train_file"], "--block_size", "48", "--per_device_train_batch_size", "20"]
+    launch.check("causal-lm", launch.strategy_config("ddp"), 1, [*base, *text])  # 1 x 20 rows fit, 2 x 20 do not (33)
+    err = refused("causal-lm", 2, *text)
+    assert err.field_name == "per_device_train_batch_size" and err.message.startswith("the training set has ")
+    assert "fewer than one global batch (2 ranks x 20 x 1 accumulation = 40)" in err.message
+
+    def prompts(name, prompt):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"prompt": prompt, "answer": i}) + "\n" for i in range(4)))
+        return ["--train_file", str(path), "--reward_funcs", "arithmetic_correct", "--num_generations", "2",
+                "--per_device_train_batch_size", "2"]
+
+    err = refused("grpo", 1, *prompts("chats.jsonl", [{"role": "user", "content": "What is 2 + 3?"}]))
+    assert err.field_name == "chat_template" and "has no chat template" in err.message
+    err = refused("grpo", 1, *prompts("long.jsonl", "a long question " * 20), "--max_completion_length", "40")
+    assert "40" in err.message and "more than the model's 64" in err.message
+
+    sft = ["--train_file", chats["train_file"], "--chat_template", chats["chat_template"], "--block_size", "4"]
+    err = refused("chat-sft", 1, *sft)
+    assert (err.field_name, err.message) == ("block_size", "no training chat has an assistant token within block_size "
+                                                           "4; raise block_size")
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5)))
+    stream = ["--train_file", str(short), "--streaming", "true", "--max_steps", "3", "--per_device_train_batch_size",
+              "4"]
+    err = refused("causal-lm", 2, *stream)
+    assert err.field_name == "train_file" and "the stream ends before its first global batch (8 rows" in err.message
+    argv = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--num_processes", "2", *text[2:],
+            "--output_dir", str(tmp_path / "out")]
+    assert _refused(capsys, argv).startswith("config error: per_device_train_batch_size: the training set has ")
+
+
+def test_accelerates_launch_options_are_passed_on_and_each_bad_one_is_one_line(capsys, tmp_path, tiny_model,
+                                                                               padded_data):
+    """toolkit train took no launcher option: two runs on one machine collided on port 29500 (the launched run of
+    tests/launch/test_train_command.py passes --main_process_port). ``--num_processes 0`` launched the default 2."""
+    given = ["--main_process_port", "29600", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
+             "10.0.0.1", "--rdzv_backend", "c10d", "--max_restarts", "0"]
+    opts, rest = launch.parser().parse_known_args(["--num_processes", "4", *given, "--seed", "1"])
+    launch.check_launcher(opts)
+    assert rest == ["--seed", "1"] and launch.launcher_argv(opts) == [
+        "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29600",
+        "--rdzv_backend", "c10d", "--max_restarts", "0"]
+    base = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "o")]
+    two = ["--num_machines", "2", "--main_process_ip", "10.0.0.1"]
+    for options, line in [
+        (["--num_processes", "0"], "num_processes: must be at least 1, got 0"),
+        (["--num_processes", "two"], "num_processes: invalid int value: 'two'"),
+        (["--main_process_port", "70000"], "main_process_port: must be a port in [1, 65535] (or 0: a free one), got "
+                                           "70000"),
+        (["--num_machines", "0"], "num_machines: must be at least 1, got 0"),
+        ([*two, "--num_processes", "4", "--machine_rank", "2"], "machine_rank: must be in [0, 1] with num_machines 2, "
+                                                                "got 2"),
+        ([*two, "--num_processes", "3"], "num_processes: 3 processes do not split evenly over num_machines 2"),
+        ([*two], "num_processes: with num_machines 2, give the total processes over every machine"),
+        (["--num_machines", "2", "--num_processes", "4"], "main_process_ip: num_machines 2 needs the address"),
+        (["--rdzv_backend", "etcd"], "rdzv_backend: invalid choice: 'etcd' (choose from "),  # quoted or not: Python's
+        (["--max_restarts", "-1"], "max_restarts: must be 0 or more, got -1"),
+        # the ranks' own check (toolkit.env.elastic), in the environment torch elastic's agent would give them
+        ([*two, "--num_processes", "2", "--max_restarts", "1"], "max_restarts: elastic restarts across machines need "
+                                                                "--rdzv_backend c10d"),
+    ]:
+        assert _refused(capsys, [*base, *options]).startswith(f"config error: {line}"), options
+
+
+def test_an_unknown_task_and_a_boolean_spelled_otherwise_are_one_line_naming_them(capsys, tmp_path, tiny_model,
+                                                                                  padded_data):
+    """``toolkit train sfy`` printed the usage without naming what was wrong; ``--use_peft yes`` was taken as true
+    (transformers' string_to_bool). A boolean takes true or false (in any case), nothing else."""
+    assert _refused(capsys, ["sfy", "--model", tiny_model]) == (
+        "config error: TASK: 'sfy' is not a task of toolkit train, which takes lm, sft, dpo, classify, grpo; did you "
+        "mean 'sft'?")
+    assert _refused(capsys, ["chat-sft"]).endswith("did you mean 'sft'?")  # a task's long name
+    assert _refused(capsys, ["xyz"]).endswith("which takes lm, sft, dpo, classify, grpo")
+    base = ["lm", "--model", tiny_model, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "o")]
+    assert _refused(capsys, [*base, "--use_peft", "yes"]) == "config error: use_peft: takes true or false, got 'yes'"
+
+
+def test_the_checks_tokenization_is_the_cache_the_ranks_read(tmp_path, tiny_model, padded_data, monkeypatch):
+    """toolkit train now tokenizes before it launches: the ranks must read what it wrote, not tokenize again (a
+    large set's tokenization is then paid once, here). The 5% held out of a file without validation_file was named
+    from numpy's global state (datasets' train_test_split without a seed, docs/pitfalls.md#split-fingerprint): each
+    process another name, so another process never found the tokenize cache."""
+    import datasets
+    import numpy as np
+
+    from toolkit.config import parse_args
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.training.build import build_data
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    argv = ["--model_name_or_path", tiny_model, "--train_file", padded_data["train_file"], "--block_size", "48",
+            "--output_dir", str(tmp_path / "out")]
+    launch.check("causal-lm", launch.strategy_config("ddp"), 2, argv)
+    written = sorted(cache.rglob("cache-*.arrow"))
+    assert written
+    np.random.seed(12345)  # a rank: another process, its own numpy state
+    lm = build_data(parse_args(argv, task="causal-lm"), CausalLM(), lambda *a, **k: None, strategy="ddp",
+                    data_parallel=2)[2]
+    assert sorted(cache.rglob("cache-*.arrow")) == written  # nothing tokenized again
+    assert {f["filename"] for split in lm.values() for f in split.cache_files} <= set(map(str, written))

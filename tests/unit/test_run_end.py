@@ -48,6 +48,8 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
     on_disk, rows = _on_disk(out)
     assert on_disk == json.loads(json.dumps(summary))
     assert summary["ended"] == "data_ran_out" and (summary["steps"], summary["total_steps"]) == (2, 50)
+    # read to its end: one epoch of what it held (it said 0.04, steps / max_steps); unknown before its end
+    assert summary["epochs"] == 1.0 and [row["epoch"] for row in rows] == [1.0]
     assert summary["final_model"] == str(out / "final") and os.path.isfile(out / "final" / "model.safetensors")
     assert "ended at step 2 of 50: the training data ran out" in printed
     # the last step is logged as a run's last: its loss (logging_steps 3 would skip step 2) and the final evaluation
@@ -62,10 +64,10 @@ def test_a_stream_that_runs_out_before_max_steps_evaluates_exports_and_says_so(t
     again = train_in_process({**values, "resume_from_checkpoint": "latest"})
     printed = capsys.readouterr().out
     assert "the stream ended after step 2 of max_steps 50" in printed and "nothing left to train" not in printed
-    assert again["ended"] == "data_ran_out" and again["final_model"] == str(out / "final")
+    assert again["ended"] == "data_ran_out" and again["final_model"] == str(out / "final") and again["epochs"] == 1.0
     assert os.path.isfile(out / "final" / "model.safetensors")
     after = _on_disk(out)[1]
-    assert after[:-1] == rows and after[-1]["step"] == 2 and "loss" not in after[-1]
+    assert after[:-1] == rows and after[-1]["step"] == 2 and "loss" not in after[-1] and after[-1]["epoch"] == 1.0
     assert after[-1]["eval_loss"] == pytest.approx(rows[-1]["eval_loss"], abs=1e-6)
     assert again["best_eval_perplexity"] == pytest.approx(after[-1]["perplexity"])
 

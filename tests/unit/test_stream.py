@@ -174,7 +174,8 @@ def test_a_resume_whose_shard_was_regenerated_with_other_rows_of_the_same_size_i
               "shuffle_buffer_size": 8, "max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 4,
               "block_size": 16, "output_dir": str(tmp_path / "out"), "report_to": "none", "save_final_model": False,
               "optim": "sgd"}
-    assert train_in_process(values)["steps"] == 2
+    first = train_in_process(values)
+    assert first["steps"] == 2 and first["epochs"] is None  # a stream not read to its end: no length, no fraction
     before = paths[1].read_bytes()
     paths[1].write_text("".join(json.dumps({"text": f"row {19 - i:02d} of shard 1"}) + "\n" for i in range(20)))
     assert len(paths[1].read_bytes()) == len(before) and paths[1].read_bytes() != before
@@ -206,7 +207,7 @@ def test_rows_with_no_text_are_dropped_and_counted_on_both_paths(tiny_model, tmp
                                 "report_to": "none", "save_final_model": False, "optim": "sgd"})
     out = capsys.readouterr().out
     if streaming:  # 20 rows with text: 5 steps of 4, the stream read to its end
-        assert summary["steps"] == 5 and summary["train_rows"] == 20
+        assert summary["steps"] == 5 and summary["train_rows"] == 20 and summary["epochs"] == 1.0
         assert out.count("the stream dropped 10 rows with no text (null, empty or not a string) in column 'text'") == 1
     else:
         assert summary["steps"] == 20
@@ -300,6 +301,46 @@ def test_a_chat_stream_drops_and_counts_a_row_that_fits_no_format_instead_of_sto
     assert keep(good) is True
     assert keep({"messages": None}) is None and keep({"other": 1}) is None
     assert "fit no chat format" in keep.drops
+
+
+def test_a_chat_stream_that_goes_on_in_another_format_is_refused_as_the_loaded_set_is(tmp_path, tiny_model, chats,
+                                                                                      bpe_2048):
+    """A file of messages rows that goes on in valid Alpaca rows: the loaded set refuses it in one line (its columns
+    name messages, the Alpaca rows hold nulls there); a stream dropped every Alpaca row as fitting no chat format
+    and ended with data_ran_out. Same data, same answer: where the first window holds the change, the check before
+    the weights (and toolkit train's) refuses it; further on, the stream stops at it on every rank alike (an
+    UnreadableLine: the loop logs and saves the step before, test_run_end.py). (Files of other columns in one stream
+    were already refused: datasets' reader cannot cast a file to the first one's columns.)"""
+    from toolkit.cli import train as launch
+    from toolkit.data.stream import UnreadableLine
+    from toolkit.tasks.sft import ChatSFT
+
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+    def alpaca(i):
+        return {"instruction": f"do {i}", "input": "", "output": f"done {i}"}
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(row) + "\n" for row in [*map(chat, range(10)), *map(alpaca, range(30))]))
+    argv = ["--model_name_or_path", tiny_model, "--train_file", str(mixed), "--chat_template", chats["chat_template"],
+            "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2"]
+    for streaming, words in (("false", "the train split, row 10: column 'messages' holds None"),
+                             ("true", "the stream's rows are in the messages format (its first rows'), but a row "
+                                      "further on is in the alpaca format ({'instruction': 'do 0', 'input': ''")):
+        with pytest.raises(ConfigError) as err:
+            launch.check("chat-sft", launch.strategy_config("ddp"), 1, [*argv, "--streaming", streaming])
+        assert err.value.field_name == "dataset_format" and err.value.message.startswith(words), err.value.message
+    # further on: after the first window, mid-run
+    later = tmp_path / "later.jsonl"
+    later.write_text("".join(json.dumps(row) + "\n" for row in [*map(chat, range(8)), *map(alpaca, range(8))]))
+    keep, _ = ChatSFT().stream_rows(bpe_2048, DataArguments(), 64, "messages")
+    stream = TrainStream(StreamSpec([str(later)], 4, 3, False), keep=keep, collate=list, micro=2, accumulation=1,
+                         encode=lambda rows: [row["messages"][0]["content"] for row in rows])
+    steps = stream.steps()
+    assert [next(steps) for _ in range(4)] == [[[f"q {i}", f"q {i + 1}"]] for i in range(0, 8, 2)]
+    with pytest.raises(UnreadableLine, match="dataset_format: the stream's rows are in the messages format"):
+        next(steps)
 
 
 def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_reads_the_same_rows(tmp_path, capsys):

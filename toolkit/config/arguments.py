@@ -369,7 +369,11 @@ class _DataFields:
         return files
 
     def _check_stream(self) -> None:
-        """What a stream (``toolkit.data.stream``) cannot honour, refused before work."""
+        """What a stream (``toolkit.data.stream``) cannot honour, refused before work, naming the field the user set."""
+        if self.dataset_mixture is not None:
+            raise ConfigError("dataset_mixture", "a mixture is drawn from whole sets, which a stream does not have: "
+                                                 "set streaming: false, or stream the files as train_file (a list or "
+                                                 "a glob) without dataset_mixture")
         if self.train_file is None:
             raise ConfigError("streaming", "streams local files: set train_file (paths, a glob or a list), not "
                                            "dataset_name")
@@ -395,9 +399,6 @@ class _DataFields:
             if given:
                 raise ConfigError("dataset_mixture", f"replaces dataset_name, train_file and validation_file; unset "
                                                      f"{', '.join(given)}")
-            if self.streaming:
-                raise ConfigError("dataset_mixture", "a mixture is drawn from whole sets, which a stream does not "
-                                                     "have; set streaming: false")
 
     @property
     def padding_free(self) -> bool:

@@ -35,6 +35,7 @@ def _parser(classes):
 
     import_transformers()  # the first import of transformers in a run: its model files are then read once, not twice
     from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
 
     class _Parser(HfArgumentParser):
         # argparse's default error() prints the whole usage (50 fields) and exits; we want one line naming the field.
@@ -46,7 +47,26 @@ def _parser(classes):
         def add_argument(self, *names, tasks=None, task_checks=None, **kwargs):
             return super().add_argument(*names, **kwargs)
 
-    return _Parser(classes, allow_abbrev=False)
+    parser = _Parser(classes, allow_abbrev=False)
+    for action in parser._actions:  # HfArgumentParser's booleans take yes/no, t/f, y/n and 1/0 too: ours, two words
+        if action.type is string_to_bool:
+            action.type = strict_bool
+    return parser
+
+
+BOOL_WORDS = {"true": True, "false": False}  # a boolean field's values on the command line, in any case
+
+
+def strict_bool(value):
+    """A boolean field's value: true or false, in any case (a YAML file's booleans reach here as these words), and
+    nothing else: transformers' ``string_to_bool`` also takes yes/no, t/f, y/n and 1/0, so ``--use_peft yes`` was
+    taken as true, and any misspelling of the kind as one or the other."""
+    if isinstance(value, bool):
+        return value
+    word = BOOL_WORDS.get(value.strip().lower())
+    if word is None:
+        raise argparse.ArgumentTypeError(f"takes true or false, got {value!r}")
+    return word
 
 
 def _optional_fields(classes) -> set[str]:

@@ -140,10 +140,19 @@ def convert(split: Dataset, fmt: str, schema: str, args: DataArguments, where: s
                      load_from_cache_file=not args.overwrite_cache)
 
 
-def convert_row(row: dict, schema: str, args: DataArguments, where: str) -> dict:
-    """One row (of a stream) in ``schema``, its format detected from its own columns."""
-    fmt = detect(sorted(row), schema, args, where)
+def convert_row(row: dict, schema: str, args: DataArguments, where: str, fmt: str | None = None) -> dict:
+    """One row (of a stream) in ``schema``: in format ``fmt`` (the stream's, detected from its first rows as a loaded
+    split's is from its columns), or without one in the format its own columns say."""
+    fmt = fmt or detect(sorted(row), schema, args, where)
     return CONVERTERS[fmt](row, args, {**SHAREGPT_ROLES, **(args.sharegpt_roles or {})}, where)
+
+
+def row_format(row: dict, schema: str, args: DataArguments) -> str | None:
+    """The first of ``schema``'s formats whose columns ``row`` holds with a value, or None: what one row of a stream
+    is, whatever columns its reader gave it (the JSON lines read in one chunk all get the chunk's columns, null where
+    a line has none)."""
+    present = {column for column, value in row.items() if value is not None}
+    return next((fmt for fmt in TASK_FORMATS[schema] if set(required_columns(fmt, args)) <= present), None)
 
 
 def _preference_kind(split: Dataset, fmt: str, where: str) -> bool:

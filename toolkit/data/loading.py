@@ -164,7 +164,9 @@ def load_splits(args: DataArguments, builtin: dict, holdout=None) -> DatasetDict
         if "validation" not in raw and args.validation_split_percentage > 0:
             fraction = args.validation_split_percentage / 100
             if holdout is None:
-                split = raw["train"].train_test_split(test_size=fraction, shuffle=False)
+                # the seed changes no row (no shuffle) but names the split: without one, datasets names it from
+                # numpy's global state, so another process (toolkit train's check, a rank) missed its tokenize cache
+                split = raw["train"].train_test_split(test_size=fraction, shuffle=False, seed=0)
                 train, validation = split["train"], split["test"]
             else:
                 train, validation = holdout(raw["train"], fraction)

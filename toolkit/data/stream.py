@@ -177,9 +177,10 @@ def _json_row(line: bytes, path: str, number: int, builder) -> dict:
 
 class UnreadableLine(ConfigError):
     """A row of a stream's file that its reader cannot parse nor skip (a CSV row with too many fields; a JSON line is
-    skipped: ``lenient_json``). Every rank reads every row of the stream, so every rank meets it at the same row: the
-    loop can end the run there on every rank alike (``toolkit.training.loop``), which it cannot do for an error only some ranks
-    raise."""
+    skipped: ``lenient_json``), or that the task refuses as a loaded set would be (a row in another format than the
+    stream's: ``toolkit.tasks.sft.other_format``). Every rank reads every row of the stream, so every rank meets it at the
+    same row: the loop can end the run there on every rank alike (``toolkit.training.loop``), which it cannot do for an error
+    only some ranks raise."""
 
 
 def source_rows(source, files: list[str], field: str = "train_file") -> Iterator[dict]:
@@ -356,6 +357,7 @@ class TrainStream:
         self.steps_done = 0  # steps the stream gave (the run ends early when the source ends)
         self.first_window: list[dict] | None = None  # window 0's rows in order, read once for every head()
         self.head_columns: list[str] | None = None  # the columns of the stream's first row (head()'s)
+        self.holds_one_step: bool | None = None  # whether the stream holds one global batch (head() reads it)
         self.positions: dict[int, dict] = {}  # step -> where a resume at that step restarts (the last steps given)
         self.read_ahead = True  # False: each step read in the caller's thread (bench/streaming.py's comparison)
 
@@ -426,10 +428,19 @@ class TrainStream:
         the packing guard. The first window is read once (up to shuffle_buffer_size rows) for every such call."""
         if self.first_window is None:
             windows = Windows(self.source(None), self.spec, self.keep)
-            windows.available(1)
+            # window 0, and the windows after it only where the first global batch reaches past it
+            self.holds_one_step = windows.available(self.global_batch_size)
             self.first_window, self.head_columns = windows.loaded.get(0, (None, []))[1], windows.columns
         rows = self.encode(self.first_window[:n])
         return pack_bfd(rows, self.bfd_block_size) if self.bfd_block_size and rows else rows
+
+
+def no_first_step(global_batch: int) -> ConfigError:
+    """A stream that ends before its first global batch: refused before the weights load (``toolkit.training.build``), and by
+    the loop for a stream that changed since."""
+    return ConfigError("train_file", f"the stream ends before its first global batch ({global_batch} rows it keeps): "
+                                     "nothing to train on; add rows, or lower per_device_train_batch_size or "
+                                     "gradient_accumulation_steps")
 
 
 def eval_rows(files: list[str], keep, encode, limit: int | None, bfd_block_size: int | None, log=print,

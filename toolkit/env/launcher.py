@@ -53,3 +53,9 @@ def launched_strategy_name() -> str:
     return "ddp" if launched_world_size() > 1 else "single"
 
 
+def launched_data_parallel_size(pipeline_parallel_size: int = 1) -> int:
+    """``data_parallel_size`` of the launch this process is in, from its environment, before any Accelerator: the
+    ranks that take different rows, the launched world over its tensor- and context-parallel groups and its pipeline
+    stages (``toolkit train`` checks one global batch with it before it launches)."""
+    sizes = launched_parallel_sizes()
+    return max(1, launched_world_size() // (sizes.get("tp", 1) * sizes.get("cp", 1) * pipeline_parallel_size))

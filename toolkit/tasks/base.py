@@ -70,6 +70,7 @@ class Task(ABC):
     # the run's optimizer steps and steps per epoch (None for a stream), set by the loop before ``prepared``
     total_steps: int | None = None
     steps_per_epoch: int | None = None
+    stream_format: str | None = None  # a stream's format, from its first rows (build.check_stream_head)
 
     # The value an unset (None) training field takes for this task: the fields stay listed once, in toolkit.config,
     # and a recipe that needs another default says so here (DPO: disable_dropout true, TRL's default).
@@ -99,10 +100,11 @@ class Task(ABC):
     def tokenize(self, raw, tokenizer, args, block_size: int):
         """The raw splits as rows the collator takes."""
 
-    def stream_rows(self, tokenizer, args, block_size: int) -> tuple[Callable, Callable]:
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None) -> tuple[Callable, Callable]:
         """For ``streaming: true`` (``toolkit.data.stream``): ``keep(row) -> bool``, run on every source row on every
         rank (cheap checks; False skips the row before it gets a global index), and ``encode(rows) -> rows``, the
-        rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``)."""
+        rows this rank keeps tokenized as ``tokenize`` would (truncated to ``block_size``). ``fmt``: the stream's
+        format (``toolkit.data.formats``), detected from its first rows (``build.stream_head``)."""
         raise NotImplementedError
 
     @abstractmethod

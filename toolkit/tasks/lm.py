@@ -33,7 +33,7 @@ class CausalLM(Task):
         if cfg.data.packing and cfg.data.packing_strategy is None:
             cfg.data.packing_strategy = "wrapped"  # run_clm's concatenate-and-cut, the figures in the docs
 
-    def stream_rows(self, tokenizer, args, block_size: int):
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None):
         column, eos = data.text_column(args), tokenizer.eos_token_id
         encode_texts, _ = data.token_encoder(tokenizer)
 

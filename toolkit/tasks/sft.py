@@ -15,9 +15,10 @@ from datasets import DatasetDict
 from toolkit.config import DataArguments
 from toolkit.data import loading as data
 from toolkit.data.chat import check_messages, set_chat_template, tokenize_row
-from toolkit.data.formats import CHAT_COLUMNS, convert_row
+from toolkit.data.formats import CHAT_COLUMNS, convert_row, row_format
 from toolkit.data.mixture import load_task_splits
 from toolkit.data.packing import pack_splits
+from toolkit.data.stream import UnreadableLine
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX
 from toolkit.tasks.base import stream_limit
@@ -37,10 +38,11 @@ def load_raw_chats(args: DataArguments, record: dict | None = None) -> DatasetDi
     return raw
 
 
-def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int) -> DatasetDict:
+def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size: int, log=print,
+                   record: dict | None = None) -> DatasetDict:
     """Every row of the chat schema tokenized with its label mask, truncated to ``block_size`` (packed: by the
     packing, which says how much it cut, or splits it under bfd_split); rows left without a target within block_size
-    dropped."""
+    dropped, counted in one line of ``log`` and per split in ``record["dropped_rows"]`` (summary.json)."""
     cut = None if args.padding_free else block_size  # the packing cuts (pack_splits)
     within = None if args.packing_strategy == "bfd_split" and args.padding_free else block_size
 
@@ -58,6 +60,13 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     # position i predicts label i+1, so a row needs a target after its first token
     kept = tokenized.filter(lambda b: [any(x != IGNORE_INDEX for x in labels[1:within]) for labels in b["labels"]],
                             batched=True, desc="drop chats with no assistant token within block_size")
+    dropped = {name: len(tokenized[name]) - len(split) for name, split in kept.items()}
+    if record is not None:
+        record["dropped_rows"] = dropped
+    if any(dropped.values()):
+        log(f"dropped the chats with no assistant token within block_size {block_size}: " + ", ".join(
+            f"{n} of {len(tokenized[name])} in the {name} split" for name, n in dropped.items() if n)
+            + " (summary.json's dropped_rows)")
     if len(kept["train"]) == 0:
         raise ConfigError("block_size", f"no training chat has an assistant token within block_size {block_size}; "
                                         "raise block_size")
@@ -67,6 +76,23 @@ def tokenize_chats(raw: DatasetDict, tokenizer, args: DataArguments, block_size:
     if args.padding_free:  # whole chats, several per row, each with its own label mask
         return pack_splits(kept, block_size, kwargs, split=args.packing_strategy == "bfd_split")
     return kept
+
+
+def other_format(row: dict, fmt: str | None, args: DataArguments) -> None:
+    """A stream's row in another chat format than the stream's (``fmt``, its first rows'; a file of ``messages``
+    rows that goes on in Alpaca rows) stops the stream, on every rank at the same row (``UnreadableLine``: the step
+    before it logged and saved). A loaded set of those rows is refused before any work: its columns name one format
+    (the first of the task's they fit) and the other format's rows hold nulls there. It was dropped as a row that
+    fits no chat format, every one of them, and the run ended with ``data_ran_out``."""
+    other = row_format(row, "chat", args)
+    if fmt is None or other in (None, fmt):
+        return
+    given = {column: value for column, value in row.items() if value is not None}
+    raise UnreadableLine("dataset_format", f"the stream's rows are in the {fmt} format (its first rows'), but a row "
+                                           f"further on is in the {other} format ({given!r:.120}); a stream holds "
+                                           "rows of one format, as a loaded set's split does (a loaded set of these "
+                                           f"rows is refused too): convert those rows to {fmt}, or train on them "
+                                           "apart")
 
 
 class ChatSFT(CausalLM):
@@ -90,22 +116,24 @@ class ChatSFT(CausalLM):
     def load_raw(self, args):
         return load_raw_chats(args, self.data_record)
 
-    def stream_rows(self, tokenizer, args, block_size: int):
-        """Each row of the stream converted from its format (detected from its columns, ``toolkit.data.formats``), then
-        tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
+    def stream_rows(self, tokenizer, args, block_size: int, fmt: str | None = None):
+        """Each row of the stream converted from the stream's format ``fmt`` (its first rows', as a loaded split's
+        is its columns'), then tokenized as ``tokenize_chats`` tokenizes a row of a loaded set."""
 
         def chat_row(row) -> dict:
-            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})")
+            return convert_row(row, "chat", args, f"a row of the stream (columns {sorted(row)})", fmt)
 
         def keep(row) -> bool | None:
             # Mid-run, a row that fits no chat format is dropped and counted (None), as a text stream drops a null
             # text: stopping there would end the run without its summary, evaluation or export, and a resume would
-            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.)
+            # stop at the same row again. (A loaded set refuses such a row before any work, naming it.) A row of
+            # another format stops the stream, as a loaded set refuses it (other_format).
             try:
                 converted = chat_row(row)
                 if converted["prompt"] is None and not converted["prompt_turns"]:
                     check_messages(converted["messages"], f"a row of the stream (columns {sorted(row)})")
             except ConfigError:
+                other_format(row, fmt, args)
                 return None
             return True  # a chat with no assistant token within block_size stays: a row without targets
 
@@ -127,4 +155,4 @@ class ChatSFT(CausalLM):
         set_chat_template(tokenizer, cfg.data.chat_template)
 
     def tokenize(self, raw, tokenizer, args, block_size: int):
-        return tokenize_chats(raw, tokenizer, args, block_size)
+        return tokenize_chats(raw, tokenizer, args, block_size, self.log, self.data_record)

@@ -23,7 +23,7 @@ from toolkit.config.help import unused_field
 from toolkit.data import loading as data
 from toolkit.data.order import require_one_global_batch
 from toolkit.data.packing import PACKING_REPORT, cut_report
-from toolkit.data.stream import StreamSpec, TrainStream, eval_rows, open_source, shard_order, source_rows
+from toolkit.data.stream import StreamSpec, TrainStream, eval_rows, no_first_step, open_source, shard_order, source_rows
 from toolkit.errors import ConfigError
 from toolkit.models import lora, quantization
 from toolkit.models.loading import (
@@ -77,36 +77,21 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     ``accelerator`` may be None outside a run (e.g. to look at the data in a notebook before any Accelerator
     exists, which ``notebook_launcher`` requires): then tokenization runs in this process without coordination.
     """
-    from accelerate.utils import set_seed
-
     task = task or CausalLM()
     if log is None:
         log = accelerator.print if accelerator is not None else print
-    set_seed(cfg.train.seed)
-    tokenizer, model_config, raw, block_size = check_inputs(cfg, task, log)
-    # before the data is tokenized and the weights load
-    quantization.check_run(cfg, strategy_name(accelerator) if accelerator is not None else "single")
-    if cfg.data.streaming:  # nothing tokenized ahead: the first rows are read (and checked) here
-        lm = stream_data(cfg, accelerator, task, tokenizer, block_size, log)
-    elif accelerator is not None:
-        with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
-            lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
-    else:
-        lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
-    if getattr(lm, PACKING_REPORT, None):
-        log(getattr(lm, PACKING_REPORT))  # what block_size cut (bfd) or split (bfd_split)
-
+    launched = accelerator is not None
+    tp_size = tensor_parallel_size(accelerator) if launched else 1
+    tokenizer, model_config, lm, block_size = build_data(
+        cfg, task, log, accelerator, strategy=strategy_name(accelerator) if launched else "single", tp_size=tp_size,
+        data_parallel=data_parallel_size(accelerator) if launched else None,
+        rank=data_parallel_rank(accelerator) if launched else 0)
     checkpointing, resume = cfg.train.gradient_checkpointing, None
-    if accelerator is not None:  # checked here so that a run that cannot go on stops before the weights load
+    if launched:  # checked here so that a run that cannot go on stops before the weights load
         checkpointing = resolve_activation_checkpointing(accelerator, checkpointing)  # or FSDP's, from the launch config
-        repeats = task.sample_repeats(cfg)  # GRPO: each prompt num_generations times, a completion per row
-        if not cfg.data.streaming:
-            require_one_global_batch(len(lm["train"]) * repeats, cfg.train.per_device_train_batch_size,
-                                     data_parallel_size(accelerator), cfg.train.gradient_accumulation_steps)
-        resume = plan_resume(cfg, accelerator, lm["train"], repeats)  # refuses a resume that cannot go on; to train
-    tp_size = tensor_parallel_size(accelerator) if accelerator is not None else 1
+        resume = plan_resume(cfg, accelerator, lm["train"], task.sample_repeats(cfg))  # refuses a resume that cannot go on
     model = load_model(cfg.model, model_config, auto_class=task.auto_class, tp_size=tp_size,
-                       device=accelerator.device if accelerator is not None else None)
+                       device=accelerator.device if launched else None)
     log(f"weights train in {parameter_dtypes(model)} (torch_dtype: {cfg.model.torch_dtype}; mixed precision: "
         f"{accelerator.mixed_precision if accelerator is not None else 'no'})")
     # The model's own forward and layers first (the chunked loss replaces the HF model's forward; checkpointing
@@ -128,6 +113,39 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         log("disable_dropout: every dropout probability of the model is 0")
     return Parts(tokenizer=tokenizer, model=model, train_dataset=lm["train"], eval_dataset=lm.get("validation"),
                  collator=task.collator(tokenizer), block_size=block_size, task=task, resume=resume)
+
+
+def build_data(cfg: RunConfig, task: Task, log, accelerator=None, *, strategy: str, tp_size: int = 1,
+               data_parallel: int | None = None, rank: int = 0) -> tuple:
+    """Everything a rank does before its weights load, and the one place it is done: ``build`` runs it in every rank,
+    ``toolkit train`` (``toolkit.cli.train.check``) in the launching process, so that what only the data shows once
+    tokenized (a training set smaller than one global batch, chats with nothing to learn within block_size, GRPO's
+    conversational prompts without a chat template or a prompt and its completion past the model's positions) is one
+    line there too, not a refusal in the ranks under a launcher's traceback. The quantized base against
+    ``strategy``, ``check_inputs``, the tokenization (``main_process_first`` under an ``accelerator``: rank 0 fills the
+    ``datasets`` cache, the others read it; the launching process fills it first, so the ranks read it too), and one
+    global batch of ``data_parallel`` ranks (None: not known, a notebook's ``build`` before any Accelerator; ``train``
+    checks it). A stream is opened, its first window read and its validation rows tokenized (``stream_data``: rank
+    ``rank`` of ``data_parallel``). Returns (tokenizer, model config, {"train", "validation"?}, block size). Seeds
+    first (a model built from a config is initialised from it, after)."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.train.seed)
+    quantization.check_run(cfg, strategy)  # a quantized base under a strategy it was not checked with: fields only
+    tokenizer, model_config, raw, block_size = check_inputs(cfg, task, log, tp_size)
+    if cfg.data.streaming:  # nothing tokenized ahead: the first rows are read (and checked) here
+        lm = stream_data(cfg, task, tokenizer, block_size, log, data_parallel or 1, rank)
+    elif accelerator is not None:
+        with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
+            lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
+    else:
+        lm = task.tokenize(raw, tokenizer, cfg.data, block_size)
+    if getattr(lm, PACKING_REPORT, None):
+        log(getattr(lm, PACKING_REPORT))  # what block_size cut (bfd) or split (bfd_split)
+    if data_parallel is not None and not cfg.data.streaming:  # a stream's first global batch: stream_data
+        require_one_global_batch(len(lm["train"]) * task.sample_repeats(cfg), cfg.train.per_device_train_batch_size,
+                                 data_parallel, cfg.train.gradient_accumulation_steps)
+    return tokenizer, model_config, lm, block_size
 
 
 def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
@@ -159,37 +177,54 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     task.configure_model(model_config, tokenizer)  # e.g. a classifier's labels
     block_size = data.resolve_block_size(cfg.data, tokenizer, max_positions(model_config))
     if cfg.data.streaming:
-        check_stream_head(cfg, task, task.stream_rows(tokenizer, cfg.data, block_size)[0])
+        check_stream_head(cfg, task, tokenizer, block_size)
     return tokenizer, model_config, raw, block_size
 
 
-def check_stream_head(cfg: RunConfig, task: Task, keep) -> None:
-    """A stream's first rows (``STREAM_HEAD_ROWS``, in the order it reads them), as a loaded set's are checked: a
-    line that is not JSON, columns that fit none of the task's formats (``formats.detect``: naming the columns and
-    the formats), and a stream that ends within them with no row to train on (naming its columns). Rows further on
-    are the run's to drop and count (``keep``)."""
+def stream_head(cfg: RunConfig, task: Task, field: str = "train_file") -> tuple[list[dict], list[str], str]:
+    """The first rows (``STREAM_HEAD_ROWS``) of the stream of ``field``'s files, in the order it reads them (the
+    training files permuted by the seed, the validation files as given: ``stream.eval_rows``), their columns, and
+    their format (``formats.detect``, as a loaded split's from its columns: naming the columns and the formats)."""
     from itertools import islice
 
     from toolkit.data.formats import detect
 
-    files = shard_order(cfg.data.data_files("train_file"), cfg.train.seed, cfg.train.shuffle)
-    rows = list(islice(source_rows(open_source(files, cfg.train.seed, cfg.train.shuffle), files), STREAM_HEAD_ROWS))
+    train = field == "train_file"
+    seed, shuffle = (cfg.train.seed, cfg.train.shuffle) if train else (0, False)
+    files = shard_order(cfg.data.data_files(field), seed, shuffle)
+    rows = list(islice(source_rows(open_source(files, seed, shuffle), files, field), STREAM_HEAD_ROWS))
     if not rows:
-        raise ConfigError("train_file", f"the stream of {files} has no row; give files with rows")
+        raise ConfigError(field, f"the stream of {files} has no row; give files with rows")
     columns = sorted({column for row in rows for column in row})
-    detect(columns, task.stream_schema, cfg.data, f"the stream (its first {len(rows)} rows, from {files[0]})")
-    if len(rows) < STREAM_HEAD_ROWS and not any(keep(row) for row in rows):
+    where = f"the stream (its first {len(rows)} rows, from {files[0]})"
+    try:
+        return rows, columns, detect(columns, task.stream_schema, cfg.data, where)
+    except ConfigError as e:
+        if train:
+            raise
+        raise ConfigError(field, f"{cfg.data.validation_file}: {e.message}") from None
+
+
+def check_stream_head(cfg: RunConfig, task: Task, tokenizer, block_size: int) -> None:
+    """A stream's first rows, as a loaded set's are checked: a line that is not JSON, columns that fit none of the
+    task's formats (``stream_head``), a row of another format than the first rows' (``keep`` refuses it), and a
+    stream that ends within them with no row to train on (naming its columns). Rows further on are the run's to drop
+    and count (``keep``). The stream's format is the task's ``stream_format`` from here on."""
+    rows, columns, task.stream_format = stream_head(cfg, task)
+    keep = task.stream_rows(tokenizer, cfg.data, block_size, task.stream_format)[0]
+    kept = [keep(row) for row in rows]
+    if len(rows) < STREAM_HEAD_ROWS and not any(kept):
         raise ConfigError("train_file", f"the stream's {len(rows)} rows (columns {columns}) have none to train on: "
                                         f"{getattr(keep, 'drops', 'rows the task cannot use')}; give rows with data")
 
 
-def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: int, log) -> dict:
-    """``streaming: true``: {"train": this rank's ``TrainStream``, "validation": the first ``max_eval_samples`` rows
-    of ``validation_file`` tokenized, or no key without one}. The first training row is read and checked here."""
-    keep, encode = task.stream_rows(tokenizer, cfg.data, block_size)
+def stream_data(cfg: RunConfig, task: Task, tokenizer, block_size: int, log, dp: int = 1, rank: int = 0) -> dict:
+    """``streaming: true``: {"train": data-parallel rank ``rank`` of ``dp``'s ``TrainStream``, "validation": the
+    first ``max_eval_samples`` rows of ``validation_file`` tokenized, or no key without one}. The first training row
+    is read and checked here, and a stream without one global batch refused."""
+    keep, encode = task.stream_rows(tokenizer, cfg.data, block_size, task.stream_format)
     spec = StreamSpec(cfg.data.data_files("train_file"), cfg.data.shuffle_buffer_size, cfg.train.seed,
                       cfg.train.shuffle)
-    dp, rank = (data_parallel_size(accelerator), data_parallel_rank(accelerator)) if accelerator is not None else (1, 0)
     bfd = block_size if cfg.data.padding_free else None
     dropped = task.data_record.setdefault("dropped_rows", {})  # summary.json's, as the map-style path counts them
     train = TrainStream(spec, keep=keep, encode=encode, collate=task.collator(tokenizer),
@@ -200,14 +235,18 @@ def stream_data(cfg: RunConfig, accelerator, task: Task, tokenizer, block_size: 
         raise ConfigError("train_file", f"the stream of {spec.files[0]}... has no training row (its columns: "
                                         f"{train.head_columns}; {getattr(keep, 'drops', 'rows the task drops')} are "
                                         "dropped); give rows with data")
+    if not train.holds_one_step:  # before the weights load (the loop would meet it at its first step)
+        raise no_first_step(train.global_batch_size)
     if bfd:  # what block_size cuts or splits, as seen in the stream's first documents (the rest is cut alike)
-        _, whole = task.stream_rows(tokenizer, cfg.data, None)
+        _, whole = task.stream_rows(tokenizer, cfg.data, None, task.stream_format)
         lengths = [len(r["input_ids"]) for r in whole(train.first_window[:STREAM_CUT_SAMPLE])]
         log(cut_report(lengths, block_size, cfg.data.packing_strategy == "bfd_split", "first documents of the stream"))
     lm = {"train": train}
-    if cfg.data.validation_file:
-        lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), keep, encode, cfg.data.max_eval_samples,
-                                     bfd, log, record=dropped)
+    if cfg.data.validation_file:  # in its own format, as a loaded validation split may be
+        eval_keep, eval_encode = task.stream_rows(tokenizer, cfg.data, block_size,
+                                                  stream_head(cfg, task, "validation_file")[2])
+        lm["validation"] = eval_rows(cfg.data.data_files("validation_file"), eval_keep, eval_encode,
+                                     cfg.data.max_eval_samples, bfd, log, record=dropped)
     else:
         log("streaming: no validation_file, so no evaluation (a stream has no held-out part)")
     log(f"streaming {len(spec.files)} file(s) in windows of {spec.window} rows (shuffle_buffer_size), "

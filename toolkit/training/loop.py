@@ -36,10 +36,10 @@ from toolkit.checkpointing import Checkpointer, ResumePlan, plan_resume
 from toolkit.config import RunConfig, TrainingArguments, write_config
 from toolkit.data.order import GlobalBatchSampler, require_one_global_batch
 from toolkit.data.packing import SEQ_LENGTHS, check_packed_attention, packed_guard_row
-from toolkit.data.stream import TrainStream, UnreadableLine
+from toolkit.data.stream import TrainStream, UnreadableLine, no_first_step
 from toolkit.env import upstream
 from toolkit.env.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
-from toolkit.errors import ConfigError, TrainingStopped
+from toolkit.errors import TrainingStopped
 from toolkit.loss import micro_step_loss
 from toolkit.parallel.accelerator import (
     configure_deepspeed,
@@ -504,12 +504,23 @@ def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, res
                          resume=resumed_from is not None, loss_unit=task.loss_unit)
 
 
+def _epochs(run: Run, state: LoopState, stream_ended: bool = False) -> float | None:
+    """Passes over the training data so far (metrics.jsonl's ``epoch``, summary.json's ``epochs``). Map-style data:
+    steps / steps an epoch. A stream has no length: 1.0 once read to its end (``stream_ended``: every row it holds
+    was read, each trained on once, but the tail short of a global batch), None (unknown) before; it was steps /
+    max_steps, 0.16 for a stream that ran out after 8 of 50 steps."""
+    if run.train_dl is not None:
+        return state.epochs_done(run.steps_per_epoch)
+    return 1.0 if stream_ended else None
+
+
 def _log_step(args: TrainingArguments, state: LoopState, result: StepResult, last: bool, run: Run, window: LogWindow,
-              evaluation: Evaluation, logger: MetricsLogger, stopping: bool = False) -> dict | None:
+              evaluation: Evaluation, logger: MetricsLogger, stopping: bool = False,
+              ran_out: bool = False) -> dict | None:
     """Collective when it logs or evaluates (every rank decides alike): the step's metrics row, or None.
     ``stopping``: the run stops after this step (preempted): the row is written whatever logging_steps says, or the
-    steps since the last row would never be logged (a resume starts after them)."""
-    row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
+    steps since the last row would never be logged (a resume starts after them). ``ran_out``: the stream ended."""
+    row = {"step": state.step, "epoch": _epochs(run, state, ran_out), "tokens_seen": state.tokens_seen}
     logged = state.step % args.logging_steps == 0 or last or stopping
     if logged:
         _training_metrics(row, state, result, run, window, evaluation)
@@ -540,7 +551,7 @@ def _log_last_good_step(state: LoopState, unlogged: StepResult | None, run: Run,
     the run's last good one, is logged whatever logging_steps says, as a preempted run's last step is (else the steps
     since the last row would never be logged). ``unlogged``: that step's result, None if its row was written."""
     if unlogged is not None:
-        row = {"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch), "tokens_seen": state.tokens_seen}
+        row = {"step": state.step, "epoch": _epochs(run, state), "tokens_seen": state.tokens_seen}
         logger.log(_training_metrics(row, state, unlogged, run, window, evaluation))
 
 
@@ -624,7 +635,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         plot_run(args.output_dir)
     exported = run.checkpointer.exported
     summary = run_summary(
-        accelerator, state, epochs=state.epochs_done(run.steps_per_epoch), seconds=time.time() - started,
+        accelerator, state, epochs=_epochs(run, state, ended == ENDED_DATA_RAN_OUT), seconds=time.time() - started,
         tokens=state.tokens_seen - start_tokens, steps=state.step - start_step, flops_per_token=run.flops_per_token,
         peak_flops=run.peak_flops, best=(evaluation.name, evaluation.best), ended=ended, total_steps=run.total_steps,
         stop_reason=str(stop) if stop else None, final_model=os.path.abspath(exported) if exported else None,
@@ -700,7 +711,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
         # after the next one (the flag is sent with the counts, before the step's first backward).
         preempted = not last and result.stop_requested
         stopping = preempted or unreadable is not None  # logged and saved whatever logging_steps and save_steps say
-        row = _log_step(args, state, result, last, run, window, evaluation, logger, stopping=stopping)
+        row = _log_step(args, state, result, last, run, window, evaluation, logger, stopping=stopping, ran_out=ran_out)
         unlogged = None if row is not None and "loss" in row else result
         _call(callbacks, "on_step_end", accelerator=accelerator, state=state, row=row)
         if last or stopping:  # the bar ends with training: the lines and the export's own bars below it
@@ -742,7 +753,7 @@ def _resumed_at_the_end(accelerator, run: Run, state: LoopState, logger: Metrics
     before it finished): it ends as a run whose data ran out does, with its final evaluation (with a validation set)
     and the line saying so; the export follows (``_export_if_not_yet``)."""
     if run.eval_dl is not None:
-        logger.log(evaluation.into({"step": state.step, "epoch": state.epochs_done(run.steps_per_epoch),
+        logger.log(evaluation.into({"step": state.step, "epoch": _epochs(run, state, stream_ended=True),
                                     "tokens_seen": state.tokens_seen}))
     logger.close()
     _data_ran_out(accelerator, run, state)
@@ -758,9 +769,7 @@ def _first_stream_step(accelerator, run: Run, state: LoopState) -> tuple:
     batches = epoch_batches(accelerator, None, run.sampler, state, run.sampler.accumulation)
     micro_batches = next_micro_batches(batches, run, accelerator)
     if micro_batches is None and state.step == 0:
-        raise ConfigError("train_file", f"the stream ends before its first global batch "
-                                        f"({run.sampler.global_batch_size} rows with text): nothing to train on; add "
-                                        "rows, or lower per_device_train_batch_size or gradient_accumulation_steps")
+        raise no_first_step(run.sampler.global_batch_size)
     return batches, micro_batches
 
 
