@@ -16,6 +16,7 @@ ZeRO-2, ZeRO-3 and FSDP2 are identical: docs/strategies.md#lora-under-every-stra
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from toolkit.config import ModelArguments
 from toolkit.errors import ConfigError
@@ -54,15 +55,22 @@ def lora_config(args: ModelArguments, task_type: str):
                       task_type=task_type)
 
 
-def wrap(model, config):
-    """``peft.get_peft_model``, without the FutureWarning peft 0.21 triggers by calling transformers 5's deprecated
-    ``is_gradient_checkpointing`` (once per wrapped model: nothing a user can change)."""
+@contextmanager
+def _quiet_peft():
+    """Without the FutureWarning peft 0.21 triggers by calling transformers 5's deprecated
+    ``is_gradient_checkpointing`` (once per wrapped or loaded model: nothing a user can change)."""
     import warnings
-
-    from peft import get_peft_model
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+def wrap(model, config):
+    """``peft.get_peft_model``, quietly (``_quiet_peft``)."""
+    from peft import get_peft_model
+
+    with _quiet_peft():
         return get_peft_model(model, config)
 
 
@@ -137,6 +145,7 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
         raise RuntimeError(f"merging LoRA: the gathered weights do not fit the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     merged = fresh.merge_and_unload()
+    _as_architecture(merged)
     os.makedirs(path, exist_ok=True)
     merged.save_pretrained(path, safe_serialization=True)
 
@@ -155,12 +164,69 @@ def _dequantized_copy(base):
     return fresh.dequantize(dtype=dtype)
 
 
+def _as_architecture(model) -> None:
+    """Put back, in place, every layer that the architecture builds as GPT-2's ``Conv1D`` (a weight stored (in, out))
+    and that transformers' ``dequantize()`` turned into an ``nn.Linear`` (a weight (out, in)): its weight transposed
+    back. Written as it was, a non-square weight failed to load and a square one (``attn.c_proj``) loaded transposed,
+    silently (docs/pitfalls.md#dequantized-conv1d)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    from toolkit.model import empty_model
+
+    reference = empty_model(model.config)
+    for name, module in reference.named_modules() if reference is not None else ():
+        linear = model.get_submodule(name) if isinstance(module, Conv1D) else None
+        if type(linear) is not torch.nn.Linear:
+            continue
+        with torch.device("meta"):  # no memory, no initialisation: its tensors are the linear's, transposed
+            conv = Conv1D(linear.out_features, linear.in_features)
+        conv.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        conv.bias = linear.bias
+        model.set_submodule(name, conv)
+
+
 def _is_tied_alias(model, name: str) -> bool:
     """A name that shares its tensor with another (GPT-2's lm_head.weight is wte.weight): absent from a state dict
     that writes tied weights once."""
     params = dict(model.named_parameters(remove_duplicate=False))
     unique = dict(model.named_parameters())
     return name in params and name not in unique
+
+
+def is_adapter_folder(folder: str) -> bool:
+    """A LoRA export (``save_adapter``'s): an adapter_config.json beside the adapter's weights."""
+    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
+
+
+def adapter_tensors(folder: str):
+    """What an adapter export in ``folder`` must hold: ([[name] of each adapter tensor], {name: shape} of those and of
+    the embedding layers peft may write beside them), from its base's architecture (config.json, on the meta device)
+    wrapped by its adapter_config.json; None for an architecture transformers does not ship
+    (``toolkit.checkpointing.checkpoint.check_export``)."""
+    import warnings
+
+    import torch
+    import transformers
+    from peft import PeftConfig, get_peft_model_state_dict
+
+    from toolkit.model import empty_model
+
+    peft_config = PeftConfig.from_pretrained(folder)
+    auto = "AutoModelForSequenceClassification" if peft_config.task_type == "SEQ_CLS" else "AutoModelForCausalLM"
+    base = empty_model(transformers.AutoConfig.from_pretrained(folder), auto)
+    if base is None:
+        return None
+    base.name_or_path = peft_config.base_model_name_or_path  # as it was trained: peft warns of a renamed base
+    with torch.device("meta"), warnings.catch_warnings():
+        # a GPT-2 adapter trained on 4-bit layers (fan_in_fan_out false) meets the Conv1D layers it merges into:
+        # peft warns and transposes its update, which leaves the adapter's own shapes as they are
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        model = wrap(base, peft_config)
+    # save_embedding_layers given: peft's "auto" would ask the Hub for the base's config
+    required = get_peft_model_state_dict(model, save_embedding_layers=False)
+    allowed = get_peft_model_state_dict(model, save_embedding_layers=True)
+    return [[name] for name in required], {name: list(t.shape) for name, t in {**allowed, **required}.items()}
 
 
 def load_exported(folder: str, args: ModelArguments):
@@ -179,7 +245,9 @@ def load_exported(folder: str, args: ModelArguments):
     peft_config = PeftConfig.from_pretrained(folder)
     auto = "AutoModelForSequenceClassification" if peft_config.task_type == "SEQ_CLS" else "AutoModelForCausalLM"
     config = transformers.AutoConfig.from_pretrained(folder)  # the base's config as trained (a classifier's labels)
-    return PeftModel.from_pretrained(load_model(args, config=config, auto_class=auto), folder)
+    base = load_model(args, config=config, auto_class=auto)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(base, folder)
 
 
 def _is_classifier(config) -> bool:

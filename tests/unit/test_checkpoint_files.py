@@ -9,6 +9,7 @@ checkpoint this run resumed from); the ``latest`` pointer wins when it names a f
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -316,3 +317,125 @@ def test_a_re_export_replaces_final_without_a_moment_of_neither(tmp_path):
     os.rename(final, final + layout.OLD_SUFFIX)  # killed after the first rename
     assert layout.remove_stale_temporaries(out) == [final + layout.OLD_SUFFIX]
     assert os.listdir(out) == []
+
+
+# ------------------------------------------------------------------------- the final exports, loaded back (issue 46)
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, bpe_2048) -> str:
+    """A 2-layer, 32-wide Qwen2 (biased q/k/v projections) whose head is tied to its embedding, as Qwen2.5-0.5B's is."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = bpe_2048
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def families(tiny_model, tiny_llama, tiny_qwen2) -> dict:
+    return {"gpt2": tiny_model, "llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+def _save_final(model, tokenizer, path: str, merge_lora: bool) -> None:
+    """``save_final`` as a one-process run calls it, on a fresh Accelerator (accelerate's process-wide state reset
+    before and after, as ``helpers.train_in_process`` does)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from toolkit.checkpointing.checkpoint import save_final
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        save_final(Accelerator(cpu=True), model, tokenizer, path, merge_lora=merge_lora)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _logits(model):
+    import torch
+
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+EXPORTS = {"full": {}, "lora": {"use_peft": True}, "qlora": {"use_peft": True, "load_in_4bit": True}}
+
+
+@pytest.mark.parametrize("kind", EXPORTS)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_every_export_loads_back_as_the_trained_model(families, tmp_path, family, kind):
+    """Each kind of final export (full weights; a LoRA adapter and its merge; on a 4-bit base, QLoRA's adapter and its
+    merge) of each family (GPT-2: Conv1D layers, tied head; Llama: untied; Qwen2: biased projections, tied head),
+    written by ``save_final`` from a model whose every trainable tensor moved (a stand-in for training), loads back
+    with ``from_pretrained`` / ``load_exported`` and gives the trained model's logits: exactly for the full weights
+    and an adapter on its own base, up to float rounding for a merge. Before the fix, QLoRA's merged GPT-2 held
+    transformers' dequantized nn.Linear layout: its non-square weights failed to load."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.config import ModelArguments
+    from toolkit.lora import apply_lora, load_exported
+    from toolkit.model import load_model
+
+    if kind == "qlora":
+        pytest.importorskip("bitsandbytes")
+    args = ModelArguments(model_name_or_path=families[family], lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                          lora_target_modules=["all-linear"], **EXPORTS[kind])
+    model = load_model(args)
+    if args.use_peft:
+        model = apply_lora(model, args, "CAUSAL_LM", log=lambda *_: None)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # "trained": every trainable tensor moved (LoRA's B starts at zero)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    trained = _logits(model)
+    final = str(tmp_path / "final")
+    _save_final(model, AutoTokenizer.from_pretrained(args.model_name_or_path), final, merge_lora=args.use_peft)
+    exported = load_exported(final, args)
+    assert type(exported).__name__ == ("PeftModelForCausalLM" if args.use_peft else model.__class__.__name__)
+    assert torch.equal(_logits(exported), trained), family
+    if args.use_peft:
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "merged"))
+        assert type(merged) is type(model.get_base_model()) and merged.dtype == torch.float32
+        diff = float((_logits(merged) - trained).abs().max())
+        print(f"{family} {kind}: merged export's logits max|d| from the trained model {diff:.1e}")
+        assert diff <= (1e-4 if args.load_in_4bit else 1e-5), (family, kind, diff)
+
+
+def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp_path):
+    """``check_export``: a tensor transposed (what QLoRA's merged GPT-2 wrote), one missing, one unexpected: each
+    named, from the files' headers against the architecture on the meta device. The tied head written once (as
+    save_pretrained writes it) or twice passes."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.checkpointing.checkpoint import check_export
+
+    folder = str(tmp_path / "export")
+    shutil.copytree(tiny_model, folder)
+    check_export(folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    cases = {"wrong shape: transformer.h.0.mlp.c_fc.weight [128, 32] (the architecture's [32, 128])":
+             {**weights, "transformer.h.0.mlp.c_fc.weight": weights["transformer.h.0.mlp.c_fc.weight"].t()},
+             "missing: transformer.h.1.ln_2.bias":
+             {k: v for k, v in weights.items() if k != "transformer.h.1.ln_2.bias"},
+             "unexpected: transformer.h.2.ln_2.bias": {**weights, "transformer.h.2.ln_2.bias": torch.zeros(32)}}
+    for words, tensors in cases.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+        with pytest.raises(RuntimeError, match=f"^the export in {folder} does not fit .*: {re.escape(words)}$"):
+            check_export(folder)
+    save_file({**weights, "lm_head.weight": weights["transformer.wte.weight"].clone()},
+              os.path.join(folder, "model.safetensors"))
+    check_export(folder)
