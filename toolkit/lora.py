@@ -46,6 +46,34 @@ def target_modules(args: ModelArguments):
     return list(names)
 
 
+# The fields that shape the adapters a checkpoint holds, recorded in it (``toolkit.checkpointing.resume``): another
+# lora_r, target modules or modules to save load the saved tensors into other shapes or layers (a size-mismatch
+# traceback after the data and the weights loaded; on a quantized base, whose load is not strict, other target modules
+# silently: the saved adapters skipped, new ones from zero), another use_peft a full model's weights into adapters or
+# the reverse, and another lora_alpha scales the same adapters by another alpha / r: another function, silently.
+# lora_dropout is not one of them: a regulariser of the training to come (every saved tensor means what it meant, and
+# evaluation and the export never drop), so it may change on resume as a learning rate may.
+ADAPTER_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save")
+
+
+def adapter_record(args: ModelArguments) -> dict:
+    """The ``ADAPTER_FIELDS`` of a run (``use_peft`` alone without LoRA), written into every checkpoint."""
+    return {f: getattr(args, f) for f in ADAPTER_FIELDS} if args.use_peft else {"use_peft": False}
+
+
+def check_same_adapters(checkpoint: str, saved: dict, now: dict) -> None:
+    """Refuse a resume whose LoRA layout or scaling differs from the checkpoint's (``adapter_record``s), before the
+    weights load."""
+    for field in ADAPTER_FIELDS:
+        if saved.get(field) != now.get(field):
+            why = ("its adapters would be scaled by another alpha / r: another function" if field == "lora_alpha"
+                   else "its weights fit only the model they were trained as (use_peft, lora_r, lora_target_modules "
+                        "and lora_modules_to_save make its LoRA layout)")
+            raise ConfigError(field, f"cannot resume from {checkpoint}: it was trained with {field} "
+                                     f"{saved.get(field)!r}, now {now.get(field)!r}; {why}: resume with the "
+                                     "checkpoint's value, or start a new output_dir")
+
+
 def lora_config(args: ModelArguments, task_type: str):
     """peft's ``LoraConfig`` from the recipe's LoRA fields (``toolkit plan --lora-r`` counts the adapters from it)."""
     from peft import LoraConfig

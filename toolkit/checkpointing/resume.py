@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from toolkit import layout, quantization
+from toolkit import layout, lora, quantization
 from toolkit.checkpointing import convert
 from toolkit.distributed import data_parallel_size, strategy_name
 from toolkit.errors import ConfigError
@@ -65,6 +65,8 @@ def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
         **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
         # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.quantization)
         "quantized_base": quantization.base_record(cfg.model),
+        # nor this: the LoRA layout and scaling the checkpoint's weights were trained in (toolkit.lora)
+        "adapters": lora.adapter_record(cfg.model),
     }
 
 
@@ -154,6 +156,8 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
     check_stream_files(checkpoint, saved["order"].get("stream_files"), order.get("stream_files"))
     if "quantized_base" in saved["order"]:  # recorded since QLoRA's resume checks; not by earlier checkpoints
         quantization.check_same_base(checkpoint, saved["order"]["quantized_base"], order["quantized_base"])
+    if "adapters" in saved["order"]:  # recorded since LoRA's resume checks (issue 46); not by earlier checkpoints
+        lora.check_same_adapters(checkpoint, saved["order"]["adapters"], order["adapters"])
     for key, field_name in ORDER_FIELDS.items():
         if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")
