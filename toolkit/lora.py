@@ -157,6 +157,8 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
 
     import torch
 
+    from toolkit.model import restore_conv1d_layers
+
     base = unwrapped.get_base_model()
     if getattr(base, "hf_quantizer", None) is not None:
         fresh = wrap(_dequantized_copy(base), copy.deepcopy(unwrapped.peft_config["default"]))
@@ -173,7 +175,7 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
         raise RuntimeError(f"merging LoRA: the gathered weights do not fit the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     merged = fresh.merge_and_unload()
-    _as_architecture(merged)
+    restore_conv1d_layers(merged)
     os.makedirs(path, exist_ok=True)
     merged.save_pretrained(path, safe_serialization=True)
 
@@ -192,39 +194,12 @@ def _dequantized_copy(base):
     return fresh.dequantize(dtype=dtype)
 
 
-def _as_architecture(model) -> None:
-    """Put back, in place, every layer that the architecture builds as GPT-2's ``Conv1D`` (a weight stored (in, out))
-    and that transformers' ``dequantize()`` turned into an ``nn.Linear`` (a weight (out, in)): its weight transposed
-    back. Written as it was, a non-square weight failed to load and a square one (``attn.c_proj``) loaded transposed,
-    silently (docs/pitfalls.md#dequantized-conv1d)."""
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
-    from toolkit.model import empty_model
-
-    reference = empty_model(model.config)
-    for name, module in reference.named_modules() if reference is not None else ():
-        linear = model.get_submodule(name) if isinstance(module, Conv1D) else None
-        if type(linear) is not torch.nn.Linear:
-            continue
-        with torch.device("meta"):  # no memory, no initialisation: its tensors are the linear's, transposed
-            conv = Conv1D(linear.out_features, linear.in_features)
-        conv.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        conv.bias = linear.bias
-        model.set_submodule(name, conv)
-
-
 def _is_tied_alias(model, name: str) -> bool:
     """A name that shares its tensor with another (GPT-2's lm_head.weight is wte.weight): absent from a state dict
     that writes tied weights once."""
     params = dict(model.named_parameters(remove_duplicate=False))
     unique = dict(model.named_parameters())
     return name in params and name not in unique
-
-
-def is_adapter_folder(folder: str) -> bool:
-    """A LoRA export (``save_adapter``'s): an adapter_config.json beside the adapter's weights."""
-    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
 
 
 def adapter_tensors(folder: str):
@@ -262,7 +237,11 @@ def load_exported(folder: str, args: ModelArguments):
     (``model_name_or_path``) with the adapter from ``folder`` (``PeftModel.from_pretrained``)."""
     import transformers
 
-    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+    from toolkit.model import is_adapter_folder
+    from toolkit.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()  # peft, and transformers' loading, import bitsandbytes where it is installed
+    if not is_adapter_folder(folder):
         config = transformers.AutoConfig.from_pretrained(folder)
         auto = "AutoModelForSequenceClassification" if _is_classifier(config) else "AutoModelForCausalLM"
         return getattr(transformers, auto).from_pretrained(folder)

@@ -45,38 +45,16 @@ def export_folder(path: str) -> str:
     raise ConfigError("dir", f"{path} {why}; give a run's output_dir or its final/ folder (a finished run's export)")
 
 
-def model_arguments(folder: str):
-    """The model fields an adapter export is loaded with: the run's own (its ``config.yaml`` beside ``final/``), or
-    the adapter's recorded base (peft's ``base_model_name_or_path``)."""
-    import dataclasses
-
-    from toolkit.config import ModelArguments
-
-    run_config = layout.path(os.path.dirname(os.path.normpath(folder)), layout.CONFIG)
-    if os.path.isfile(run_config):  # the model's fields only: the run's other checks (its output_dir) are not ours
-        import yaml
-
-        with open(run_config) as f:
-            values = yaml.safe_load(f)
-        return ModelArguments(**{f.name: values[f.name] for f in dataclasses.fields(ModelArguments) if f.name in values})
-    from peft import PeftConfig
-
-    return ModelArguments(model_name_or_path=PeftConfig.from_pretrained(folder).base_model_name_or_path)
-
-
 def load(folder: str):
     """(tokenizer, model in eval mode) of an export."""
     from transformers import AutoTokenizer
 
     from toolkit.lora import load_exported
+    from toolkit.model import adapter_base_arguments, is_adapter_folder
 
-    model = load_exported(folder, model_arguments(folder) if _is_adapter(folder) else None)
+    model = load_exported(folder, adapter_base_arguments(folder) if is_adapter_folder(folder) else None)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return tokenizer, model.eval()
-
-
-def _is_adapter(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -8,10 +8,12 @@ checkpoint this run resumed from); the ``latest`` pointer wins when it names a f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
 import pytest
+import yaml
 
 from toolkit import layout
 from toolkit.checkpointing.checkpoint import rotate_checkpoints
@@ -406,10 +408,15 @@ def test_every_export_loads_back_as_the_trained_model(families, tmp_path, family
     assert torch.equal(_logits(exported), trained), family
     if args.use_peft:
         merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "merged"))
-        assert type(merged) is type(model.get_base_model()) and merged.dtype == torch.float32
-        diff = float((_logits(merged) - trained).abs().max())
-        print(f"{family} {kind}: merged export's logits max|d| from the trained model {diff:.1e}")
-        assert diff <= (1e-4 if args.load_in_4bit else 1e-5), (family, kind, diff)
+        # the adapter folder named as the next run's model: its base (as its run's config.yaml says: 4 bits, then
+        # dequantized) with the adapter merged in, a plain model of the architecture
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(args)))  # as the loop writes it
+        as_model = load_model(ModelArguments(model_name_or_path=final))
+        for name, loaded in (("merged export", merged), ("adapter folder as a model", as_model)):
+            assert type(loaded) is type(model.get_base_model()) and loaded.dtype == torch.float32, name
+            diff = float((_logits(loaded) - trained).abs().max())
+            print(f"{family} {kind}: {name}'s logits max|d| from the trained model {diff:.1e}")
+            assert diff <= (1e-4 if args.load_in_4bit else 1e-5), (family, kind, name, diff)
 
 
 def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp_path):
@@ -439,3 +446,55 @@ def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp
     save_file({**weights, "lm_head.weight": weights["transformer.wte.weight"].clone()},
               os.path.join(folder, "model.safetensors"))
     check_export(folder)
+
+
+class _Final:
+    """The model a run ends with (its ``on_end`` callback), for its logits."""
+
+    def on_end(self, accelerator, model, summary):
+        self.model = accelerator.unwrap_model(model)
+
+
+def test_lora_runs_chain_sft_dpo_grpo_each_on_the_last_ones_final(gpt2_256, chats, pairs, tmp_path, monkeypatch):
+    """``toolkit train grpo --model <a LoRA run>/final`` died in the ranks ("no file named model.safetensors"). A
+    LoRA run's final/ named as a model loads as its base with the adapter merged in: the model that run trained.
+    Chained in process, one step each: chat SFT (LoRA) -> DPO on its final/ (a new adapter: its reference, the base
+    with that adapter disabled, is the SFT model, so the first loss is log 2) -> GRPO on DPO's final/ (a new adapter,
+    merge_lora). GRPO's adapter records DPO's final/ as its base, which records SFT's: loaded back link by link
+    (``toolkit chat``'s way) it gives the GRPO-trained model's logits, and so does its final/merged/."""
+    import math
+    import sys
+
+    import torch
+    from helpers import ROOT, train_in_process
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.chat import ChatSFT
+    from toolkit.grpo import GRPO
+    from toolkit.lora import load_exported
+    from toolkit.metrics import read_metrics
+    from toolkit.model import adapter_base_arguments
+    from toolkit.preference import DPO
+
+    common = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_modules": "c_attn",
+              "max_steps": 1, "logging_steps": 1, "report_to": "none", "plot": False, "learning_rate": 0.05,
+              "validation_split_percentage": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    sft, dpo, grpo = (str(tmp_path / name) for name in ("sft", "dpo", "grpo"))
+    train_in_process({**common, **chats, "validation_file": None, "model_name_or_path": gpt2_256,
+                      "output_dir": sft}, task=ChatSFT())
+    train_in_process({**common, **pairs, "validation_file": None, "model_name_or_path": os.path.join(sft, "final"),
+                      "block_size": 256, "output_dir": dpo}, task=DPO())
+    assert abs(read_metrics(dpo)[0]["loss"] - math.log(2)) < 1e-6
+    final = _Final()
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])  # grpo_rewards
+    train_in_process({**common, "model_name_or_path": os.path.join(dpo, "final"), "dataset_name": "arithmetic",
+                      "num_generations": 2, "max_completion_length": 4, "block_size": 64, "merge_lora": True,
+                      "reward_funcs": ["grpo_rewards:characters"], "output_dir": grpo}, task=GRPO(), callbacks=[final])
+    assert all(p.abs().max() > 0 for n, p in final.model.named_parameters() if "lora_B" in n)  # it trained
+    folder = os.path.join(grpo, "final")
+    assert adapter_base_arguments(folder).model_name_or_path == os.path.join(dpo, "final")
+    assert adapter_base_arguments(os.path.join(dpo, "final")).model_name_or_path == os.path.join(sft, "final")
+    trained = _logits(final.model)
+    assert torch.equal(_logits(load_exported(folder, adapter_base_arguments(folder))), trained)
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "merged"))
+    assert float((_logits(merged) - trained).abs().max()) <= 1e-5

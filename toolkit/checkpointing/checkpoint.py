@@ -312,8 +312,9 @@ def check_export(folder: str) -> None:
     differs, so that a run never reports an export that does not load, or that loads wrong (a square weight
     transposed: docs/pitfalls.md#dequantized-conv1d)."""
     from toolkit import lora
+    from toolkit.model import is_adapter_folder
 
-    adapter = lora.is_adapter_folder(folder)
+    adapter = is_adapter_folder(folder)
     written = written_shapes(folder, "adapter_model" if adapter else "model")
     expected = lora.adapter_tensors(folder) if adapter else _model_tensors(folder)
     if expected is None:  # an architecture transformers does not ship (remote code): nothing to build it from
