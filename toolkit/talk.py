@@ -87,9 +87,9 @@ def context_length(model) -> int | None:
     return max_positions(model.config)
 
 
-def turns(lines, reader=None):
+def turns(lines):
     """The user turns in ``lines``: each line stripped, or the lines between two ``BLOCK`` lines joined by newlines
-    (an end of input closes an open block). ``reader``: a ``Reader`` that learns whether a block is open."""
+    (an end of input closes an open block). A ``Reader`` is told whether a block is open (its prompt)."""
     block = None
     for line in lines:
         line = line.rstrip("\r\n")
@@ -101,8 +101,8 @@ def turns(lines, reader=None):
             block.append(line)
         else:
             yield line.strip()
-        if reader is not None:
-            reader.in_block = block is not None
+        if isinstance(lines, Reader):
+            lines.in_block = block is not None
     if block is not None:
         yield "\n".join(block).strip()
 
@@ -112,7 +112,7 @@ def converse(model, tokenizer, lines, write, args: argparse.Namespace, conversat
     the turns are one conversation (``/reset`` starts another); otherwise each is answered on its own."""
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages, answered = list(start), 0
-    for turn in turns(lines, getattr(lines, "reader", None)):
+    for turn in turns(lines):
         if turn == "/quit":
             break
         if turn == "/reset" or not turn:
@@ -139,7 +139,7 @@ class Reader:
     whether a block is open."""
 
     def __init__(self, interactive: bool):
-        self.interactive, self.in_block, self.reader = interactive, False, self
+        self.interactive, self.in_block = interactive, False
 
     def __iter__(self):
         while True:

@@ -4,6 +4,9 @@ On real folders under tmp_path (``rotate_checkpoints`` and ``toolkit.layout`` to
 Accelerator is needed): only ``step-N`` folders are checkpoints, in numeric order; ``step-N.tmp`` (a save in progress)
 and any other name are never listed nor deleted; rotation keeps the N newest but never a protected one (the
 checkpoint this run resumed from); the ``latest`` pointer wins when it names a folder, else the newest checkpoint.
+The final exports (``save_final``), in process: each kind loaded back on three model families against the trained
+model's logits, the check of an export against its architecture, and a LoRA run's ``final/`` as the next run's
+model (SFT -> DPO -> GRPO).
 """
 
 from __future__ import annotations
@@ -455,6 +458,7 @@ class _Final:
         self.model = accelerator.unwrap_model(model)
 
 
+@pytest.mark.slow  # three runs in process (~8 CPU s): the full suite runs it, the quick layer not
 def test_lora_runs_chain_sft_dpo_grpo_each_on_the_last_ones_final(gpt2_256, chats, pairs, tmp_path, monkeypatch):
     """``toolkit train grpo --model <a LoRA run>/final`` died in the ranks ("no file named model.safetensors"). A
     LoRA run's final/ named as a model loads as its base with the adapter merged in: the model that run trained.
