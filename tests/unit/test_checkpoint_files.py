@@ -425,7 +425,8 @@ def test_every_export_loads_back_as_the_trained_model(families, tmp_path, family
 def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp_path):
     """``check_export``: a tensor transposed (what QLoRA's merged GPT-2 wrote), one missing, one unexpected: each
     named, from the files' headers against the architecture on the meta device. The tied head written once (as
-    save_pretrained writes it) or twice passes."""
+    save_pretrained writes it) or twice passes. An adapter whose tensors do not fit its adapter_config.json on its
+    base's architecture is named too."""
     import shutil
 
     import torch
@@ -449,6 +450,24 @@ def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp
     save_file({**weights, "lm_head.weight": weights["transformer.wte.weight"].clone()},
               os.path.join(folder, "model.safetensors"))
     check_export(folder)
+    # an adapter against its base's architecture wrapped by its adapter_config.json: r 4 written, r 8 said
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.lora import save_adapter
+
+    adapter = str(tmp_path / "adapter")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    save_adapter(peft_model, peft_model.state_dict(), adapter)
+    check_export(adapter)
+    config = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    json.dump({**config, "r": 8}, open(os.path.join(adapter, "adapter_config.json"), "w"))
+    with pytest.raises(RuntimeError, match=re.escape("wrong shape: base_model.model.transformer.h.0.attn.c_attn.lora_A."
+                                                     "weight [4, 32] (the architecture's [8, 32])")):
+        check_export(adapter)
 
 
 class _Final:
