@@ -4,13 +4,19 @@ On real folders under tmp_path (``rotate_checkpoints`` and ``toolkit.layout`` to
 Accelerator is needed): only ``step-N`` folders are checkpoints, in numeric order; ``step-N.tmp`` (a save in progress)
 and any other name are never listed nor deleted; rotation keeps the N newest but never a protected one (the
 checkpoint this run resumed from); the ``latest`` pointer wins when it names a folder, else the newest checkpoint.
+The final exports (``save_final``), in process: each kind loaded back on three model families against the trained
+model's logits, the check of an export against its architecture, and a LoRA run's ``final/`` as the next run's
+model (SFT -> DPO -> GRPO).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import pytest
+import yaml
 
 from toolkit import layout
 from toolkit.checkpointing.checkpoint import rotate_checkpoints
@@ -316,3 +322,202 @@ def test_a_re_export_replaces_final_without_a_moment_of_neither(tmp_path):
     os.rename(final, final + layout.OLD_SUFFIX)  # killed after the first rename
     assert layout.remove_stale_temporaries(out) == [final + layout.OLD_SUFFIX]
     assert os.listdir(out) == []
+
+
+# ------------------------------------------------------------------------- the final exports, loaded back (issue 46)
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, bpe_2048) -> str:
+    """A 2-layer, 32-wide Qwen2 (biased q/k/v projections) whose head is tied to its embedding, as Qwen2.5-0.5B's is."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = bpe_2048
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def families(tiny_model, tiny_llama, tiny_qwen2) -> dict:
+    return {"gpt2": tiny_model, "llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+def _save_final(model, tokenizer, path: str, merge_lora: bool) -> None:
+    """``save_final`` as a one-process run calls it, on a fresh Accelerator (accelerate's process-wide state reset
+    before and after, as ``helpers.train_in_process`` does)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from toolkit.checkpointing.checkpoint import save_final
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        save_final(Accelerator(cpu=True), model, tokenizer, path, merge_lora=merge_lora)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _logits(model):
+    import torch
+
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+EXPORTS = {"full": {}, "lora": {"use_peft": True}, "qlora": {"use_peft": True, "load_in_4bit": True}}
+
+
+@pytest.mark.parametrize("kind", EXPORTS)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_every_export_loads_back_as_the_trained_model(families, tmp_path, family, kind):
+    """Each kind of final export (full weights; a LoRA adapter and its merge; on a 4-bit base, QLoRA's adapter and its
+    merge) of each family (GPT-2: Conv1D layers, tied head; Llama: untied; Qwen2: biased projections, tied head),
+    written by ``save_final`` from a model whose every trainable tensor moved (a stand-in for training), loads back
+    with ``from_pretrained`` / ``load_exported`` and gives the trained model's logits: exactly for the full weights
+    and an adapter on its own base, up to float rounding for a merge. Before the fix, QLoRA's merged GPT-2 held
+    transformers' dequantized nn.Linear layout: its non-square weights failed to load."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.config import ModelArguments
+    from toolkit.models.loading import load_model
+    from toolkit.models.lora import apply_lora, load_exported
+
+    if kind == "qlora":
+        pytest.importorskip("bitsandbytes")
+    args = ModelArguments(model_name_or_path=families[family], lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                          lora_target_modules=["all-linear"], **EXPORTS[kind])
+    model = load_model(args)
+    if args.use_peft:
+        model = apply_lora(model, args, "CAUSAL_LM", log=lambda *_: None)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # "trained": every trainable tensor moved (LoRA's B starts at zero)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    trained = _logits(model)
+    final = str(tmp_path / "final")
+    _save_final(model, AutoTokenizer.from_pretrained(args.model_name_or_path), final, merge_lora=args.use_peft)
+    exported = load_exported(final, args)
+    assert type(exported).__name__ == ("PeftModelForCausalLM" if args.use_peft else model.__class__.__name__)
+    assert torch.equal(_logits(exported), trained), family
+    if args.use_peft:
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(final, "merged"))
+        # the adapter folder named as the next run's model: its base (as its run's config.yaml says: 4 bits, then
+        # dequantized) with the adapter merged in, a plain model of the architecture
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(args)))  # as the loop writes it
+        as_model = load_model(ModelArguments(model_name_or_path=final))
+        for name, loaded in (("merged export", merged), ("adapter folder as a model", as_model)):
+            assert type(loaded) is type(model.get_base_model()) and loaded.dtype == torch.float32, name
+            diff = float((_logits(loaded) - trained).abs().max())
+            print(f"{family} {kind}: {name}'s logits max|d| from the trained model {diff:.1e}")
+            assert diff <= (1e-4 if args.load_in_4bit else 1e-5), (family, kind, name, diff)
+
+
+def test_an_export_that_does_not_fit_its_architecture_is_refused(tiny_model, tmp_path):
+    """``check_export``: a tensor transposed (what QLoRA's merged GPT-2 wrote), one missing, one unexpected: each
+    named, from the files' headers against the architecture on the meta device. The tied head written once (as
+    save_pretrained writes it) or twice passes. An adapter whose tensors do not fit its adapter_config.json on its
+    base's architecture is named too."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.checkpointing.checkpoint import check_export
+
+    folder = str(tmp_path / "export")
+    shutil.copytree(tiny_model, folder)
+    check_export(folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    cases = {"wrong shape: transformer.h.0.mlp.c_fc.weight [128, 32] (the architecture's [32, 128])":
+             {**weights, "transformer.h.0.mlp.c_fc.weight": weights["transformer.h.0.mlp.c_fc.weight"].t()},
+             "missing: transformer.h.1.ln_2.bias":
+             {k: v for k, v in weights.items() if k != "transformer.h.1.ln_2.bias"},
+             "unexpected: transformer.h.2.ln_2.bias": {**weights, "transformer.h.2.ln_2.bias": torch.zeros(32)}}
+    for words, tensors in cases.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+        with pytest.raises(RuntimeError, match=f"^the export in {folder} does not fit .*: {re.escape(words)}$"):
+            check_export(folder)
+    save_file({**weights, "lm_head.weight": weights["transformer.wte.weight"].clone()},
+              os.path.join(folder, "model.safetensors"))
+    check_export(folder)
+    # an adapter against its base's architecture wrapped by its adapter_config.json: r 4 written, r 8 said
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models.lora import save_adapter
+
+    adapter = str(tmp_path / "adapter")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    save_adapter(peft_model, peft_model.state_dict(), adapter)
+    check_export(adapter)
+    config = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    json.dump({**config, "r": 8}, open(os.path.join(adapter, "adapter_config.json"), "w"))
+    with pytest.raises(RuntimeError, match=re.escape("wrong shape: base_model.model.transformer.h.0.attn.c_attn.lora_A."
+                                                     "weight [4, 32] (the architecture's [8, 32])")):
+        check_export(adapter)
+
+
+class _Final:
+    """The model a run ends with (its ``on_end`` callback), for its logits."""
+
+    def on_end(self, accelerator, model, summary):
+        self.model = accelerator.unwrap_model(model)
+
+
+@pytest.mark.slow  # three runs in process (~8 CPU s): the full suite runs it, the quick layer not
+def test_lora_runs_chain_sft_dpo_grpo_each_on_the_last_ones_final(gpt2_256, chats, pairs, tmp_path, monkeypatch):
+    """``toolkit train grpo --model <a LoRA run>/final`` died in the ranks ("no file named model.safetensors"). A
+    LoRA run's final/ named as a model loads as its base with the adapter merged in: the model that run trained.
+    Chained in process, one step each: chat SFT (LoRA) -> DPO on its final/ (a new adapter: its reference, the base
+    with that adapter disabled, is the SFT model, so the first loss is log 2) -> GRPO on DPO's final/ (a new adapter,
+    merge_lora). GRPO's adapter records DPO's final/ as its base, which records SFT's: loaded back link by link
+    (``toolkit chat``'s way) it gives the GRPO-trained model's logits, and so does its final/merged/."""
+    import math
+    import sys
+
+    import torch
+    from helpers import ROOT, train_in_process
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.models.loading import adapter_base_arguments
+    from toolkit.models.lora import load_exported
+    from toolkit.reporting.metrics import read_metrics
+    from toolkit.tasks.dpo import DPO
+    from toolkit.tasks.grpo.task import GRPO
+    from toolkit.tasks.sft import ChatSFT
+
+    common = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_modules": "c_attn",
+              "max_steps": 1, "logging_steps": 1, "report_to": "none", "plot": False, "learning_rate": 0.05,
+              "validation_split_percentage": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    sft, dpo, grpo = (str(tmp_path / name) for name in ("sft", "dpo", "grpo"))
+    train_in_process({**common, **chats, "validation_file": None, "model_name_or_path": gpt2_256,
+                      "output_dir": sft}, task=ChatSFT())
+    train_in_process({**common, **pairs, "validation_file": None, "model_name_or_path": os.path.join(sft, "final"),
+                      "block_size": 256, "output_dir": dpo}, task=DPO())
+    assert abs(read_metrics(dpo)[0]["loss"] - math.log(2)) < 1e-6
+    final = _Final()
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])  # grpo_rewards
+    train_in_process({**common, "model_name_or_path": os.path.join(dpo, "final"), "dataset_name": "arithmetic",
+                      "num_generations": 2, "max_completion_length": 4, "block_size": 64, "merge_lora": True,
+                      "reward_funcs": ["grpo_rewards:characters"], "output_dir": grpo}, task=GRPO(), callbacks=[final])
+    assert all(p.abs().max() > 0 for n, p in final.model.named_parameters() if "lora_B" in n)  # it trained
+    folder = os.path.join(grpo, "final")
+    assert adapter_base_arguments(folder).model_name_or_path == os.path.join(dpo, "final")
+    assert adapter_base_arguments(os.path.join(dpo, "final")).model_name_or_path == os.path.join(sft, "final")
+    trained = _logits(final.model)
+    assert torch.equal(_logits(load_exported(folder, adapter_base_arguments(folder))), trained)
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "merged"))
+    assert float((_logits(merged) - trained).abs().max()) <= 1e-5

@@ -48,6 +48,45 @@ def test_mistakes_are_one_line_and_exit_2_before_any_launch(capsys, tmp_path, ti
         "config error: strategy: 'zero4' is neither a shipped launch config (ddp, zero2")
 
 
+def test_a_lora_runs_final_as_the_model_passes_or_is_refused_in_one_line(capsys, tmp_path, tiny_model, padded_data):
+    """A LoRA run's final/ (an adapter, no full weights) as ``--model``: it passes the check before the launch (the
+    ranks load it as its base with the adapter merged in: tests/unit/test_checkpoint_files.py), unless the launch
+    would load the base quantized, split or partitioned as it reads it: then one line naming final/merged and
+    merge_lora. Before, every such launch passed the check and died in the ranks ("no file named model.safetensors")."""
+    import yaml
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.config import ModelArguments
+    from toolkit.models.loading import check_adapter_model
+    from toolkit.models.lora import save_adapter
+
+    adapter = str(tmp_path / "sft-lora" / "final")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    save_adapter(peft_model, peft_model.state_dict(), adapter)  # what a LoRA run's export writes
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(adapter)
+    base = ["--model", adapter, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "out")]
+    launch.check("causal-lm", launch.strategy_config("ddp"), 2, launch.recipe_argv(*launch.parser().parse_known_args(
+        base)))
+    assert check_adapter_model(ModelArguments(model_name_or_path=adapter)) == (
+        f"model_name_or_path {adapter} is a LoRA adapter: loaded as its base {tiny_model} with the adapter merged in, "
+        "the model that run trained")
+    zero3 = yaml.safe_load(open(launch.strategy_config("zero3")))
+    zero3["deepspeed_config"]["zero3_init_flag"] = True
+    (tmp_path / "zero3_init.yaml").write_text(yaml.safe_dump(zero3))
+    capsys.readouterr()  # the loading above
+    for extra, why in ((["--use_peft", "true", "--load_in_4bit", "true"], "a quantized base (load_in_4bit / "
+                        "load_in_8bit) is quantized as it loads"),
+                       (["--strategy", "tp"], "tensor parallelism splits the weights as they load"),
+                       (["--strategy", str(tmp_path / "zero3_init.yaml")],
+                        "zero3_init_flag: true partitions the weights as they load")):
+        assert _refused(capsys, ["lm", *base, *extra]) == (
+            f"config error: model_name_or_path: {adapter} is a LoRA adapter, which loads as its base with the adapter "
+            f"merged in; {why}: name the merged weights instead, final/merged (a LoRA run writes it with merge_lora: "
+            "true)"), extra
+
+
 def test_model_and_dataset_name_the_recipes_fields(tmp_path):
     local = tmp_path / "my.jsonl"
     local.write_text("{}\n")

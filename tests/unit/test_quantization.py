@@ -2,6 +2,7 @@
 on a 4-bit base that stays bit for bit what it loaded as, the exports, the measured storage against ``toolkit plan``,
 and bitsandbytes' 8-bit AdamW."""
 
+import dataclasses
 import os
 
 import pytest
@@ -121,9 +122,19 @@ def test_causal_lm_trains_adapters_on_a_4bit_base_and_exports_them(tiny_llama, p
     _assert_resume_refused(out, values, 2, [("bnb_4bit_quant_type", {"bnb_4bit_quant_type": "fp4"}),
                                             ("use_bnb_nested_quant", {"use_bnb_nested_quant": False}),
                                             ("load_in_4bit", {"load_in_4bit": False})])
+    # the adapters' layout and scaling (issue 46): another r died in a size mismatch after the weights loaded, another
+    # alpha resumed silently on another alpha / r, other target modules (this base's load is not strict) silently
+    # dropped the saved adapters; another lora_dropout is a resume's to choose
+    _assert_resume_refused(out, values, 2, [("lora_r", {"lora_r": 8}), ("lora_alpha", {"lora_alpha": 16}),
+                                            ("lora_target_modules", {"lora_target_modules": ["q_proj", "v_proj"]})],
+                           words="it was trained with {field} ")
+    from toolkit.models.lora import adapter_record, check_same_adapters
+
+    args = ModelArguments(**{k: v for k, v in values.items() if k in ModelArguments.__dataclass_fields__})
+    check_same_adapters("ck", adapter_record(args), adapter_record(dataclasses.replace(args, lora_dropout=0.3)))
 
 
-def _assert_resume_refused(run, values: dict, step: int, cases) -> None:
+def _assert_resume_refused(run, values: dict, step: int, cases, words="its base was loaded with {field} ") -> None:
     """The run's step-``step`` checkpoint resumed (in a copy of ``run``'s checkpoint) with each case's fields changed:
     refused with one line naming the field, before the weights load (the base is loaded again on resume: quantized
     otherwise, the adapters would train on another base, silently for another quant type, with a raw size-mismatch
@@ -137,7 +148,7 @@ def _assert_resume_refused(run, values: dict, step: int, cases) -> None:
         out = os.path.join(os.path.dirname(str(run)), f"resumed-{field}")
         shutil.copytree(checkpoint, os.path.join(out, "checkpoints", f"step-{step}"))
         resumed = {k: v for k, v in values.items() if k != "validation_file"}
-        with pytest.raises(ConfigError, match=f"^{field}: cannot resume from .*: its base was loaded with {field} "):
+        with pytest.raises(ConfigError, match=f"^{field}: cannot resume from .*: {words.format(field=field)}"):
             train_in_process({**resumed, **change, "output_dir": out, "resume_from_checkpoint": "latest",
                               "max_steps": step + 1})
         assert not os.path.exists(os.path.join(out, "metrics.jsonl")), field
@@ -342,6 +353,9 @@ def test_8bit_adamw_trains_with_8bit_state_and_resumes_exactly(tiny_llama, padde
     else:
         _assert_resume_refused(straight, values, 2, [("load_in_8bit", {**QLORA, "load_in_4bit": False,
                                                                         "load_in_8bit": True})])
+        # a full model's checkpoint resumed as LoRA: its weights, not adapters (issue 46)
+        _assert_resume_refused(straight, values, 2, [("use_peft", {"use_peft": True})],
+                               words="it was trained with use_peft False, now True; ")
 
 
 def test_the_missing_cpu_kernel_notice_is_dropped(caplog):

@@ -1,6 +1,7 @@
 """``toolkit chat DIR`` (toolkit.cli.chat): an export is found from a run folder, a full model and a LoRA adapter (onto
-the base the run's config names) answer through the chat template exactly as ``generate`` does, the conversation
-carries over turns, and a folder with no export is one line and exit 2."""
+the base the run's config names, from any folder) answer through the chat template exactly as ``generate`` does, the
+conversation carries over typed turns, piped lines are answered each on its own, a turn of several lines goes
+between two lines of three double quotes, and a folder with no export is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -83,6 +84,67 @@ def test_an_adapter_export_loads_onto_the_base_its_run_names(tmp_path, tiny_mode
     ids = torch.tensor([[5, 6, 7, 8]])
     peft_model.eval()
     torch.testing.assert_close(model(ids).logits, peft_model(ids).logits, rtol=0, atol=0)
+
+
+def test_piped_lines_are_answered_each_on_its_own_and_a_block_is_one_turn(tmp_path, tiny_model, chats):
+    """Without ``conversation`` (piped lines, unless --conversation) each turn is a conversation of its own; the lines
+    between two lines of three double quotes are one turn, joined by newlines (Alpaca's instruction, a blank line,
+    its input, as the SFT recipe formats them), also left open at the end of the input; a typed conversation keeps
+    a block like any turn."""
+    tok, model = talk.load(talk.export_folder(_export(tmp_path, tiny_model, chats)))
+    said = []
+    lines = ["A list?\n", "A tuple?\n", '"""\n', "Name a type.\n", "\n", "  int or str\n", '"""\n', "/reset\n",
+             '"""\n', "Open\n", "block"]
+    assert talk.converse(model, tok, lines, said.append, _args(max_new_tokens=4), conversation=False) == 4
+    alone = [[{"role": "user", "content": text}] for text in
+             ("A list?", "A tuple?", "Name a type.\n\n  int or str", "Open\nblock")]
+    assert said == [_greedy(model, tok, messages, 4) for messages in alone]
+    said.clear()
+    assert talk.converse(model, tok, lines[2:7] + ["A tuple?"], said.append, _args(max_new_tokens=4)) == 2
+    both = alone[2] + [{"role": "assistant", "content": said[0]}, *alone[1]]
+    assert said == [_greedy(model, tok, alone[2], 4), _greedy(model, tok, both, 4)]
+
+
+def test_a_lora_run_chats_from_any_folder_without_upstream_noise(tmp_path, tiny_model, chats, monkeypatch):
+    """A LoRA run that trained in one folder on a base named by a relative path, chatted with from another folder
+    (``toolkit chat`` as a user runs it, lines piped): the run recorded its base as an absolute path (config.yaml and
+    the adapter's base_model_name_or_path), so the adapter loads onto it; each piped line is answered on its own,
+    as the adapter on its base answers it; bitsandbytes' notice of a missing optional kernel package is not printed.
+    Before: ~40 lines ending in "Repo id must be in the form ...", and the notice on every chat."""
+    import json
+
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+
+    from toolkit.config import config_from_dict, write_config
+    from toolkit.models.loading import load_model
+    from toolkit.models.lora import lora_config, save_adapter
+
+    trained_in, elsewhere = tmp_path / "trained_in", tmp_path / "elsewhere"
+    shutil.copytree(tiny_model, trained_in / "models" / "base")
+    elsewhere.mkdir()
+    monkeypatch.chdir(trained_in)
+    cfg = config_from_dict({"model_name_or_path": "models/base", "use_peft": True, "lora_target_modules": "c_attn",
+                            "train_file": chats["train_file"], "output_dir": "run"})
+    write_config(cfg, "run/config.yaml")  # what the loop writes when the run starts
+    config = lora_config(cfg.model, "CAUSAL_LM")
+    config.init_lora_weights = False  # "trained": B is not zero
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_model(cfg.model), config).eval()
+    save_adapter(peft_model, peft_model.state_dict(), "run/final")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = open(chats["chat_template"]).read()
+    tok.save_pretrained("run/final")
+    base = str(trained_in / "models" / "base")
+    assert json.load(open("run/final/adapter_config.json"))["base_model_name_or_path"] == base
+    questions = ["A list?", "A tuple?"]
+    out = subprocess.run([sys.executable, "-m", "toolkit", "chat", str(trained_in / "run"), "--max-new-tokens", "4"],
+                         cwd=elsewhere, env=subprocess_env(), input="".join(q + "\n" for q in questions),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = [_greedy(peft_model, tok, [{"role": "user", "content": q}], 4) for q in questions]
+    assert out.stdout.splitlines() == expected
+    assert "gemm_4bit_forward" not in out.stderr and "kernels" not in out.stderr, out.stderr
 
 
 def test_a_folder_without_an_export_is_one_line_and_exit_2(tmp_path):

@@ -287,6 +287,71 @@ def _realias_tied(state_dict: dict, model) -> dict:
     return state_dict
 
 
+def written_shapes(folder: str, stem: str) -> dict[str, list[int]]:
+    """{name: shape} of the tensors in ``folder``'s ``stem``.safetensors (or the shards its index lists), read from the
+    files' headers: no tensor data is read."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, f"{stem}.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [f"{stem}.safetensors"]
+    shapes = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            shapes.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
+    return shapes
+
+
+def check_export(folder: str) -> None:
+    """An export (``save_final``'s: full weights, a LoRA adapter, ``merged/``) against the architecture its config.json
+    names, built on the meta device (``toolkit.models.loading.empty_model``; an adapter: wrapped by its adapter_config.json):
+    every tensor written under a name the architecture has, in its shape, and every tensor it needs written (one name
+    of tied ones). Names and shapes only, from the files' headers: milliseconds. Raises RuntimeError naming what
+    differs, so that a run never reports an export that does not load, or that loads wrong (a square weight
+    transposed: docs/pitfalls.md#dequantized-conv1d)."""
+    from toolkit.models import lora
+    from toolkit.models.loading import is_adapter_folder
+
+    adapter = is_adapter_folder(folder)
+    written = written_shapes(folder, "adapter_model" if adapter else "model")
+    expected = lora.adapter_tensors(folder) if adapter else _model_tensors(folder)
+    if expected is None:  # an architecture transformers does not ship (remote code): nothing to build it from
+        return
+    required, allowed = expected
+    missing = [names[0] for names in required if not any(n in written for n in names)]
+    unexpected = [n for n in written if n not in allowed]
+    wrong = [f"{n} {written[n]} (the architecture's {allowed[n]})" for n in written
+             if n in allowed and written[n] != allowed[n]]
+    if missing or unexpected or wrong:
+        raise RuntimeError(f"the export in {folder} does not fit the architecture its config names: "
+                           + "; ".join(f"{what}: {', '.join(items[:4])}{', ...' if len(items) > 4 else ''}"
+                                       for what, items in
+                                       (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                                       if items))
+
+
+def _model_tensors(folder: str):
+    """([names of one tensor: tied ones together], {name: shape}) of the architecture of ``folder``'s config.json, or
+    None (``toolkit.models.loading.empty_model``)."""
+    from collections import defaultdict
+
+    import transformers
+
+    from toolkit.models.loading import empty_model
+
+    model = empty_model(transformers.AutoConfig.from_pretrained(folder))
+    if model is None:
+        return None
+    names = defaultdict(list)
+    state = model.state_dict(keep_vars=True)  # tied weights: one Parameter under several names
+    for name, tensor in state.items():
+        names[id(tensor)].append(name)
+    return list(names.values()), {name: list(tensor.shape) for name, tensor in state.items()}
+
+
 def save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lora: bool = False) -> None:
     """Full (unsharded) weights via ``save_pretrained``, loadable by ``AutoModelFor*.from_pretrained``; for a LoRA
     model the adapter alone (``PeftModel.from_pretrained``), and with ``merge_lora`` the merged full weights in
@@ -326,6 +391,9 @@ def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lor
                 unwrapped.config.distributed_config = distributed
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for folder in (tmp, os.path.join(tmp, lora.MERGED)):  # before the run reports it: one that loads as trained
+            if os.path.isdir(folder):
+                check_export(folder)
         layout.fsync_tree(tmp)
         # a resumed run that had finished before: its newer export replaces the old one, the way a re-saved step-N
         # replaces its checkpoint (never a moment without either)

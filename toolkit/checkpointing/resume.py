@@ -17,7 +17,7 @@ from toolkit import layout
 from toolkit.checkpointing import convert
 from toolkit.data.stream import TrainStream
 from toolkit.errors import ConfigError
-from toolkit.models import quantization
+from toolkit.models import lora, quantization
 from toolkit.parallel.accelerator import data_parallel_size, strategy_name
 
 # order key -> the config field a user changes to change it
@@ -66,6 +66,8 @@ def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
         **({"stream_files": train_dataset.spec.file_fingerprints()} if stream else {}),
         # not the order: how the frozen base is quantized, which a resume must repeat (toolkit.models.quantization)
         "quantized_base": quantization.base_record(cfg.model),
+        # nor this: the LoRA layout and scaling the checkpoint's weights were trained in (toolkit.models.lora)
+        "adapters": lora.adapter_record(cfg.model),
     }
 
 
@@ -155,6 +157,8 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
     check_stream_files(checkpoint, saved["order"].get("stream_files"), order.get("stream_files"))
     if "quantized_base" in saved["order"]:  # recorded since QLoRA's resume checks; not by earlier checkpoints
         quantization.check_same_base(checkpoint, saved["order"]["quantized_base"], order["quantized_base"])
+    if "adapters" in saved["order"]:  # recorded since LoRA's resume checks (issue 46); not by earlier checkpoints
+        lora.check_same_adapters(checkpoint, saved["order"]["adapters"], order["adapters"])
     for key, field_name in ORDER_FIELDS.items():
         if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")

@@ -2,15 +2,20 @@
 
     toolkit chat outputs/sft-smollm2              # a run's folder: its final/ export
     toolkit chat outputs/sft-smollm2/final [--system TEXT] [--max-new-tokens 128] [--temperature 0.7]
+    toolkit chat outputs/sft-smollm2 < questions.txt    # each line answered on its own
+    toolkit chat outputs/sft-smollm2 --conversation < turns.txt    # the lines as one conversation
 
 Each line typed is a user turn; the model answers through its chat template, greedily unless ``--temperature`` is
-above 0, and the conversation goes on (``/reset`` starts a new one, ``/quit`` or end of input ends it). A model
-without a chat template (the causal-LM recipe's) continues each line as plain text instead, and says so once. Lines
-read from a pipe are answered the same way, one a line, so a script can ask a fixed list of questions.
+above 0, and the conversation goes on (``/reset`` starts a new one, ``/quit`` or end of input ends it). Lines read
+from a pipe are answered each on its own, a new conversation for every line (a script's fixed list of questions),
+unless ``--conversation`` makes them one conversation, as typed lines are. A turn of several lines (Alpaca's
+instruction, a blank line, then its input, as the SFT recipe trained it) goes between two lines that hold only
+``\"\"\"``, typed or piped. A model without a chat template (the causal-LM recipe's) continues each turn as plain text
+instead, and says so once.
 
 DIR is an export of ``save_final`` (``toolkit.checkpointing``): the full weights, or a LoRA adapter, which is loaded
-onto its base model as the run loaded it (the run's ``config.yaml`` beside ``final/``: the base's path, dtype and
-loading fields), or onto the adapter's recorded base when the run's config is not there.
+onto its base model as the run loaded it (``toolkit.models.loading.adapter_base_arguments``: the run's ``config.yaml`` beside
+``final/``, whose base is an absolute path for a local folder, or the adapter's recorded base).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import sys
 from toolkit import layout
 from toolkit.errors import ConfigError
 
-COMMANDS = {"/reset": "start a new conversation", "/quit": "end"}
+COMMANDS = {"/reset": "start a new conversation", "/quit": "end", '"""': "opens and closes a turn of several lines"}
+BLOCK = '"""'  # a line holding only this opens, and the next one closes, a turn of several lines
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -32,6 +38,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (with --temperature)")
+    p.add_argument("--conversation", action="store_true",
+                   help="piped lines form one conversation, as typed ones do (default: each answered on its own)")
     return p.parse_args(argv)
 
 
@@ -45,38 +53,16 @@ def export_folder(path: str) -> str:
     raise ConfigError("dir", f"{path} {why}; give a run's output_dir or its final/ folder (a finished run's export)")
 
 
-def model_arguments(folder: str):
-    """The model fields an adapter export is loaded with: the run's own (its ``config.yaml`` beside ``final/``), or
-    the adapter's recorded base (peft's ``base_model_name_or_path``)."""
-    import dataclasses
-
-    from toolkit.config import ModelArguments
-
-    run_config = layout.path(os.path.dirname(os.path.normpath(folder)), layout.CONFIG)
-    if os.path.isfile(run_config):  # the model's fields only: the run's other checks (its output_dir) are not ours
-        import yaml
-
-        with open(run_config) as f:
-            values = yaml.safe_load(f)
-        return ModelArguments(**{f.name: values[f.name] for f in dataclasses.fields(ModelArguments) if f.name in values})
-    from peft import PeftConfig
-
-    return ModelArguments(model_name_or_path=PeftConfig.from_pretrained(folder).base_model_name_or_path)
-
-
 def load(folder: str):
     """(tokenizer, model in eval mode) of an export."""
     from transformers import AutoTokenizer
 
+    from toolkit.models.loading import adapter_base_arguments, is_adapter_folder
     from toolkit.models.lora import load_exported
 
-    model = load_exported(folder, model_arguments(folder) if _is_adapter(folder) else None)
+    model = load_exported(folder, adapter_base_arguments(folder) if is_adapter_folder(folder) else None)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return tokenizer, model.eval()
-
-
-def _is_adapter(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -101,22 +87,46 @@ def context_length(model) -> int | None:
     return max_positions(model.config)
 
 
-def converse(model, tokenizer, lines, write, args: argparse.Namespace) -> int:
-    """Answer each line of ``lines`` in turn (``write`` prints); returns the number of answers."""
+def turns(lines):
+    """The user turns in ``lines``: each line stripped, or the lines between two ``BLOCK`` lines joined by newlines
+    (an end of input closes an open block). A ``Reader`` is told whether a block is open (its prompt)."""
+    block = None
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if line.strip() == BLOCK:
+            if block is not None:
+                yield "\n".join(block).strip()
+            block = [] if block is None else None
+        elif block is not None:
+            block.append(line)
+        else:
+            yield line.strip()
+        if isinstance(lines, Reader):
+            lines.in_block = block is not None
+    if block is not None:
+        yield "\n".join(block).strip()
+
+
+def converse(model, tokenizer, lines, write, args: argparse.Namespace, conversation: bool = True) -> int:
+    """Answer each turn of ``lines`` (``turns``; ``write`` prints); returns the number of answers. ``conversation``:
+    the turns are one conversation (``/reset`` starts another); otherwise each is answered on its own."""
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages, answered = list(start), 0
-    for line in lines:
-        line = line.strip()
-        if line == "/quit":
+    for turn in turns(lines):
+        if turn == "/quit":
             break
-        if line == "/reset" or not line:
-            messages = list(start) if line else messages
+        if turn == "/reset" or not turn:
+            messages = list(start) if turn else messages
             continue
-        messages.append({"role": "user", "content": line})
+        if not conversation:
+            messages = list(start)
+        messages.append({"role": "user", "content": turn})
         reply = answer(model, tokenizer, messages, args.max_new_tokens, args.temperature)
         if reply is None:  # not even one new token fits: say so rather than answer nothing
             messages.pop()
-            write(f"(the conversation fills the model's {context_length(model)}-token context: /reset to start again)")
+            where = "conversation fills" if conversation else "turn fills"
+            write(f"(the {where} the model's {context_length(model)}-token context"
+                  f"{': /reset to start again' if conversation else ''})")
             continue
         messages.append({"role": "assistant", "content": reply})
         write(reply)
@@ -124,12 +134,19 @@ def converse(model, tokenizer, lines, write, args: argparse.Namespace) -> int:
     return answered
 
 
-def _lines(interactive: bool):
-    while True:
-        try:
-            yield input("> ") if interactive else next(sys.stdin)
-        except (EOFError, StopIteration):
-            return
+class Reader:
+    """The input's lines, typed (with a prompt: ``... `` inside an open block) or piped; ``turns`` tells it
+    whether a block is open."""
+
+    def __init__(self, interactive: bool):
+        self.interactive, self.in_block = interactive, False
+
+    def __iter__(self):
+        while True:
+            try:
+                yield input("... " if self.in_block else "> ") if self.interactive else next(sys.stdin)
+            except (EOFError, StopIteration):
+                return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, model = load(folder)
     interactive = sys.stdin.isatty()
     if not getattr(tokenizer, "chat_template", None):
-        print(f"{folder}: the tokenizer has no chat template; each line is continued as plain text", flush=True)
+        print(f"{folder}: the tokenizer has no chat template; each turn is continued as plain text", flush=True)
     elif interactive:
         print(f"{folder}: type a message ({', '.join(f'{k} {v}' for k, v in COMMANDS.items())})", flush=True)
-    converse(model, tokenizer, _lines(interactive), lambda text: print(text, flush=True), args)
+    converse(model, tokenizer, Reader(interactive), lambda text: print(text, flush=True), args,
+             conversation=interactive or args.conversation)
     return 0

@@ -183,6 +183,10 @@ class _ModelFields:
             # Only what is unmistakably a path is checked here; "org/name" may be a Hub id.
             if value and value.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(value)):
                 raise ConfigError(name, f"folder not found: {value}")
+            if value and os.path.isdir(os.path.expanduser(value)):
+                # a local folder (transformers prefers it to a Hub id of the same name) as an absolute path: what the
+                # run records (config.yaml, a LoRA adapter's base) must resolve from any folder, not only this one
+                setattr(self, name, os.path.abspath(os.path.expanduser(value)))
         for item in self.config_overrides.split(",") if self.config_overrides else []:
             if "=" not in item:
                 raise ConfigError("config_overrides", f"expected key=value pairs separated by commas, got {item!r}")

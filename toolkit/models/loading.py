@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import sys
 from contextlib import contextmanager
 
@@ -11,6 +13,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
+from toolkit import layout
 from toolkit.config import ModelArguments, max_positions
 from toolkit.env import hub, upstream
 from toolkit.errors import ConfigError
@@ -130,11 +133,123 @@ def load_model(args: ModelArguments, config=None, auto_class: str = "AutoModelFo
     """
     auto = getattr(transformers, auto_class)
     with _load_report_for_stderr():
+        if is_adapter_folder(args.model_name_or_path):  # a LoRA run's final/
+            check_adapter_model(args, tp_size)  # (build's check_inputs ran it before the data, without the TP size)
+            return _load_adapter(args, config, auto_class)
         if tp_size > 1:
             return _load_tensor_parallel(args, config, auto, tp_size)
         if args.load_in_4bit or args.load_in_8bit:
             return _load_quantized(args, config, auto, device)
         return _load(args, config, auto)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(name: str | None) -> bool:
+    """A local folder holding a LoRA adapter (a LoRA run's ``final/``: adapter_config.json, no full weights)."""
+    return bool(name) and os.path.isfile(os.path.join(name, ADAPTER_CONFIG))
+
+
+def adapter_base_arguments(folder: str) -> ModelArguments:
+    """The model fields a LoRA adapter export (``folder``) was trained with: its run's own (the run's config.yaml
+    beside ``final/``: the base's path, dtype, quantization and loading fields), or, without it, the adapter's recorded
+    base (peft's ``base_model_name_or_path``). A base that is not found is refused, naming both."""
+    import dataclasses
+
+    run_config = layout.path(os.path.dirname(os.path.normpath(folder)), layout.CONFIG)
+    try:
+        if os.path.isfile(run_config):  # the model's fields only: the run's other checks (its output_dir) are not ours
+            import yaml
+
+            with open(run_config) as f:
+                values = yaml.safe_load(f)
+            return ModelArguments(**{f.name: values[f.name] for f in dataclasses.fields(ModelArguments)
+                                     if f.name in values})
+        with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
+            return ModelArguments(model_name_or_path=json.load(f).get("base_model_name_or_path"))
+    except ConfigError as e:
+        raise ConfigError("model_name_or_path", f"{folder} is a LoRA adapter, loaded onto the base it was trained on, "
+                                                f"which cannot be loaded: {e}") from None
+
+
+def check_adapter_model(args: ModelArguments, tp_size: int = 1) -> str | None:
+    """Before the weights load: None when ``model_name_or_path`` is no LoRA adapter folder; otherwise what
+    ``load_model`` makes of it (for the log), after refusing what cannot merge it: a base quantized as it loads
+    (4 or 8 bits), split as it loads (tensor parallelism) or partitioned as it loads (ZeRO-3's zero3_init_flag)."""
+    folder = args.model_name_or_path
+    if not is_adapter_folder(folder):
+        return None
+    from toolkit.env.launcher import launched_strategy
+
+    why = ("a quantized base (load_in_4bit / load_in_8bit) is quantized as it loads" if args.load_in_4bit or
+           args.load_in_8bit else "tensor parallelism splits the weights as they load" if tp_size > 1 else
+           "zero3_init_flag: true partitions the weights as they load" if launched_strategy() == "deepspeed" and
+           os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower() == "true" else None)
+    if importlib.util.find_spec("peft") is None:
+        why = "that needs peft (pip install 'peft>=0.17')"
+    if why:
+        raise ConfigError("model_name_or_path", f"{folder} is a LoRA adapter, which loads as its base with the "
+                                                f"adapter merged in; {why}: name the merged weights instead, "
+                                                "final/merged (a LoRA run writes it with merge_lora: true)")
+    base = adapter_base_arguments(folder)
+    trained = " (trained on a 4-bit base: dequantized first)" if base.load_in_4bit else (
+        " (trained on an 8-bit base: dequantized first)" if base.load_in_8bit else "")
+    return (f"model_name_or_path {folder} is a LoRA adapter: loaded as its base {base.model_name_or_path}{trained} "
+            "with the adapter merged in, the model that run trained")
+
+
+def _load_adapter(args: ModelArguments, config, auto_class: str):
+    """A LoRA adapter folder as one plain model: its base loaded as its run loaded it (``adapter_base_arguments``; a
+    quantized base dequantized into its compute dtype, which is what the adapter trained on, as ``merge_lora`` does),
+    the adapter merged in (peft), in ``torch_dtype``. Its ``name_or_path`` is the folder: an adapter trained on top
+    records it as its base, so a chain of runs loads back link by link."""
+    import copy
+    import dataclasses
+    import warnings
+
+    from peft import PeftModel
+
+    from toolkit.models import quantization
+
+    folder = args.model_name_or_path
+    trained = adapter_base_arguments(folder)
+    base_args = dataclasses.replace(args, model_name_or_path=trained.model_name_or_path, gguf_file=trained.gguf_file,
+                                    config_name=None, config_overrides=None, use_peft=trained.use_peft, merge_lora=False,
+                                    **{f: getattr(trained, f) for f in quantization.BASE_FIELDS})
+    config = copy.deepcopy(config if config is not None else load_config(args))  # a quantized load writes into it
+    quantization.quiet_cpu_kernel_notice()  # peft imports bitsandbytes where it is installed
+    base = load_model(base_args, config=config, auto_class=auto_class)
+    if getattr(base, "hf_quantizer", None) is not None:
+        base = base.dequantize(dtype=quantization.compute_dtype(trained, config))
+    with warnings.catch_warnings():  # two notices of peft 0.21 that ask nothing of a user (pitfalls.md#peft-future-warning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # GPT-2's Conv1D: peft sets it
+        merged = PeftModel.from_pretrained(base, folder).merge_and_unload()
+    restore_conv1d_layers(merged)
+    if args.torch_dtype != "auto":
+        merged.to(getattr(torch, args.torch_dtype))
+    merged.name_or_path = merged.config._name_or_path = os.path.abspath(folder)
+    return merged
+
+
+def restore_conv1d_layers(model) -> None:
+    """Put back, in place, every layer that the architecture builds as GPT-2's ``Conv1D`` (a weight stored (in, out))
+    and that transformers' ``dequantize()`` turned into an ``nn.Linear`` (a weight (out, in)): its weight transposed
+    back. Written as it was, a non-square weight failed to load and a square one (``attn.c_proj``) loaded transposed,
+    silently (docs/pitfalls.md#dequantized-conv1d)."""
+    from transformers.pytorch_utils import Conv1D
+
+    reference = empty_model(model.config)
+    for name, module in reference.named_modules() if reference is not None else ():
+        linear = model.get_submodule(name) if isinstance(module, Conv1D) else None
+        if type(linear) is not torch.nn.Linear:
+            continue
+        with torch.device("meta"):  # no memory, no initialisation: its tensors are the linear's, transposed
+            conv = Conv1D(linear.out_features, linear.in_features)
+        conv.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        conv.bias = linear.bias
+        model.set_submodule(name, conv)
 
 
 def _load_quantized(args: ModelArguments, config, auto, device):
@@ -159,6 +274,24 @@ def _load(args: ModelArguments, config, auto):
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
     return auto.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code, **args.model_kwargs())
+
+
+def empty_model(config, auto_class: str | None = None):
+    """The architecture of ``config`` on the meta device: every tensor's name and shape, no memory, no initialisation
+    (a 7B Llama in 0.03 s). ``auto_class``: a transformers Auto class (a LoRA export's task); otherwise the class the
+    config names (``architectures[0]``, what ``save_pretrained`` wrote). None for a class transformers does not ship
+    (remote code). Quantization left out: the layout of the weights as the architecture builds them."""
+    import copy
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, auto_class or (names[0] if names else ""), None)
+    if cls is None:
+        return None
+    with torch.device("meta"):
+        return cls.from_config(config) if auto_class else cls._from_config(config)
 
 
 TP_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")

@@ -16,6 +16,7 @@ ZeRO-2, ZeRO-3 and FSDP2 are identical: docs/strategies.md#lora-under-every-stra
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from toolkit.config import ModelArguments
 from toolkit.errors import ConfigError
@@ -45,6 +46,34 @@ def target_modules(args: ModelArguments):
     return list(names)
 
 
+# The fields that shape the adapters a checkpoint holds, recorded in it (``toolkit.checkpointing.resume``): another
+# lora_r, target modules or modules to save load the saved tensors into other shapes or layers (a size-mismatch
+# traceback after the data and the weights loaded; on a quantized base, whose load is not strict, other target modules
+# silently: the saved adapters skipped, new ones from zero), another use_peft a full model's weights into adapters or
+# the reverse, and another lora_alpha scales the same adapters by another alpha / r: another function, silently.
+# lora_dropout is not one of them: a regulariser of the training to come (every saved tensor means what it meant, and
+# evaluation and the export never drop), so it may change on resume as a learning rate may.
+ADAPTER_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_modules_to_save")
+
+
+def adapter_record(args: ModelArguments) -> dict:
+    """The ``ADAPTER_FIELDS`` of a run (``use_peft`` alone without LoRA), written into every checkpoint."""
+    return {f: getattr(args, f) for f in ADAPTER_FIELDS} if args.use_peft else {"use_peft": False}
+
+
+def check_same_adapters(checkpoint: str, saved: dict, now: dict) -> None:
+    """Refuse a resume whose LoRA layout or scaling differs from the checkpoint's (``adapter_record``s), before the
+    weights load."""
+    for field in ADAPTER_FIELDS:
+        if saved.get(field) != now.get(field):
+            why = ("its adapters would be scaled by another alpha / r: another function" if field == "lora_alpha"
+                   else "its weights fit only the model they were trained as (use_peft, lora_r, lora_target_modules "
+                        "and lora_modules_to_save make its LoRA layout)")
+            raise ConfigError(field, f"cannot resume from {checkpoint}: it was trained with {field} "
+                                     f"{saved.get(field)!r}, now {now.get(field)!r}; {why}: resume with the "
+                                     "checkpoint's value, or start a new output_dir")
+
+
 def lora_config(args: ModelArguments, task_type: str):
     """peft's ``LoraConfig`` from the recipe's LoRA fields (``toolkit plan --lora-r`` counts the adapters from it)."""
     from peft import LoraConfig
@@ -54,15 +83,22 @@ def lora_config(args: ModelArguments, task_type: str):
                       task_type=task_type)
 
 
-def wrap(model, config):
-    """``peft.get_peft_model``, without the FutureWarning peft 0.21 triggers by calling transformers 5's deprecated
-    ``is_gradient_checkpointing`` (once per wrapped model: nothing a user can change)."""
+@contextmanager
+def _quiet_peft():
+    """Without the FutureWarning peft 0.21 triggers by calling transformers 5's deprecated
+    ``is_gradient_checkpointing`` (once per wrapped or loaded model: nothing a user can change)."""
     import warnings
-
-    from peft import get_peft_model
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+def wrap(model, config):
+    """``peft.get_peft_model``, quietly (``_quiet_peft``)."""
+    from peft import get_peft_model
+
+    with _quiet_peft():
         return get_peft_model(model, config)
 
 
@@ -121,6 +157,8 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
 
     import torch
 
+    from toolkit.models.loading import restore_conv1d_layers
+
     base = unwrapped.get_base_model()
     if getattr(base, "hf_quantizer", None) is not None:
         fresh = wrap(_dequantized_copy(base), copy.deepcopy(unwrapped.peft_config["default"]))
@@ -137,6 +175,7 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
         raise RuntimeError(f"merging LoRA: the gathered weights do not fit the model (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
     merged = fresh.merge_and_unload()
+    restore_conv1d_layers(merged)
     os.makedirs(path, exist_ok=True)
     merged.save_pretrained(path, safe_serialization=True)
 
@@ -163,12 +202,46 @@ def _is_tied_alias(model, name: str) -> bool:
     return name in params and name not in unique
 
 
+def adapter_tensors(folder: str):
+    """What an adapter export in ``folder`` must hold: ([[name] of each adapter tensor], {name: shape} of those and of
+    the embedding layers peft may write beside them), from its base's architecture (config.json, on the meta device)
+    wrapped by its adapter_config.json; None for an architecture transformers does not ship
+    (``toolkit.checkpointing.checkpoint.check_export``)."""
+    import warnings
+
+    import torch
+    import transformers
+    from peft import PeftConfig, get_peft_model_state_dict
+
+    from toolkit.models.loading import empty_model
+
+    peft_config = PeftConfig.from_pretrained(folder)
+    auto = "AutoModelForSequenceClassification" if peft_config.task_type == "SEQ_CLS" else "AutoModelForCausalLM"
+    base = empty_model(transformers.AutoConfig.from_pretrained(folder), auto)
+    if base is None:
+        return None
+    base.name_or_path = peft_config.base_model_name_or_path  # as it was trained: peft warns of a renamed base
+    with torch.device("meta"), warnings.catch_warnings():
+        # a GPT-2 adapter trained on 4-bit layers (fan_in_fan_out false) meets the Conv1D layers it merges into:
+        # peft warns and transposes its update, which leaves the adapter's own shapes as they are
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        model = wrap(base, peft_config)
+    # save_embedding_layers given: peft's "auto" would ask the Hub for the base's config
+    required = get_peft_model_state_dict(model, save_embedding_layers=False)
+    allowed = get_peft_model_state_dict(model, save_embedding_layers=True)
+    return [[name] for name in required], {name: list(t.shape) for name, t in {**allowed, **required}.items()}
+
+
 def load_exported(folder: str, args: ModelArguments):
     """A model exported by a run, for inference in this process: the full weights, or the base model
     (``model_name_or_path``) with the adapter from ``folder`` (``PeftModel.from_pretrained``)."""
     import transformers
 
-    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+    from toolkit.models.loading import is_adapter_folder
+    from toolkit.models.quantization import quiet_cpu_kernel_notice
+
+    quiet_cpu_kernel_notice()  # peft, and transformers' loading, import bitsandbytes where it is installed
+    if not is_adapter_folder(folder):
         config = transformers.AutoConfig.from_pretrained(folder)
         auto = "AutoModelForSequenceClassification" if _is_classifier(config) else "AutoModelForCausalLM"
         return getattr(transformers, auto).from_pretrained(folder)
@@ -179,7 +252,9 @@ def load_exported(folder: str, args: ModelArguments):
     peft_config = PeftConfig.from_pretrained(folder)
     auto = "AutoModelForSequenceClassification" if peft_config.task_type == "SEQ_CLS" else "AutoModelForCausalLM"
     config = transformers.AutoConfig.from_pretrained(folder)  # the base's config as trained (a classifier's labels)
-    return PeftModel.from_pretrained(load_model(args, config=config, auto_class=auto), folder)
+    base = load_model(args, config=config, auto_class=auto)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(base, folder)
 
 
 def _is_classifier(config) -> bool:

@@ -27,6 +27,7 @@ from toolkit.data.stream import StreamSpec, TrainStream, eval_rows, no_first_ste
 from toolkit.errors import ConfigError
 from toolkit.models import lora, quantization
 from toolkit.models.loading import (
+    check_adapter_model,
     check_chunked_loss,
     check_tensor_parallel,
     disable_dropout,
@@ -168,6 +169,9 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     tokenizer = load_tokenizer(cfg.model, log=log)
     task.prepare_tokenizer(tokenizer, cfg)  # e.g. SFT's chat template: checked before the weights load
     model_config = load_config(cfg.model, disable_dropout=cfg.train.disable_dropout)
+    adapter = check_adapter_model(cfg.model, tp_size)  # a LoRA run's final/ as the model: merged into its base
+    if adapter:
+        log(adapter)
     pipeline.check_run(cfg, task, model_config)  # LoRA, the task, the architecture: one line before any work
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
