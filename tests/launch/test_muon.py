@@ -1,4 +1,4 @@
-"""optim muon under DDP and FSDP2 equals one process (real gloo launches of recipes/gpt2.py through probe_run.py),
+"""optim muon under DDP, FSDP2, HSDP and TP equals one process (real gloo launches of recipes/gpt2.py through probe_run.py),
 bf16 Newton-Schulz's split dependence shown and fp32's removal of it, and Muon's momentum resumed exactly, across
 strategies and world sizes. Every run is planned (conftest's run_pool): they join the session's one-process, DDP
 and FSDP2 batches, no launch of their own. In-process checks of the optimizer: tests/unit/test_optimizers.py.
@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from helpers import load_weights, read_probes
+from helpers import assert_plan_matches_held_bytes, load_weights, read_probes
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3)
@@ -21,27 +21,37 @@ MUON = dict(optim="muon", learning_rate=0.02, muon_adamw_learning_rate=3e-3, max
             lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 FP32, BF16 = {**MUON, "muon_ns_dtype": "float32"}, {**MUON, "muon_ns_dtype": "bfloat16"}
 RESUME = {**FP32, "resume_from_checkpoint": "latest"}
-STRATEGIES = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml"}
+STRATEGIES = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "hsdp": "hsdp.yaml"}
+# HSDP: 2 replicas x 2 shards, micro 2, no accumulation (the 8-row global batch); its batch is test_strategies'
+LAYOUTS = {"hsdp": (4, 2, 1)}
 MUON_TOLERANCE, ADAMW_TOLERANCE = 1e-6, 1e-5  # the issue's: fp32 rounding; AdamW's usual (test_strategies)
 # one process, accumulation 1 against 2 (the same 8 rows a step), the Muon group after 3 steps: measured 1.1e-4 apart
 # with bf16 iterations (bf16's relative 4e-3 of an update of about 0.02), 4.7e-8 with fp32
 BF16_SPREAD_AT_LEAST = 1e-5
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, padded_data):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data):
     from helpers import Runs
 
     r = Runs(tmp_path_factory.mktemp("muon"), tiny_model, padded_data, COMMON, pool=pool)
+    llama = Runs(tmp_path_factory.mktemp("muon-llama"), tiny_llama, padded_data, COMMON, pool=pool)
+    llama.plan("fp32_1x8x1", None, 1, 8, 1, FP32, probe=False)
+    llama.plan("fp32_tp", "tp.yaml", 2, 8, 1, FP32, probe=False)
     for name, extra in (("fp32", FP32), ("bf16", BF16)):
         r.plan(f"{name}_1x8x1", None, 1, 8, 1, extra)
         r.plan(f"{name}_1x4x2", None, 1, 4, 2, extra)
     for strategy, config in STRATEGIES.items():
-        r.plan(f"fp32_{strategy}", config, 2, 2, 2, FP32)
+        r.plan(f"fp32_{strategy}", config, *LAYOUTS.get(strategy, (2, 2, 2)), FP32)
     r.plan("fp32_fsdp_resumed", "fsdp.yaml", 2, 2, 2, RESUME, copy_from=("fp32_fsdp", 2))
     r.plan("fp32_fsdp_to_ddp2", "ddp.yaml", 2, 2, 2, RESUME, copy_from=("fp32_fsdp", 2))
     r.plan("fp32_fsdp_to_ddp1", "ddp.yaml", 1, 4, 2, RESUME, copy_from=("fp32_fsdp", 2))
     r.plan("fp32_ddp_to_1", "ddp.yaml", 1, 4, 2, RESUME, copy_from=("fp32_ddp", 2))
-    return {"muon_runs": r}
+    return {"muon_runs": r, "llama_runs": llama}
+
+
+@pytest.fixture(scope="module")
+def llama_runs(run_pool):
+    return run_pool.modules[(__name__, "llama_runs")]
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +82,36 @@ def group_diffs(a: dict, b: dict, muon_names: set) -> tuple[float, float]:
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_fp32_muon_under_strategy_equals_one_process(muon_runs, muon_names, tiny_model, strategy):
-    """2 ranks x micro 2 x accumulation 2 against one process x micro 8, the same global batches."""
+    """DDP and FSDP2: 2 ranks x micro 2 x accumulation 2; HSDP: 4 ranks x micro 2; against one process x micro 8,
+    the same global batches. Under FSDP2 and HSDP torch's Muon steps on DTensor shards."""
     ref, out = final(muon_runs, "fp32_1x8x1"), final(muon_runs, f"fp32_{strategy}")
     moved = group_diffs(ref, load_weights(tiny_model), muon_names)
     assert min(moved) > 1e-3, f"both groups must train: {moved}"
     muon, adamw = group_diffs(out, ref, muon_names)
     print(f"{strategy}: Muon group {muon:.1e}, AdamW group {adamw:.1e} from one process")
     assert muon <= MUON_TOLERANCE and adamw <= ADAMW_TOLERANCE
-    ranks = read_probes(muon_runs.get_planned(f"fp32_{strategy}"))
-    assert [(p["num_processes"], p["distributed_type"]) for p in ranks] == [
-        (2, "MULTI_CPU" if strategy == "ddp" else "FSDP")] * 2
-    assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
+    if strategy != "hsdp":  # read_probes reads 2 ranks
+        ranks = read_probes(muon_runs.get_planned(f"fp32_{strategy}"))
+        assert [(p["num_processes"], p["distributed_type"]) for p in ranks] == [
+            (2, "MULTI_CPU" if strategy == "ddp" else "FSDP")] * 2
+        assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
+        # toolkit plan --optim muon: Muon's one momentum buffer a parameter, AdamW's two, what each rank held
+        assert_plan_matches_held_bytes(ranks, tiny_model, "DDP" if strategy == "ddp" else "FSDP2", None, optim="muon")
+
+
+def test_fp32_muon_under_tensor_parallel_equals_one_process(llama_runs, tiny_llama):
+    """tp.yaml on the tiny Llama (a TP plan): both ranks take the 8 rows; each hidden matrix is a DTensor split over
+    the 2 ranks (torch's Muon steps on it; the learning rate's shape factor reads the whole shape)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.training.optimizers import muon_split
+
+    names = {n for n, _ in muon_split(AutoModelForCausalLM.from_pretrained(tiny_llama))[0]}
+    ref = load_weights(os.path.join(llama_runs.get_planned("fp32_1x8x1"), "final"))
+    assert min(group_diffs(ref, load_weights(tiny_llama), names)) > 1e-3, "both groups must train"
+    muon, adamw = group_diffs(load_weights(os.path.join(llama_runs.get_planned("fp32_tp"), "final")), ref, names)
+    print(f"tp: Muon group {muon:.1e}, AdamW group {adamw:.1e} from one process")
+    assert muon <= MUON_TOLERANCE and adamw <= ADAMW_TOLERANCE
 
 def test_bf16_newton_schulz_depends_on_the_split_and_fp32_does_not(muon_runs, muon_names):
     """One process, the same 8 rows a step, accumulation 1 against 2: torch's bf16 iterations end visibly apart
@@ -106,3 +135,4 @@ def test_muon_resumes_exactly_across_strategies_and_world_sizes(muon_runs, muon_
     muon, adamw = group_diffs(load_weights(os.path.join(resumed_dir, "final")), straight, muon_names)
     print(f"{name}: Muon group {muon:.1e}, AdamW group {adamw:.1e} from the uninterrupted run")
     assert muon <= MUON_TOLERANCE and adamw <= ADAMW_TOLERANCE
+

@@ -322,20 +322,18 @@ def _check_skip_nonfinite(args: TrainingArguments, strategy: str) -> None:
         )
 
 
-# optim muon runs torch's Muon on whole matrices (plain tensors, or FSDP2's DTensors, whose Newton-Schulz matmuls
-# torch distributes): proven equal to one process there (tests/launch/test_muon.py). DeepSpeed ZeRO hands the
-# optimizer flat 1-D partitions (DeepSpeed's own MuonWithAuxAdam is another definition of the update), FSDP1 flat
-# shards; HSDP and TP (DTensors on other meshes) are untested.
-MUON_LAUNCHES = ("single", "ddp", "fsdp2")
+# optim muon runs torch's Muon on whole matrices: plain tensors, or the DTensors of FSDP2, HSDP and TP, whose
+# Newton-Schulz matmuls torch distributes; proven equal to one process there (tests/launch/test_muon.py). DeepSpeed
+# ZeRO hands the optimizer flat 1-D partitions (DeepSpeed's own MuonWithAuxAdam is another definition of the
+# update), FSDP1 flat shards.
+MUON_LAUNCHES = ("single", "ddp", "fsdp2", "tp")  # fsdp2: hsdp.yaml's too
 
 
 def _check_muon_launch(args: TrainingArguments) -> None:
     name = launched_strategy_name()
-    hsdp = launched_parallel_sizes().get("dp_replicate", 1) > 1
-    if args.optim == "muon" and (name not in MUON_LAUNCHES or hsdp):
-        raise ConfigError("optim", f"muon runs on one process, ddp.yaml or fsdp.yaml (FSDP2); this launch is "
-                                   f"{'hsdp' if hsdp else name}: launch with accelerate_configs/ddp.yaml or fsdp.yaml, "
-                                   "or use optim adamw_torch")
+    if args.optim == "muon" and name not in MUON_LAUNCHES:
+        raise ConfigError("optim", f"muon runs on one process, ddp.yaml, fsdp.yaml (FSDP2), hsdp.yaml or tp.yaml; "
+                                   f"this launch is {name}: launch with one of those, or use optim adamw_torch")
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:
