@@ -252,3 +252,24 @@ def test_muon_with_lora_is_refused(tmp_path, tiny_llama, padded_data):
         config_from_dict({"model_name_or_path": tiny_llama, "train_file": padded_data["train_file"],
                           "output_dir": str(tmp_path / "o"), "optim": "muon", "use_peft": True})
     assert e.value.field_name == "optim" and "use_peft" in str(e.value)
+
+
+def test_resume_with_another_optimizer_is_refused_before_the_weights(tmp_path, tiny_model, padded_data):
+    """A checkpoint of optim muon resumed with adamw_torch (or the other way) is refused naming optim: torch's
+    load_state_dict would fail with its own message after the weights loaded (other groups, other state)."""
+    import shutil
+
+    from helpers import train_in_process
+
+    values = {"model_name_or_path": tiny_model, "train_file": padded_data["train_file"], "block_size": 48,
+              "per_device_train_batch_size": 4, "max_steps": 1, "save_steps": 1, "report_to": "none", "plot": False,
+              "save_final_model": False, "learning_rate": 0.02}
+    for written, resumed in (("muon", "adamw_torch"), ("adamw_torch", "muon")):
+        out = tmp_path / written
+        train_in_process({**values, "optim": written, "output_dir": str(out)})
+        copy = tmp_path / f"{written}-resumed"
+        shutil.copytree(out / "checkpoints", copy / "checkpoints")
+        with pytest.raises(ConfigError, match="^optim: cannot resume from .*: it was written with optim "):
+            train_in_process({**values, "optim": resumed, "output_dir": str(copy), "max_steps": 2,
+                              "resume_from_checkpoint": "latest"})
+        assert not (copy / "metrics.jsonl").exists()
