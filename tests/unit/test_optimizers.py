@@ -227,20 +227,24 @@ def test_the_mode_touches_only_bfloat16_casts():
     assert y.dtype == torch.float32 and y is not x and z.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp1"])
 def test_muon_is_refused_where_it_is_not_proven_naming_the_launches_that_work(capsys, tmp_path, tiny_llama,
-                                                                              padded_data, strategy):
-    """ZeRO hands the optimizer flat 1-D partitions (DeepSpeed's own Muon is another definition), FSDP1 flat shards;
-    one line, exit 2, before any launch; the launches that work pass the same check."""
+                                                                              padded_data):
+    """ZeRO hands the optimizer flat 1-D partitions (DeepSpeed's own Muon is another definition), FSDP1 flat shards:
+    one line, exit 2, before any launch (toolkit train; the ranks run the same check_launch); the launches that work
+    pass the same check."""
     from toolkit.cli import train as launch
 
     argv = ["lm", "--model", tiny_llama, "--dataset", padded_data["train_file"], "--output_dir", str(tmp_path / "o"),
-            "--optim", "muon", "--strategy", strategy, "--num_processes", "2"]
+            "--optim", "muon", "--strategy", "zero2", "--num_processes", "2"]
     assert launch.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("config error: optim: muon runs on one process, ddp.yaml, fsdp.yaml"), err
+    assert err == ["config error: optim: muon runs on one process, ddp.yaml, fsdp.yaml (FSDP2), hsdp.yaml or tp.yaml; "
+                   "this launch is deepspeed-zero2: launch with one of those, or use optim adamw_torch"], err
     fields = ["--model_name_or_path", tiny_llama, "--train_file", padded_data["train_file"], "--output_dir",
               str(tmp_path / "o"), "--optim", "muon"]
+    for refused, name in (("zero3", "deepspeed-zero3"), ("fsdp1", "fsdp1")):
+        with pytest.raises(ConfigError, match=f"^optim: muon runs on .* this launch is {name}:"):
+            launch.check("causal-lm", launch.strategy_config(refused), 2, fields)
     for works, processes in (("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("tp", 2)):
         launch.check("causal-lm", launch.strategy_config(works), processes, fields)
 
