@@ -86,7 +86,7 @@ class ModelCount:
     quantized: int = 0  # of ``params``, the weights held quantized (--load-in-4bit / --load-in-8bit)
     quantized_bytes: int = 0  # the bytes they take, quantization constants included
     muon: int = 0  # with --optim muon: of ``trainable``, the parameters in Muon's group (toolkit.training.optimizers)
-    muon_transient: int = 0  # bytes of the Newton-Schulz working set of the largest Muon matrix (``muon_transient``)
+    muon_transient: int = 0  # bytes of the Newton-Schulz working set of the largest Muon matrix (``_muon_count``)
 
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
