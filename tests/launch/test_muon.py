@@ -1,11 +1,12 @@
-"""optim muon under DDP, FSDP2, HSDP and TP equals one process (real gloo launches of recipes/gpt2.py through probe_run.py),
-bf16 Newton-Schulz's split dependence shown and fp32's removal of it, and Muon's momentum resumed exactly, across
-strategies and world sizes. Every run is planned (conftest's run_pool): they join the session's one-process, DDP
-and FSDP2 batches, no launch of their own. In-process checks of the optimizer: tests/unit/test_optimizers.py.
+"""optim muon under DDP, FSDP2, HSDP and TP equals one process (real gloo launches of recipes/gpt2.py through
+probe_run.py / probe_runs.py), bf16 Newton-Schulz's split dependence shown and fp32's removal of it, and Muon's
+momentum resumed exactly, across strategies and world sizes. Every run is planned (conftest's run_pool): they join
+the session's one-process, DDP, FSDP2, HSDP and TP batches (test_strategies' launch them too), no launch of their own.
+In-process checks of the optimizer: tests/unit/test_optimizers.py.
 
 The tiny GPT-2 (2 layers, 32 wide): Muon on its 8 hidden matrices (c_attn, c_proj, c_fc, mlp c_proj), AdamW on the
 embeddings (the head is tied to wte), norms and biases. 3 steps, a linear schedule, clipping at 1.0, shuffled padded
-rows of very different lengths, as tests/launch/test_strategies.py's AdamW runs.
+rows of very different lengths, as tests/launch/test_strategies.py's AdamW runs. TP: the tiny Llama (a TP plan).
 """
 
 import json
@@ -13,6 +14,8 @@ import os
 
 import pytest
 from helpers import assert_plan_matches_held_bytes, load_weights, read_probes
+
+pytestmark = pytest.mark.slow  # real launches (the one-process runs in the batch beside tests/unit)
 
 COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_steps=1, seed=7, report_to="none",
               per_device_eval_batch_size=3)

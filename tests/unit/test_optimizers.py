@@ -258,6 +258,7 @@ def test_muon_with_lora_is_refused(tmp_path, tiny_llama, padded_data):
     assert e.value.field_name == "optim" and "use_peft" in str(e.value)
 
 
+@pytest.mark.slow  # four in-process runs
 def test_resume_with_another_optimizer_is_refused_before_the_weights(tmp_path, tiny_model, padded_data):
     """A checkpoint of optim muon resumed with adamw_torch (or the other way) is refused naming optim: torch's
     load_state_dict would fail with its own message after the weights loaded (other groups, other state)."""
