@@ -37,6 +37,7 @@ def test_fields_default_to_torchs_muon():
 @pytest.mark.parametrize("fields, field", [
     (dict(muon_momentum=1.0), "muon_momentum"), (dict(muon_ns_steps=0), "muon_ns_steps"),
     (dict(muon_ns_steps=100), "muon_ns_steps"), (dict(muon_ns_coefficients=[1.0, 2.0]), "muon_ns_coefficients"),
+    (dict(muon_ns_coefficients=[1.0, float("nan"), 2.0]), "muon_ns_coefficients"),
     (dict(muon_eps=0.0), "muon_eps"), (dict(muon_adjust_lr_fn="none"), "muon_adjust_lr_fn"),
     (dict(muon_ns_dtype="float16"), "muon_ns_dtype"), (dict(muon_adamw_learning_rate=-1.0), "muon_adamw_learning_rate"),
     (dict(pipeline_parallel_size=2, gradient_accumulation_steps=2), "optim")])

@@ -8,6 +8,7 @@ Muon group's, as they are torch's Muon's ``lr`` and ``weight_decay``. Standard l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from toolkit.config.checks import _at_least_zero, _finite, _fraction, _one_of, _positive
@@ -61,8 +62,8 @@ class MuonArguments:
         _at_least_zero(self, "muon_adamw_learning_rate")
         if self.muon_ns_steps >= 100:  # torch raises only at the first step
             raise ConfigError("muon_ns_steps", f"torch's Muon takes fewer than 100 steps, got {self.muon_ns_steps}")
-        if len(self.muon_ns_coefficients) != 3:
-            raise ConfigError("muon_ns_coefficients", f"needs exactly 3 values (a b c), got "
+        if len(self.muon_ns_coefficients) != 3 or not all(map(math.isfinite, self.muon_ns_coefficients)):
+            raise ConfigError("muon_ns_coefficients", f"needs exactly 3 finite values (a b c), got "
                                                       f"{self.muon_ns_coefficients}")
         if not self.muon_eps > 0:
             raise ConfigError("muon_eps", f"must be > 0 (it floors a norm that is divided by), got {self.muon_eps}")
