@@ -11,11 +11,12 @@ after, the slowest rank's time); reported: the median over ``--steps`` after one
 optimizer state this rank holds after the steps (FSDP2: its shards), and the growth of the process's peak RSS
 (VmHWM, reset through /proc/self/clear_refs before each step) during the optimizer step: the transient working set.
 
-The Newton-Schulz comparison (FSDP2): for each Muon matrix's momentum-updated gradient as a DTensor (Shard(0) over the
-ranks), torch's ``_zeropower_via_newtonschulz`` on the DTensor (each matmul a distributed operation) against
-``full_tensor()`` (one all-gather) + the same function on the whole matrix + this rank's rows kept; both in fp32
-(``toolkit.training.optimizers.NewtonSchulzDtype``); the results are compared (max |difference|).
-Writes ``bench/results/muon.json`` and ``.md``.
+The Newton-Schulz comparison (FSDP2's layout; ``--ns-only`` runs it alone): for each Muon matrix's shape, a random
+matrix as a DTensor (Shard(0) over the ranks), torch's ``_zeropower_via_newtonschulz`` on the DTensor (each matmul a
+distributed operation) against ``full_tensor()`` (one all-gather) + the same function on the whole matrix on every
+rank, and against an owner rank per matrix (round robin: gather to it, orthogonalise once, scatter the shards); all
+in fp32 (``toolkit.training.optimizers.NewtonSchulzDtype``); the results are compared (max |difference|).
+Writes ``bench/results/muon.json`` and ``.md`` (``--ns-only``: ``muon-ns.json`` and ``.md``).
 """
 
 from __future__ import annotations
@@ -109,8 +110,32 @@ def time_steps(args, strategy: str, fields: dict) -> dict:
             "transient_rss_bytes": statistics.median(growth)}
 
 
+def _gathered(grad, coeffs, world: int, rank: int):
+    """Every rank gathers the whole matrix (one all-gather) and orthogonalises it; this rank's rows of the result."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(grad.full_tensor(), coeffs, 5, 1e-7).chunk(world, dim=0)[rank]
+
+
+def _owner_rank(grad, index: int, coeffs, world: int, rank: int):
+    """The owner scheme: matrix ``index``'s shards gathered on one rank (index % world), orthogonalised there once,
+    its shards scattered back; this rank's shard of the result."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    local, owner = grad.to_local().contiguous(), index % world
+    parts = [torch.empty_like(local) for _ in range(world)] if rank == owner else None
+    dist.gather(local, parts, dst=owner)
+    chunks = list(_zeropower_via_newtonschulz(torch.cat(parts), coeffs, 5, 1e-7).chunk(world)) if rank == owner else None
+    mine = torch.empty_like(local)
+    dist.scatter(mine, [c.contiguous() for c in chunks] if chunks else None, src=owner)
+    return mine
+
+
 def newton_schulz_paths(args) -> dict:
-    """torch's iterations on each Muon matrix as a Shard(0) DTensor, against gathering it once; fp32 both."""
+    """torch's iterations on each Muon matrix as a Shard(0) DTensor, against gathering it once on every rank, and
+    against one owner rank per matrix (gather, orthogonalise once, scatter); fp32 all three."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -122,23 +147,25 @@ def newton_schulz_paths(args) -> dict:
     model, _ = build(args, "none")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     coeffs, rank, world = (DEFAULT_A, DEFAULT_B, DEFAULT_C), dist.get_rank(), dist.get_world_size()
-    sharded, gathered, diff = 0.0, 0.0, 0.0
-    for _, p in muon_split(model)[0]:
+    seconds, diff = {"dtensor_s": 0.0, "gathered_s": 0.0, "owner_s": 0.0}, 0.0
+
+    def timed(key, fn, *fn_args):
+        dist.barrier()
+        start = time.perf_counter()
+        out = fn(*fn_args)
+        dist.barrier()
+        seconds[key] += time.perf_counter() - start
+        return out
+
+    for index, (_, p) in enumerate(muon_split(model)[0]):
         grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())), mesh,
                                  [Shard(0)])
         with NewtonSchulzDtype(torch.float32):
-            dist.barrier()
-            start = time.perf_counter()
-            on_shards = _zeropower_via_newtonschulz(grad, coeffs, 5, 1e-7).to_local()
-            dist.barrier()
-            sharded += time.perf_counter() - start
-            start = time.perf_counter()
-            whole = _zeropower_via_newtonschulz(grad.full_tensor(), coeffs, 5, 1e-7)
-            mine = whole.chunk(world, dim=0)[rank]
-            dist.barrier()
-            gathered += time.perf_counter() - start
-        diff = max(diff, float((on_shards - mine).abs().max()))
-    return {"dtensor_s": sharded, "gathered_s": gathered, "max_abs_diff": diff}
+            on_shards = timed("dtensor_s", _zeropower_via_newtonschulz, grad, coeffs, 5, 1e-7).to_local()
+            mine = timed("gathered_s", _gathered, grad, coeffs, world, rank)
+            owned = timed("owner_s", _owner_rank, grad, index, coeffs, world, rank)
+        diff = max(diff, float((on_shards - mine).abs().max()), float((on_shards - owned).abs().max()))
+    return {**seconds, "max_abs_diff": diff}
 
 
 def worker(rank: int, args, queue) -> None:
@@ -150,7 +177,7 @@ def worker(rank: int, args, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     results = {}
-    for strategy in args.strategies.split(","):
+    for strategy in [] if args.ns_only else args.strategies.split(","):
         for name, fields in OPTIMIZERS.items():
             results[f"{strategy} {name}"] = time_steps(args, strategy, fields)
     if "fsdp2" in args.strategies:
@@ -171,6 +198,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--strategies", default="ddp,fsdp2")
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--ns-only", action="store_true", help="only the Newton-Schulz comparison (FSDP2's shards)")
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -180,7 +208,8 @@ def main() -> int:
     mp.spawn(worker, args=(args, queue), nprocs=args.ranks)
     results = {"args": vars(args), **queue.get()}
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "muon.json"), "w") as f:
+    name = "muon-ns" if args.ns_only else "muon"  # the comparison alone keeps the full run's files
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=2)
     lines = [f"GPT-2 shape {args.layers} x {args.width}, vocab {args.vocab}, {args.ranks} gloo CPU ranks, 1 thread each",
              "", "| strategy, optimizer | optimizer step (s, median) | optimizer state per rank (MB) | "
@@ -191,10 +220,11 @@ def main() -> int:
                          f"{r['transient_rss_bytes'] / 1e6:.1f} |")
     if "newton-schulz" in results:
         ns = results["newton-schulz"]
-        lines += ["", f"Newton-Schulz (fp32) over every Muon matrix, FSDP2 shards: on the DTensor {ns['dtensor_s']:.3f} s, "
-                      f"gathered once {ns['gathered_s']:.3f} s; max |difference| {ns['max_abs_diff']:.1e}"]
+        lines += ["", f"Newton-Schulz (fp32) over every Muon matrix, Shard(0) over the ranks: on the DTensor "
+                      f"{ns['dtensor_s']:.3f} s, gathered on every rank {ns['gathered_s']:.3f} s, one owner rank a "
+                      f"matrix {ns['owner_s']:.3f} s; max |difference| {ns['max_abs_diff']:.1e}"]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, "muon.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
     return 0
