@@ -12,12 +12,13 @@ A model without an output head transformers can name is refused (its classifier 
 
 The Newton-Schulz iterations: torch runs them in bfloat16 (``_zeropower_via_newtonschulz`` starts with
 ``grad.bfloat16()``), which makes the update depend on how the gradient was summed in its last bits: another split
-of the same global batch (accumulation, ranks, FSDP's shards) ends 1e-3 to 1e-2 away after a few steps
+of the same global batch (accumulation, ranks, FSDP's shards) ends 1e-4 to 1e-2 away after a few steps
 (docs/pitfalls.md#muon-bf16). ``NewtonSchulzDtype`` runs torch's own function with that one cast made to the dtype
 asked for, by a ``TorchFunctionMode`` around torch's ``Muon.step`` that answers ``Tensor.bfloat16`` (the only call
 of it in torch's step) with a copy in that dtype: nothing of torch's algorithm is copied here, so a later torch's
-Muon is what runs. With ``float32`` the update is the same under every split to fp32 rounding (the tests: DDP and
-FSDP2 against one process to 1e-6). It also fixes torch's aliasing for bf16 weights: there ``buf.bfloat16()``
+Muon is what runs (tests/unit/test_optimizers.py checks it against torch's bits and a float64 reference). With
+``float32`` the update is the same under every split to fp32 rounding (DDP, FSDP2, HSDP and TP against one process
+to 3e-7: tests/launch/test_muon.py). It also fixes torch's aliasing for bf16 weights: there ``buf.bfloat16()``
 returns the momentum buffer itself (nesterov false), which the iterations' first ``div_`` then normalises in place;
 the mode always hands them a copy.
 """
