@@ -556,12 +556,13 @@ def read_probes(out: str) -> list[dict]:
 
 
 def assert_plan_matches_held_bytes(ranks: list[dict], model: str, strategy_name: str, lora_r: int | None,
-                                   lora_target_modules: list[str] | None = None) -> None:
+                                   lora_target_modules: list[str] | None = None, optim: str = "adamw_torch") -> None:
     """``toolkit plan``'s per-device weights and optimizer state against the bytes each rank held (probe_run.py's
     ``held_bytes``, storage by storage): each within 3%."""
     from toolkit.cli.plan import count_model, model_states_per_device
 
-    states = model_states_per_device(count_model(model, lora_r=lora_r, lora_target_modules=lora_target_modules),
+    states = model_states_per_device(count_model(model, lora_r=lora_r, lora_target_modules=lora_target_modules,
+                                                 optim=optim),
                                      strategy_name, devices=2, per_node=2, precision="fp32")
     for rank in ranks:
         for part in ("weights", "optimizer"):

@@ -266,3 +266,22 @@ def test_plan_load_in_4bit_command(llama7b, capsys):
     out = capsys.readouterr().out
     assert "4-bit base: 6.476 B weights quantized at 0.5159 bytes each" in out
     assert "--use_peft true --lora_r 16 --load_in_4bit true --use_bnb_nested_quant true" in out
+
+
+def test_muon_counts_one_momentum_buffer_for_its_group_and_refuses_zero(llama7b, capsys):
+    """--optim muon: Muon's group (the 7 hidden matrices of each of the 32 layers) holds 4 bytes a parameter, AdamW's
+    (embeddings, head, norms) 8; the largest matrix's Newton-Schulz working set (the 11008 x 4096 MLP: 3 R C + 2 m^2
+    fp32) on every device; the ZeRO rows refused with the reason."""
+    from toolkit.cli.plan import main
+
+    adamw, m = count_model(llama7b), count_model(llama7b, optim="muon")
+    assert m.muon == 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) and m.trainable == adamw.trainable
+    assert m.muon_transient == 4 * (3 * 4096 * 11008 + 2 * 4096 ** 2)
+    ddp = model_states_per_device(m, "DDP", 8, 8, "bf16")
+    assert ddp["optimizer"] == 8 * m.trainable - 4 * m.muon
+    rows = {r["strategy"]: r for r in plan(m, 8, 80e9)}
+    assert rows["FSDP2"]["optimizer"] == ddp["optimizer"] / 8 + m.muon_transient
+    assert all(rows[s]["config"] is None and "muon" in rows[s]["why_not"] for s in rows if s.startswith("ZeRO"))
+    assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--optim", "muon"]) == 0
+    out = capsys.readouterr().out
+    assert "optim muon: 6.476 B parameters in Muon's group" in out and "--optim muon" in out.splitlines()[-1]

@@ -68,6 +68,9 @@ def order_record(cfg, train_dataset, repeats: int = 1) -> dict:
         "quantized_base": quantization.base_record(cfg.model),
         # nor this: the LoRA layout and scaling the checkpoint's weights were trained in (toolkit.models.lora)
         "adapters": lora.adapter_record(cfg.model),
+        # not the order either: optim muon's state (momentum buffers, in its own groups) is not AdamW's; None for the
+        # others, as in the checkpoints written before it was recorded
+        "optimizer": "muon" if cfg.train.optim == "muon" else None,
     }
 
 
@@ -159,6 +162,11 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
         quantization.check_same_base(checkpoint, saved["order"]["quantized_base"], order["quantized_base"])
     if "adapters" in saved["order"]:  # recorded since LoRA's resume checks (issue 46); not by earlier checkpoints
         lora.check_same_adapters(checkpoint, saved["order"]["adapters"], order["adapters"])
+    if saved["order"].get("optimizer") != order["optimizer"]:  # torch's load would fail after the weights loaded
+        was, now = (value or "not muon" for value in (saved["order"].get("optimizer"), order["optimizer"]))
+        raise ConfigError("optim", f"cannot resume from {checkpoint}: it was written with optim {was}, this run's is "
+                                   f"{now}; one optimizer's state does not continue the other's: resume with the "
+                                   "checkpoint's optim, or start a new output_dir")
     for key, field_name in ORDER_FIELDS.items():
         if saved["order"].get(key) != order[key]:
             what = ("the training data changed" if key in ("train_rows", "train_data_sha")

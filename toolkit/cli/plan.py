@@ -26,6 +26,10 @@ With D data-parallel devices:
     TP         everything / (devices per node), one node only (tp.yaml: TP with data parallelism is refused);
                activations inside attention and the MLP / t too
 
+With ``--optim muon`` (``toolkit.training.optimizers``) Muon's group (the hidden 2-D weights) holds one fp32 momentum
+buffer, 4 bytes a parameter instead of AdamW's 8, and each device adds the Newton-Schulz working set of the largest
+matrix (fp32, whole; freed after each matrix); the ZeRO rows are refused, as the recipes refuse them.
+
 DPO (``--recipe dpo``): its live reference copy holds weights only, sharded like the policy's (whole under DDP and
 ZeRO-1/2, / D under ZeRO-3 and FSDP2); none with ``--lora-r`` (the adapter disabled is the reference) or
 ``--precompute-ref-log-probs``; under TP a live reference is refused.
@@ -81,6 +85,8 @@ class ModelCount:
     tp_problem: Callable[[int], str | None] = lambda tp: None
     quantized: int = 0  # of ``params``, the weights held quantized (--load-in-4bit / --load-in-8bit)
     quantized_bytes: int = 0  # the bytes they take, quantization constants included
+    muon: int = 0  # with --optim muon: of ``trainable``, the parameters in Muon's group (toolkit.training.optimizers)
+    muon_transient: int = 0  # bytes of the Newton-Schulz working set of the largest Muon matrix (``_muon_count``)
 
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
@@ -90,12 +96,12 @@ class ModelCount:
 
 
 def count_model(model: str, lora_r: int | None = None, lora_target_modules: list[str] | None = None,
-                quantize_bits: int | None = None, nested: bool = False) -> ModelCount:
+                quantize_bits: int | None = None, nested: bool = False, optim: str = "adamw_torch") -> ModelCount:
     """Parameters of ``model`` (a Hub name, a folder or a config.json), built on the meta device. With ``lora_r``,
     the adapters the recipes would train with these fields (``lora_target_modules`` None: peft's default for the
     model type, e.g. Llama's q_proj and v_proj), counted by peft itself on the meta model. ``quantize_bits`` 4 or 8:
     the base's linear layers held as bitsandbytes holds them (``toolkit.models.quantization.layer_bytes``; ``nested``:
-    double quantization)."""
+    double quantization). ``optim`` muon: the parameters of Muon's group, by the optimizer's own rule."""
     import torch
     from transformers import AutoConfig
 
@@ -130,9 +136,23 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
     from toolkit.models.loading import tensor_parallel_problem  # what the recipe refuses at load, said before launch
 
+    muon, transient = _muon_count(net) if optim == "muon" else (0, 0)
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
                       tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
-                      quantized_bytes=quantized_bytes, stage_params=lambda stages: _stage_params(net, stages))
+                      quantized_bytes=quantized_bytes, stage_params=lambda stages: _stage_params(net, stages),
+                      muon=muon, muon_transient=transient)
+
+
+def _muon_count(net) -> tuple[int, int]:
+    """(Muon's parameters, the bytes of its largest matrix's working set). torch's Muon step holds, for one matrix
+    at a time, R x C: the Nesterov update (fp32, R C) and, in the iterations on m = min(R, C), n = max: their input
+    and output (m n each), the Gram matrix and its update (m^2 each); counted at 4 bytes (muon_ns_dtype float32;
+    bfloat16's iterations take half), whole: under FSDP2 a DTensor matmul may gather the matrix (an upper bound)."""
+    from toolkit.training.optimizers import muon_split
+
+    matrices = [p.shape for _, p in muon_split(net)[0]]
+    working = max((3 * r * c + 2 * min(r, c) ** 2 for r, c in matrices), default=0)
+    return sum(r * c for r, c in matrices), 4 * working
 
 
 def _stage_params(net, stages: int) -> list[int] | None:
@@ -230,7 +250,9 @@ def state_bytes(m: ModelCount, precision: str, deepspeed_stage: int | None) -> d
             weight, grad, optim = 4, 4, 8 if deepspeed_stage == 3 else 12
     else:
         weight, grad, optim = 4, 4, 8
-    return {"weights": m.weight_bytes(weight), "gradients": grad * m.trainable, "optimizer": optim * m.trainable}
+    # optim muon (torch strategies only): one fp32 momentum buffer (4 bytes) a Muon parameter instead of AdamW's 8
+    return {"weights": m.weight_bytes(weight), "gradients": grad * m.trainable,
+            "optimizer": optim * m.trainable - 4 * m.muon}
 
 
 def model_states_per_device(m: ModelCount, strategy: str, devices: int, per_node: int, precision: str) -> dict:
@@ -331,6 +353,9 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
             why_not = m.tp_problem(gpus)
         if m.quantized and name not in QUANTIZED_STRATEGIES:
             why_not = f"a 4-bit base is refused under {name} (checked: {', '.join(QUANTIZED_STRATEGIES)})"
+        if m.muon and name.startswith("ZeRO"):  # toolkit.parallel.accelerator.MUON_LAUNCHES
+            why_not = "optim muon is refused under DeepSpeed ZeRO (flat 1-D partitions)"
+        states["optimizer"] += m.muon_transient  # one matrix at a time, on every device
         if reference:
             states["reference"] = reference_per_device(m, name, devices, gpus, precision)
             if name == "TP" and config and not why_not:  # a live reference is refused under TP
@@ -365,6 +390,14 @@ def quantized_line(m: ModelCount) -> list[str]:
             "norms, head, adapters) in full precision"]
 
 
+def muon_line(m: ModelCount) -> list[str]:
+    if not m.muon:
+        return []
+    return [f"optim muon: {m.muon / 1e9:.3f} B parameters in Muon's group (4 bytes of state each), "
+            f"{(m.trainable - m.muon) / 1e9:.3f} B in AdamW's (8); optim adds {m.muon_transient / GB:.2f} GB on every "
+            "device for the largest matrix's Newton-Schulz working set (fp32, whole)"]
+
+
 def format_plan(m: ModelCount, rows: list[dict], args) -> str:
     ckpt, other = ("with", "without") if args.gradient_checkpointing else ("without", "with")
     lines = [
@@ -374,6 +407,7 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
         f"GB (10^9 bytes) per device. activations low / expected / high, {ckpt} and {other} gradient checkpointing; "
         "fits: high (maybe: expected) below 90% of the device",
         *quantized_line(m),
+        *muon_line(m),
         "",
         f"{'strategy':<17} {'weights':>8} {'grads':>8} {'optim':>8} {'ref':>8} {'states':>8} {'activations':>17} "
         f"{other + ' ckpt':>17} {'total (expected)':>17} {'fits':>5} {other + ' ckpt':>12}  launch",
@@ -435,6 +469,8 @@ def recipe_fields(args) -> str:
         fields += " --gradient_checkpointing true"
     if args.precompute_ref_log_probs:
         fields += " --precompute_ref_log_probs true"
+    if args.optim == "muon":
+        fields += " --optim muon"
     if args.lora_r:
         fields += f" --use_peft true --lora_r {args.lora_r}"
         if args.load_in_4bit:
@@ -461,6 +497,9 @@ def main(argv=None) -> int:
     parser.add_argument("--use-bnb-nested-quant", action="store_true",
                         help="with --load-in-4bit: double quantization (use_bnb_nested_quant)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--optim", choices=["adamw_torch", "muon"], default="adamw_torch",
+                        help="muon: Muon's group holds one fp32 momentum buffer a parameter (4 bytes, not AdamW's 8), "
+                             "plus its largest matrix's Newton-Schulz working set")
     parser.add_argument("--recipe", choices=["gpt2", "sft", "classify", "dpo"], default="gpt2",
                         help="dpo: count the live reference model too (not with --lora-r: the adapter is disabled for "
                              "it; not with --precompute-ref-log-probs)")
@@ -480,8 +519,10 @@ def main(argv=None) -> int:
         if args.load_in_4bit and args.pipeline_parallel_size > 1:  # what the recipes refuse (toolkit.models.quantization)
             raise ConfigError("load_in_4bit", "a 4bit base is not supported under pipeline parallelism: drop "
                                               "--pipeline-parallel-size, or --load-in-4bit")
+        if args.optim == "muon" and (args.lora_r or args.pipeline_parallel_size > 1):  # as the recipes refuse it
+            raise ConfigError("optim", "muon is refused with LoRA and with a pipeline: use --optim adamw_torch")
         m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,
-                        nested=args.use_bnb_nested_quant)
+                        nested=args.use_bnb_nested_quant, optim=args.optim)
     except ConfigError as e:  # the LoRA fields (the recipe's own checks, field names as the recipe spells them)
         print(f"plan error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from toolkit.config.checks import (
 from toolkit.config.classification import ClassificationArguments
 from toolkit.config.grpo import GRPO_LOSS_TYPES, GRPOArguments
 from toolkit.config.mixture import _check_mixture, mixture_files
+from toolkit.config.muon import MuonArguments
 from toolkit.config.pipeline import PipelineArguments
 from toolkit.config.preference import LOSS_TYPES, PreferenceArguments
 from toolkit.config.quantization import QuantizationArguments
@@ -60,7 +61,8 @@ __all__ = ["ARGUMENT_CLASSES", "DATA_EXTENSIONS", "GRPO_LOSS_TYPES", "LOSS_TYPES
            "ConfigError", "DataArguments", "ModelArguments", "RunConfig", "TrainingArguments", "config_from_dict",
            "field_names", "max_positions", "mixture_files", "parse_args", "write_config"]
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit")
+# muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (toolkit.training.optimizers, toolkit.config.muon)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "muon")
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -446,8 +448,8 @@ class _TrainingFields:
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Rows per rank per eval batch.",
                                                                  "tasks": HELD_OUT_TASKS})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases/norms)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate (optim muon: the Muon group's)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay (not on biases/norms; optim muon: on both groups)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
@@ -561,6 +563,7 @@ class _TrainingFields:
         _one_of(self, "loss_normalization", LOSS_NORMALIZATIONS)
         _check_report_to(self.report_to)
         self._check_pipeline()
+        self._check_muon()
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
@@ -597,11 +600,11 @@ class DataArguments(ClassificationArguments, _DataFields):
 
 
 @dataclass
-class TrainingArguments(PipelineArguments, GRPOArguments, PreferenceArguments, _TrainingFields):
+class TrainingArguments(MuonArguments, PipelineArguments, GRPOArguments, PreferenceArguments, _TrainingFields):
     """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
     ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
     implements, checked here. Its own fields, then the preference tasks' (``toolkit.config.preference``), GRPO's
-    (``toolkit.config.grpo``) and the pipeline's (``toolkit.config.pipeline``)."""
+    (``toolkit.config.grpo``), the pipeline's (``toolkit.config.pipeline``) and Muon's (``toolkit.config.muon``)."""
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)
@@ -632,6 +635,9 @@ class RunConfig:
                               "padding-free packing and streaming are not supported under pipeline parallelism (a "
                               "pipeline passes each row's attention mask): use packing_strategy wrapped or padded "
                               "rows, streaming false")
+        if self.train.optim == "muon" and self.model.use_peft:  # Muon on LoRA's factors: untested here
+            raise ConfigError("optim", "muon trains every weight (Muon on the hidden matrices, AdamW on the rest); "
+                                       "with use_peft use optim adamw_torch")
         # A torch elastic restart continues its earlier attempt (toolkit.env.elastic): resume 'latest', and that
         # attempt's files are no "earlier run" for _check_output_dir.
         elastic.check_machines()  # a scheduler's N machines, one process group each: refused before any work

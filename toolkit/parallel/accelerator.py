@@ -36,6 +36,7 @@ from toolkit.env.launcher import (
     has_accelerator,
     launched_parallel_sizes,
     launched_strategy,
+    launched_strategy_name,
     launched_world_size,
 )
 from toolkit.errors import ConfigError
@@ -158,6 +159,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     if launched_parallel_sizes():
         _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
     _check_pipeline_launch(args, launched_strategy())
+    _check_muon_launch(args)
 
 
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
@@ -318,6 +320,20 @@ def _check_skip_nonfinite(args: TrainingArguments, strategy: str) -> None:
             "norm stops the run after that step; fp16 overflows are skipped by its loss scaler anyway); set it to "
             "false, or launch with a DDP or FSDP config",
         )
+
+
+# optim muon runs torch's Muon on whole matrices: plain tensors, or the DTensors of FSDP2, HSDP and TP, whose
+# Newton-Schulz matmuls torch distributes; proven equal to one process there (tests/launch/test_muon.py). DeepSpeed
+# ZeRO hands the optimizer flat 1-D partitions (DeepSpeed 0.19.8's own Muon is another update: a Gram Newton-Schulz
+# in fp16/bf16 by default, docs/strategies.md#muon), FSDP1 flat shards.
+MUON_LAUNCHES = ("single", "ddp", "fsdp2", "tp")  # fsdp2: hsdp.yaml's too
+
+
+def _check_muon_launch(args: TrainingArguments) -> None:
+    name = launched_strategy_name()
+    if args.optim == "muon" and name not in MUON_LAUNCHES:
+        raise ConfigError("optim", f"muon runs on one process, ddp.yaml, fsdp.yaml (FSDP2), hsdp.yaml or tp.yaml; "
+                                   f"this launch is {name}: launch with one of those, or use optim adamw_torch")
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:

@@ -67,6 +67,7 @@ from toolkit.reporting.metrics import (
 from toolkit.reporting.plots import plot_run
 from toolkit.tasks.base import Task
 from toolkit.tasks.lm import CausalLM
+from toolkit.training.optimizers import MuonWithAdamW, build_muon
 from toolkit.training.preemption import Preemption
 from toolkit.training.state import LoopState, StepResult
 
@@ -75,6 +76,8 @@ upstream.import_transformers_losses()
 
 
 def build_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    if args.optim == "muon":  # its own split: Muon on the hidden matrices, AdamW on the rest
+        return build_muon(model, args)
     # The usual split: no weight decay on biases and norm weights (the 1-D parameters). Under ZeRO-3, transformers
     # builds the model already partitioned (deepspeed.zero.Init: every parameter's data is an empty 1-D tensor), so
     # the real shape is ``ds_shape``; reading ``ndim`` would silently put every weight in the no-decay group.
@@ -456,6 +459,8 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     if pipelined:  # this rank's stages and its replica's rows (toolkit.parallel.pipeline), not wrapped by accelerate
         model, *loaders = build_pipeline(accelerator, args, model, train_dataset, eval_dataset, sampler, collator)
     optimizer = build_optimizer(model, args)
+    if isinstance(optimizer, MuonWithAdamW):
+        accelerator.print(optimizer.split)
     upstream.import_peft()  # before the scheduler's import imports peft, and peft bitsandbytes
     from transformers import get_scheduler
 
