@@ -4,7 +4,10 @@
   same global batch, exports full weights that ``from_pretrained`` loads, and resumes from its checkpoint;
 - tensor parallelism (accelerate_configs/tp.yaml) on 2 ranks, a tiny Llama split by its TP plan, trains like one
   process (both ranks take the same rows), exports a plain model, and resumes from its checkpoint exactly; what these
-  versions cannot do is refused.
+  versions cannot do is refused;
+- Ulysses sequence parallelism (``sequence_parallel_size``, ddp.yaml) on 2 ranks (one group of 2) and on 4 (2
+  data-parallel x 2 sequence; and one group of 4, which replicates the tiny Llama's 2 key/value heads) trains like one
+  process on padded rows of varied length with accumulation 2; what it does not run is refused before work.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data):
     tp.plan("tp_adamw", "tp.yaml", 2, 8, 1, TP_ADAMW)
     tp.plan("tp_adamw_resumed", "tp.yaml", 2, 8, 1, {**TP_ADAMW, "resume_from_checkpoint": "latest"},
             copy_from=("tp_adamw", 2))
+    for args in SEQUENCE_RUNS.values():  # the one-process run is tp's "one" (equal runs are one run)
+        tp.plan(*args)
     return {"runs": r, "tp_runs": tp}
 
 
@@ -80,6 +85,9 @@ def tp_runs(run_pool):
     return run_pool.modules[(__name__, "tp_runs")]
 
 
+# name: (name, launch config, world, micro-batch, accumulation, fields); the global batch is 8 rows in each
+SEQUENCE_RUNS = {name: (name, "ddp.yaml", world, micro, 2, {"sequence_parallel_size": n})
+                 for name, world, micro, n in (("sp2", 2, 4, 2), ("dp2_sp2", 4, 2, 2), ("sp4", 4, 4, 4))}
 TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
             "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
 
@@ -162,5 +170,72 @@ def test_tensor_parallel_refusals(tmp_path, tiny_model, tiny_llama, padded_data,
     argv = args_from({k: v for k, v in cfg.items() if v is not None})
     with pytest.raises(ConfigError) as refused:
         toolkit_launch.check("causal-lm", config, world, argv)
+    assert f"config error: {refused.value}".startswith(f"config error: {words}")
+    assert not os.path.exists(tmp_path / "out" / "final")
+
+
+# ------------------------------------------------------------------------------------------ sequence parallel
+@pytest.mark.parametrize("name", list(SEQUENCE_RUNS))
+def test_sequence_parallel_equals_one_process(tp_runs, name):
+    """Ulysses: each rank of a group holds 1/n of every row's positions (padded to a multiple of n), the labels shifted
+    on the whole row; the group's ranks take the same rows, so 2 ranks x (1 data-parallel x micro 4 x accumulation 2),
+    4 ranks x (2 x 2 x 2) and 4 ranks x (1 x 4 x 2) all train on the global batches of one process x 8. DDP averages
+    over every rank, a group's ranks hold parts of one gradient: the loss is scaled by the world, not the
+    data-parallel size (with the data-parallel size: 0.055 off). sp4 splits the 4 query heads over 4 ranks and
+    replicates the 2 key/value heads. Evaluation runs whole rows on every rank: the same eval loss."""
+    reference = tp_runs.get("one", None, 1, 8, 1, {})
+    run = tp_runs.get(*SEQUENCE_RUNS[name])
+    assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(run, "final"))) <= 1e-6
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    want = [json.loads(line) for line in open(os.path.join(reference, "metrics.jsonl"))]
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in want]  # each row counted once
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-6, abs=0)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6, abs=0)
+    evals, want_evals = ([(r["eval_tokens"], r["eval_loss"]) for r in m if "eval_loss" in r] for m in (rows, want))
+    assert [t for t, _ in evals] == [t for t, _ in want_evals] and want_evals
+    assert [v for _, v in evals] == pytest.approx([v for _, v in want_evals], rel=1e-6, abs=0)
+    config = json.load(open(os.path.join(run, "final", "config.json")))  # the export loads anywhere: plain attention
+    assert "toolkit_ulysses" not in json.dumps(config)
+
+
+SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's start)
+    "zero2": ("zero2.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "zero3": ("zero3.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "fsdp": ("fsdp.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "tp": ("tp.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "hsdp": ("hsdp.yaml", 4, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "pipeline": ("ddp.yaml", 4, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}, "causal-lm",
+                 "sequence_parallel_size: sequence parallelism (2) with pipeline parallelism (2)"),
+    "world": ("ddp.yaml", 3, {}, "causal-lm", "sequence_parallel_size: 2 does not divide the 3 launched processes"),
+    "heads": ("ddp.yaml", 3, {"sequence_parallel_size": 3}, "causal-lm",
+              "sequence_parallel_size: Ulysses splits the attention heads over the group: the model's 4 query heads"),
+    "dpo": ("ddp.yaml", 2, {}, "dpo", "sequence_parallel_size: the dpo task is not supported"),
+    "classify": ("ddp.yaml", 2, {}, "sequence-classification",
+                 "sequence_parallel_size: the sequence-classification task is not supported"),
+    "grpo": ("ddp.yaml", 2, {"reward_funcs": "arithmetic_correct", "validation_file": None, "num_generations": 4}, "grpo", "sequence_parallel_size: the grpo task"),
+    "packing": ("ddp.yaml", 2, {"packing": True, "packing_strategy": "bfd"}, "causal-lm",
+                "packing_strategy: padding-free packing and streaming are not supported under sequence parallelism"),
+    "ring": ("ddp.yaml", 2, {"sequence_parallel_size": 1, "context_parallel_size": 2}, "causal-lm",
+             "context_parallel_size: ring attention is not supported yet"),
+    "chunked_loss": ("ddp.yaml", 2, {"loss_chunk_size": 64}, "causal-lm", "loss_chunk_size: is not supported with "
+                                                                          "sequence_parallel_size 2"),
+    "eager": ("ddp.yaml", 2, {"attn_implementation": "eager"}, "causal-lm", "attn_implementation: sequence "
+                                                                            "parallelism attends with torch's SDPA"),
+}
+
+
+@pytest.mark.parametrize("case", list(SP_REFUSALS))
+def test_sequence_parallel_refusals(tmp_path, tiny_llama, padded_data, case):
+    """What sequence parallelism is not proven with is refused before the weights load, one line naming the field:
+    ZeRO, FSDP, TP, HSDP, pipelines, a world or a head count n does not divide, DPO, classification, GRPO, padding-free
+    packing, the ring (context_parallel_size), the chunked loss, another attention than SDPA. Checked in this
+    process, in the environment accelerate's launcher gives the ranks (``toolkit.cli.train.check``)."""
+    config, world, fields, task, words = SP_REFUSALS[case]
+    cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": tiny_llama,
+           "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "sequence_parallel_size": 2,
+           **fields}
+    argv = args_from({k: v for k, v in cfg.items() if v is not None})
+    with pytest.raises(ConfigError) as refused:
+        toolkit_launch.check(task, os.path.join(CONFIGS, config), world, argv)
     assert f"config error: {refused.value}".startswith(f"config error: {words}")
     assert not os.path.exists(tmp_path / "out" / "final")

@@ -1,5 +1,6 @@
-"""Tensor parallelism without a process: which checkpoint layouts a TP run may resume (``resume.load_plan``). The
-real HSDP and TP runs are in tests/launch/test_parallel.py."""
+"""Tensor parallelism without a process: which checkpoint layouts a TP run may resume (``resume.load_plan``); a
+sequence-parallel rank's part of a row (``toolkit.parallel.sequence.shard``). The real HSDP, TP and sequence-parallel
+runs are in tests/launch/test_parallel.py."""
 
 import pytest
 
@@ -23,3 +24,27 @@ def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, stra
         load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
     config = "tp.yaml --num_processes 2 --parallelism_config_tp_size 2" if wrote == "tp" else "ddp.yaml"
     assert e.value.field_name == field and f"--config_file accelerate_configs/{config} <recipe>" in str(e.value)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sequence_parallel_shard_cuts_shifted_labels_and_pads_to_a_multiple(n):
+    """The ranks' parts of a right-padded micro-batch (7 positions: padded to a multiple of n) put together are the
+    whole row: the ids, the global positions, and the next-token targets shifted on the whole row before the cut (the
+    target at each cut is kept once: shifting each part alone would lose it), the padding no target."""
+    import torch
+
+    from toolkit.loss import IGNORE_INDEX, shift_labels
+    from toolkit.parallel.sequence import SequenceGroup, shard
+
+    ids = torch.arange(1, 15).view(2, 7)
+    labels = ids.clone()
+    labels[1, 4:] = IGNORE_INDEX  # the second row is 4 tokens, right-padded
+    parts = [shard({"input_ids": ids, "labels": labels}, SequenceGroup(size=n, rank=r, group=None)) for r in range(n)]
+    length = -(-7 // n) * n
+    pad = length - 7
+    assert {p[0].shape for p in parts} == {(2, length // n)}
+    assert torch.equal(torch.cat([p[0] for p in parts], 1), torch.nn.functional.pad(ids, (0, pad)))
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), torch.arange(length).expand(2, -1))
+    targets = torch.cat([p[2] for p in parts], 1)
+    assert torch.equal(targets, torch.nn.functional.pad(shift_labels(labels), (0, pad), value=IGNORE_INDEX))
+    assert (targets != IGNORE_INDEX).sum() == 6 + 3  # every target once: 6 in the full row, 3 in the short one
