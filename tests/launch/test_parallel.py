@@ -29,7 +29,7 @@ COMMON = dict(packing=False, block_size=48, shuffle=True, max_steps=3, logging_s
               lr_scheduler_type="constant", weight_decay=0, save_steps=2)
 
 
-def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data):
+def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_256, chats):
     """The runs below, planned (conftest's run_pool): HSDP and its resumed run in one launch, the TP runs in another."""
     r = Runs(tmp_path_factory.mktemp("parallel"), tiny_model, padded_data, COMMON, pool=pool)
     r.plan("hsdp", "hsdp.yaml", 4, 2, 1, {})  # and its resumed run after it, in the same launch
@@ -43,7 +43,11 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data):
             copy_from=("tp_adamw", 2))
     for args in SEQUENCE_RUNS.values():  # the one-process run is tp's "one" (equal runs are one run)
         tp.plan(*args)
-    return {"runs": r, "tp_runs": tp}
+    r.plan("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2})  # GPT-2: 2 heads
+    sft = Runs(tmp_path_factory.mktemp("sp-sft"), gpt2_256, chats, SFT, pool=pool)
+    sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
+    sft.plan("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}, recipe="sft", probe=False)
+    return {"runs": r, "tp_runs": tp, "sft_runs": sft}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,10 @@ def tp_runs(run_pool):
     return run_pool.modules[(__name__, "tp_runs")]
 
 
+# chat SFT (assistant tokens only) on padded chats, as tests/launch/test_pipeline.py trains it
+SFT = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
+           max_steps=3, logging_steps=1, seed=7, report_to="none", shuffle=True, per_device_eval_batch_size=3,
+           packing=False, block_size=128)
 # name: (name, launch config, world, micro-batch, accumulation, fields); the global batch is 8 rows in each
 SEQUENCE_RUNS = {name: (name, "ddp.yaml", world, micro, 2, {"sequence_parallel_size": n})
                  for name, world, micro, n in (("sp2", 2, 4, 2), ("dp2_sp2", 4, 2, 2), ("sp4", 4, 4, 4))}
@@ -196,6 +204,31 @@ def test_sequence_parallel_equals_one_process(tp_runs, name):
     assert [v for _, v in evals] == pytest.approx([v for _, v in want_evals], rel=1e-6, abs=0)
     config = json.load(open(os.path.join(run, "final", "config.json")))  # the export loads anywhere: plain attention
     assert "toolkit_ulysses" not in json.dumps(config)
+
+
+@pytest.fixture(scope="module")
+def sft_runs(run_pool):
+    return run_pool.modules[(__name__, "sft_runs")]
+
+
+def _same_training(run: str, reference: str) -> None:
+    """Final weights within 1e-6, the same tokens, losses and eval losses within 1e-6 relative."""
+    assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(run, "final"))) <= 1e-6
+    rows, want = ([json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for d in (run, reference))
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in want]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-6, abs=0)
+    evals, want_evals = ([r["eval_loss"] for r in m if "eval_loss" in r] for m in (rows, want))
+    assert want_evals and evals == pytest.approx(want_evals, rel=1e-6, abs=0)
+
+
+def test_sequence_parallel_gpt2_and_chat_sft_equal_one_process(runs, sft_runs):
+    """GPT-2 (2 heads, learned absolute positions: each rank's part gets its global position ids) on padded text, and
+    chat SFT (the loss on the assistant's tokens only, padded chats), each on 2 ranks as one group of 2 with
+    accumulation 2, against one process x 8."""
+    _same_training(runs.get("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2}),
+                   runs.get("one", None, 1, 8, 1, {"save_steps": None}))
+    _same_training(sft_runs.get("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}),
+                   sft_runs.get("one", None, 1, 8, 1, {}))
 
 
 SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's start)
