@@ -44,6 +44,11 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
     for args in SEQUENCE_RUNS.values():  # the one-process run is tp's "one" (equal runs are one run)
         tp.plan(*args)
     r.plan("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2})  # GPT-2: 2 heads
+    r.plan("adamw_one", None, 1, 8, 1, SP_ADAMW)  # test_strategies.py's adamw_1x8x1: one run
+    for name, (config, world, micro, accum, extra) in SP_ADAMW_RUNS.items():
+        r.plan(name, config, world, micro, accum, extra)
+    for name, (config, world, micro, accum, extra, source) in SP_RESUMES.items():
+        r.plan(name, config, world, micro, accum, extra, copy_from=(source, 2))
     sft = Runs(tmp_path_factory.mktemp("sp-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}, recipe="sft", probe=False)
@@ -94,8 +99,19 @@ SFT = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
            max_steps=3, logging_steps=1, seed=7, report_to="none", shuffle=True, per_device_eval_batch_size=3,
            packing=False, block_size=128)
 # name: (name, launch config, world, micro-batch, accumulation, fields); the global batch is 8 rows in each
-SEQUENCE_RUNS = {name: (name, "ddp.yaml", world, micro, 2, {"sequence_parallel_size": n})
-                 for name, world, micro, n in (("sp2", 2, 4, 2), ("dp2_sp2", 4, 2, 2), ("sp4", 4, 4, 4))}
+SEQUENCE_RUNS = {name: (name, config, world, micro, 2, {"sequence_parallel_size": n})
+                 for name, config, world, micro, n in (("sp2", "ddp.yaml", 2, 4, 2), ("dp2_sp2", "ddp.yaml", 4, 2, 2),
+                                                       ("sp4", "ddp.yaml", 4, 4, 4), ("fsdp2_sp2", "fsdp.yaml", 2, 4, 2))}
+# test_strategies.py's AdamW with clipping (a checkpoint at step 2), on the tiny GPT-2
+SP_ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
+                warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
+SP2 = {"sequence_parallel_size": 2}
+SP_ADAMW_RUNS = {"adamw_sp2": ("ddp.yaml", 2, 4, 2, {**SP_ADAMW, **SP2}),
+                 "adamw_fsdp2_sp2": ("fsdp.yaml", 2, 4, 2, {**SP_ADAMW, **SP2})}
+RESUMED = {**SP_ADAMW, "resume_from_checkpoint": "latest"}
+# a step-2 checkpoint resumed on another sequence-parallel size: 2 -> 1 (one process) and 1 -> 2
+SP_RESUMES = {"adamw_sp2_to_one": ("ddp.yaml", 1, 8, 1, RESUMED, "adamw_sp2"),
+              "adamw_one_to_sp2": ("ddp.yaml", 2, 4, 2, {**RESUMED, **SP2}, "adamw_one")}
 TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
             "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
 
@@ -231,10 +247,30 @@ def test_sequence_parallel_gpt2_and_chat_sft_equal_one_process(runs, sft_runs):
                    sft_runs.get("one", None, 1, 8, 1, {}))
 
 
+def test_sequence_parallel_adamw_with_clipping_and_resume_across_sizes(runs):
+    """AdamW with clipping at 1.0 (the global norm: under FSDP2 over both ranks' shards), under DDP and FSDP2 on 2
+    ranks as one group of 2, within 1e-5 of one process; a step-2 checkpoint resumes on another sequence-parallel
+    size (2 -> one process, one process -> 2) in the same sample order and ends where the uninterrupted run does."""
+    reference = runs.get("adamw_one", None, 1, 8, 1, SP_ADAMW)
+    want = load_weights(os.path.join(reference, "final"))
+    for name, (config, world, micro, accum, extra) in SP_ADAMW_RUNS.items():
+        run = runs.get(name, config, world, micro, accum, extra)
+        assert max_abs_diff(want, load_weights(os.path.join(run, "final"))) <= 1e-5, name
+        norms = [r["grad_norm"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "loss" in r]
+        assert norms == pytest.approx([r["grad_norm"] for r in map(json.loads, open(
+            os.path.join(reference, "metrics.jsonl"))) if "loss" in r], rel=1e-5), name
+    for name, (config, world, micro, accum, extra, source) in SP_RESUMES.items():
+        writer = runs.get(source, *((None, 1, 8, 1, SP_ADAMW) if source == "adamw_one" else SP_ADAMW_RUNS[source]))
+        run = runs.get(name, config, world, micro, accum, extra, prepare=copy_checkpoint(writer, 2))
+        assert max_abs_diff(want, load_weights(os.path.join(run, "final"))) <= 1e-5, name
+        steps = [r["step"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "loss" in r]
+        assert steps == [3], name  # it went on from step 2
+
+
 SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's start)
     "zero2": ("zero2.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
     "zero3": ("zero3.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
-    "fsdp": ("fsdp.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
+    "fsdp1": ("fsdp1.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
     "tp": ("tp.yaml", 2, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
     "hsdp": ("hsdp.yaml", 4, {}, "causal-lm", "sequence_parallel_size: sequence parallelism runs on ddp.yaml"),
     "pipeline": ("ddp.yaml", 4, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}, "causal-lm",

@@ -20,8 +20,9 @@ attention splits only in training mode, so activation checkpointing's recompute 
 
 Gradients: each rank's backward gives the gradient of its own positions' loss with respect to its copy of the
 weights, and the all-to-all's backward carries the other ranks' share of its attention to them; the gradient of the
-micro-batch is the sum over the group's ranks. DDP averages over all W ranks, so the loss is scaled by W (not by
-the data-parallel size W / n): ``toolkit.loss.micro_step_loss`` with ``num_processes = W`` (``scale``).
+micro-batch is the sum over the group's ranks. DDP (and FSDP2's reduce-scatter, whose shards span every rank)
+averages over all W ranks, so the loss is scaled by W (not by the data-parallel size W / n):
+``toolkit.loss.micro_step_loss`` with ``num_processes = W`` (``scale``).
 """
 
 from __future__ import annotations
@@ -41,18 +42,21 @@ TASKS = ("causal-lm", "chat-sft")  # what the split's loss (next-token targets o
 
 
 def check_launch(args) -> None:
-    """The launch this process is in, against ``sequence_parallel_size``: DDP (ddp.yaml) only, its world a multiple
-    of n. ZeRO, FSDP, tensor parallelism and HSDP (a parallelism_config) are refused: not proven under the split."""
+    """The launch this process is in, against ``sequence_parallel_size``: DDP (ddp.yaml) or FSDP2 (fsdp.yaml: the
+    weights sharded over every rank, data-parallel x sequence, as DeepSpeed's ALST does), its world a multiple of n.
+    ZeRO, FSDP1, tensor parallelism and HSDP (a parallelism_config) are refused: not proven under the split."""
     n = args.sequence_parallel_size
     if n == 1:
         return
     strategy, world = launched_strategy_name(), launched_world_size()
-    if strategy not in ("ddp", "single") or launched_parallel_sizes():
+    if strategy not in ("ddp", "single", "fsdp2") or launched_parallel_sizes():
         raise ConfigError("sequence_parallel_size", f"sequence parallelism runs on ddp.yaml (each rank the whole "
-                                                    f"model); this launch is {strategy}"
+                                                    "model) or fsdp.yaml (FSDP2, the weights sharded over every rank);"
+                                                    f" this launch is {strategy}"
                                                     f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
                                                     ", which is not proven under it: launch with "
-                                                    "accelerate_configs/ddp.yaml, or set sequence_parallel_size 1")
+                                                    "accelerate_configs/ddp.yaml or fsdp.yaml, or set "
+                                                    "sequence_parallel_size 1")
     if world % n:
         raise ConfigError("sequence_parallel_size", f"{n} does not divide the {world} launched processes: launch a "
                                                     f"multiple of {n} (--num_processes {n} or {2 * n})")
