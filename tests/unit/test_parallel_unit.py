@@ -48,3 +48,26 @@ def test_sequence_parallel_shard_cuts_shifted_labels_and_pads_to_a_multiple(n):
     targets = torch.cat([p[2] for p in parts], 1)
     assert torch.equal(targets, torch.nn.functional.pad(shift_labels(labels), (0, pad), value=IGNORE_INDEX))
     assert (targets != IGNORE_INDEX).sum() == 6 + 3  # every target once: 6 in the full row, 3 in the short one
+    assert all(p[3] is None for p in parts)  # padded rows: causal attention, no document mask
+
+
+def test_sequence_parallel_packed_row_keeps_its_documents_apart():
+    """A flattened packed row (documents of 3, 2 and 2 tokens, positions restarting): each rank gets its part of the
+    row's own positions, and every rank the whole row's document ids (the padding: documents of their own), from
+    which the attention's mask lets a position see only earlier positions of its document."""
+    import torch
+
+    from toolkit.data.packing import collate_packed
+    from toolkit.parallel.sequence import SequenceGroup, _block_causal, shard
+
+    batch = collate_packed([{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2]}, {"input_ids": [1, 2],
+                                                                                    "seq_lengths": [2]}])
+    parts = [shard(batch, SequenceGroup(size=3, rank=r, group=None)) for r in range(3)]
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), torch.tensor([[0, 1, 2, 0, 1, 0, 1, 0, 0]]))
+    documents = parts[0][3]
+    assert all(torch.equal(p[3], documents) for p in parts)
+    assert documents.tolist() == [[1, 1, 1, 2, 2, 3, 3, 4, 5]]
+    mask = _block_causal(documents)[0, 0]
+    assert mask[2].tolist() == [True, True, True] + [False] * 6  # the first document's last token
+    assert mask[4].tolist() == [False] * 3 + [True, True] + [False] * 4  # the second's: not the first document
+    assert mask[8].tolist() == [False] * 8 + [True]  # a pad position sees itself only

@@ -13,7 +13,11 @@ without the split. In a training micro-step each rank of a group:
     3. sums the cross-entropy of its positions' targets: the group's sums add up to the rows' sums.
 
 Padding needs no mask: rows are right-padded (``toolkit.data.loading.CausalLMCollator``), so under the causal mask
-no real token sees a pad, and pad positions are no targets. Heads: the query heads must divide by n; key/value heads
+no real token sees a pad, and pad positions are no targets. Padding-free packing (``packing_strategy: bfd``; one
+flattened row whose ``position_ids`` restart at each document) needs one: every rank of the group holds the whole
+row, so each finds the documents from the row's positions (document id = running count of position 0, each pad
+position a document of its own) and, after the all-to-all, attends block-causally (a boolean mask over the whole
+sequence: positions^2 bytes). The mask transformers builds from a rank's own positions alone is not used in training. Heads: the query heads must divide by n; key/value heads
 that do not (fewer than n, GQA) are replicated (each repeated n / gcd(kv, n) times, GQA's own sharing kept) before
 the all-to-all. Evaluation and generation (``model.eval()``) run whole sequences on each rank with SDPA: the
 attention splits only in training mode, so activation checkpointing's recompute splits too.
@@ -71,11 +75,8 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("sequence_parallel_size", f"the {task.name} task is not supported under sequence "
                                                     "parallelism (proven for the causal LM and chat SFT): set "
                                                     "sequence_parallel_size 1")
-    if cfg.data.padding_free or cfg.data.streaming:
-        raise ConfigError("packing_strategy" if cfg.data.padding_free else "streaming",
-                          "padding-free packing and streaming are not supported under sequence parallelism yet: use "
-                          "packing_strategy wrapped or packing: false" + (", streaming false" if cfg.data.streaming
-                                                                           else ""))
+    if cfg.data.streaming:
+        raise ConfigError("streaming", "is not supported under sequence parallelism yet: set streaming false")
     if cfg.model.attn_implementation not in (None, "sdpa"):
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
@@ -94,6 +95,7 @@ class SequenceGroup:
     size: int
     rank: int
     group: object  # torch.distributed.ProcessGroup
+    documents: torch.Tensor | None = None  # a packed micro-batch's document ids over the whole row (``row_losses``)
 
     def scale(self, data_parallel_size: int) -> int:
         """The ranks DDP averages gradients over (data-parallel x sequence), by which each micro-step's loss is
@@ -113,11 +115,15 @@ def setup(accelerator, args, model) -> SequenceGroup | None:
         return None
     import torch.distributed as dist
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     rank, world = accelerator.process_index, accelerator.num_processes
     groups = [dist.new_group(list(range(start, start + n))) for start in range(0, world, n)]  # every rank, each group
     _GROUP = SequenceGroup(size=n, rank=rank % n, group=groups[rank // n])
     AttentionInterface.register(ATTENTION, ulysses_attention)
+    # SDPA's masks outside training (evaluation, the packing guard, generation: whole sequences on each rank), so that
+    # packed documents stay apart there as under SDPA
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA's PeftModel
     base.set_attn_implementation(ATTENTION)
     accelerator.print(f"sequence parallelism: {world // n} group(s) of {n} ranks, each rank 1/{n} of every sequence "
@@ -161,9 +167,9 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     if _GROUP is None or not module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if attention_mask is not None or kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
-        raise RuntimeError("Ulysses attention takes no attention mask, sliding window or softcap: this model's "
-                           "attention needs one (set sequence_parallel_size 1)")
+    if kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
+        raise RuntimeError("Ulysses attention takes no sliding window or softcap: this model's attention needs one "
+                           "(set sequence_parallel_size 1)")
     n, group = _GROUP.size, _GROUP.group
     kv_heads = key.shape[1]
     if kv_heads % n:  # too few key/value heads to split: replicate them, each query head keeping its own
@@ -172,26 +178,42 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
+    mask = None if _GROUP.documents is None else _block_causal(_GROUP.documents)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         is_causal=mask is None)
     return _AllToAll.apply(out, group, 2, 1).transpose(1, 2).contiguous(), None
 
 
-def shard(batch: dict, group: SequenceGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's part of a right-padded micro-batch: (input ids, global positions, next-token targets), each
-    batch x (padded length / n). The targets are shifted on the whole row, before the cut."""
+def _block_causal(documents: torch.Tensor) -> torch.Tensor:
+    """batch x 1 x positions x positions, True where a query may attend: an earlier (or its own) position of its
+    document."""
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    return same & torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+
+
+def shard(batch: dict, group: SequenceGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's part of a micro-batch: (input ids, positions, next-token targets), each batch x (padded length /
+    n), and for a packed one the whole row's document ids (else None). The targets are shifted on the whole row,
+    before the cut. Padded rows' positions are 0, 1, ...; a packed row's are its own (restarting per document)."""
     ids, targets = batch["input_ids"], shift_labels(batch["labels"])
+    packed = batch.get("position_ids")
+    positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0],
+                                                                                                        -1)
     pad = -ids.shape[1] % group.size
-    if pad:  # a multiple of n: the padding is no target, and under the causal mask no real token sees it
+    if pad:  # a multiple of n: the padding is no target, and no real token sees it (causal, or its own document)
         ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+        positions = F.pad(positions, (0, pad), value=0) if packed is not None else torch.arange(
+            ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    documents = torch.cumsum(positions == 0, dim=1) if packed is not None else None
     length = ids.shape[1] // group.size
     part = slice(group.rank * length, (group.rank + 1) * length)
-    positions = torch.arange(ids.shape[1], device=ids.device)[part].expand(ids.shape[0], -1)
-    return ids[:, part], positions, targets[:, part]
+    return ids[:, part], positions[:, part], targets[:, part], documents
 
 
 def row_losses(model, batch: dict, group: SequenceGroup) -> torch.Tensor:
-    """Per row, the summed cross-entropy (fp32) of this rank's targets: the group's sums add up to the rows'."""
-    ids, positions, targets = shard(batch, group)
+    """Per row, the summed cross-entropy (fp32) of this rank's targets: the group's sums add up to the rows' (a
+    flattened packed micro-batch: one sum; the loop sums them all)."""
+    ids, positions, targets, group.documents = shard(batch, group)  # kept for activation checkpointing's recompute
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                          reduction="none")
