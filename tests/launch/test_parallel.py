@@ -43,7 +43,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
             copy_from=("tp_adamw", 2))
     for args in SEQUENCE_RUNS.values():  # the one-process run is tp's "one" (equal runs are one run)
         tp.plan(*args)
-    for args in PACKED_RUNS.values():
+    for args in (*PACKED_RUNS.values(), *SWITCH_RUNS.values()):
         tp.plan(*args)
     r.plan("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2})  # GPT-2: 2 heads
     r.plan("adamw_one", None, 1, 8, 1, SP_ADAMW)  # test_strategies.py's adamw_1x8x1: one run
@@ -109,6 +109,12 @@ SEQUENCE_RUNS = {name: (name, config, world, micro, 2, {"sequence_parallel_size"
 SP_BFD = {"packing": True, "packing_strategy": "bfd"}
 PACKED_RUNS = {name: (name, "ddp.yaml", world, micro, accum, {**SP_BFD, **extra}) for name, world, micro, accum, extra in
                (("bfd_one", 1, 8, 1, {}), ("bfd_sp2", 2, 4, 2, SP2), ("bfd_dp2_sp2", 4, 2, 2, SP2))}
+# activation checkpointing (its recompute in the backward splits too) and LoRA (dropout off: its dropout draws other
+# numbers on each rank, as under plain DDP)
+SP_LORA = {"use_peft": True, "disable_dropout": True}
+SWITCH_RUNS = {"sp2_checkpointing": ("sp2_checkpointing", "ddp.yaml", 2, 4, 2, {**SP2, "gradient_checkpointing": True}),
+               "lora_one": ("lora_one", "ddp.yaml", 1, 8, 1, SP_LORA),
+               "lora_sp2": ("lora_sp2", "ddp.yaml", 2, 4, 2, {**SP_LORA, **SP2})}
 # test_strategies.py's AdamW with clipping (a checkpoint at step 2), on the tiny GPT-2
 SP_ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
                 warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
@@ -250,6 +256,21 @@ def test_sequence_parallel_with_padding_free_packing_equals_one_process(tp_runs,
     block-causally after the all-to-all, so a document sees only itself, as in one process (which
     test_strategies.py proves equal to the same documents unpacked). Without the document mask: 0.014 off."""
     _same_training(tp_runs.get(*PACKED_RUNS[name]), tp_runs.get(*PACKED_RUNS["bfd_one"]))
+
+
+def test_sequence_parallel_with_activation_checkpointing_and_lora_equals_one_process(tp_runs):
+    """Activation checkpointing recomputes each layer in the backward, in training mode, so its attention splits
+    again (and a packed row's documents are kept for it); LoRA's adapters (on the base's attention projections)
+    train on the same gradients: both within 1e-6 of one process."""
+    _same_training(tp_runs.get(*SWITCH_RUNS["sp2_checkpointing"]), tp_runs.get("one", None, 1, 8, 1, {}))
+
+    def adapter(run) -> dict:
+        from safetensors.torch import load_file
+
+        return {k: v.double() for k, v in load_file(os.path.join(run, "final", "adapter_model.safetensors")).items()}
+
+    lora, reference = (tp_runs.get(*SWITCH_RUNS[name]) for name in ("lora_sp2", "lora_one"))
+    assert max_abs_diff(adapter(reference), adapter(lora)) <= 1e-6
 
 
 def test_sequence_parallel_gpt2_and_chat_sft_equal_one_process(runs, sft_runs):

@@ -21,8 +21,8 @@ class SequenceArguments:
         default=1, metadata={"help": "Ulysses sequence parallelism: the ranks of a group of this many share every "
                                      "sequence, each holding 1/n of its tokens (an all-to-all around attention: heads "
                                      "split instead); data-parallel ranks = world / n, the global batch unchanged. "
-                                     "ddp.yaml; causal LM and chat SFT (docs/strategies.md#sequence-parallelism). "
-                                     "1 = off."}
+                                     "ddp.yaml or fsdp.yaml (FSDP2); causal LM and chat SFT, padded or packed "
+                                     "(docs/strategies.md#sequence-parallelism). 1 = off."}
     )
     context_parallel_size: int = field(
         default=1, metadata={"help": "Ring attention (key/value passed around a ring of ranks): not supported yet; "

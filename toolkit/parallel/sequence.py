@@ -17,9 +17,11 @@ no real token sees a pad, and pad positions are no targets. Padding-free packing
 flattened row whose ``position_ids`` restart at each document) needs one: every rank of the group holds the whole
 row, so each finds the documents from the row's positions (document id = running count of position 0, each pad
 position a document of its own) and, after the all-to-all, attends block-causally (a boolean mask over the whole
-sequence: positions^2 bytes). The mask transformers builds from a rank's own positions alone is not used in training. Heads: the query heads must divide by n; key/value heads
-that do not (fewer than n, GQA) are replicated (each repeated n / gcd(kv, n) times, GQA's own sharing kept) before
-the all-to-all. Evaluation and generation (``model.eval()``) run whole sequences on each rank with SDPA: the
+sequence: positions^2 bytes). The mask transformers builds from a rank's own positions alone is not used in
+training.
+
+Heads: the query heads must divide by n; key/value heads that do not (fewer than n, GQA) are replicated (each
+repeated n / gcd(kv, n) times, GQA's own sharing kept) before the all-to-all. Evaluation and generation (``model.eval()``) run whole sequences on each rank with SDPA: the
 attention splits only in training mode, so activation checkpointing's recompute splits too.
 
 Gradients: each rank's backward gives the gradient of its own positions' loss with respect to its copy of the
