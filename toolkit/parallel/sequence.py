@@ -21,8 +21,9 @@ sequence: positions^2 bytes). The mask transformers builds from a rank's own pos
 training.
 
 Heads: the query heads must divide by n; key/value heads that do not (fewer than n, GQA) are replicated (each
-repeated n / gcd(kv, n) times, GQA's own sharing kept) before the all-to-all. Evaluation and generation (``model.eval()``) run whole sequences on each rank with SDPA: the
-attention splits only in training mode, so activation checkpointing's recompute splits too.
+repeated n / gcd(kv, n) times, GQA's own sharing kept) before the all-to-all. Evaluation and generation
+(``model.eval()``) run whole sequences on each rank with SDPA: the attention splits only in training mode, so
+activation checkpointing's recompute splits too.
 
 Gradients: each rank's backward gives the gradient of its own positions' loss with respect to its copy of the
 weights, and the all-to-all's backward carries the other ranks' share of its attention to them; the gradient of the
@@ -197,15 +198,12 @@ def shard(batch: dict, group: SequenceGroup) -> tuple[torch.Tensor, torch.Tensor
     """This rank's part of a micro-batch: (input ids, positions, next-token targets), each batch x (padded length /
     n), and for a packed one the whole row's document ids (else None). The targets are shifted on the whole row,
     before the cut. Padded rows' positions are 0, 1, ...; a packed row's are its own (restarting per document)."""
-    ids, targets = batch["input_ids"], shift_labels(batch["labels"])
-    packed = batch.get("position_ids")
-    positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0],
-                                                                                                        -1)
+    ids, targets, packed = batch["input_ids"], shift_labels(batch["labels"]), batch.get("position_ids")
     pad = -ids.shape[1] % group.size
     if pad:  # a multiple of n: the padding is no target, and no real token sees it (causal, or its own document)
         ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
-        positions = F.pad(positions, (0, pad), value=0) if packed is not None else torch.arange(
-            ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        packed = F.pad(packed, (0, pad), value=0) if packed is not None else None
+    positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(len(ids), -1)
     documents = torch.cumsum(positions == 0, dim=1) if packed is not None else None
     length = ids.shape[1] // group.size
     part = slice(group.rank * length, (group.rank + 1) * length)
