@@ -73,6 +73,20 @@ def test_accelerate_sharding_gives_each_rank_its_slice_of_the_global_batch(world
     assert seen[0] != seen[1]  # use_epoch really changed what the shards deal out
 
 
+@pytest.mark.parametrize("dp,sp,micro,accum", [(1, 2, 4, 2), (2, 2, 2, 2), (1, 4, 4, 2)])
+def test_sequence_parallel_copies_give_a_groups_ranks_the_same_rows(dp, sp, micro, accum):
+    """``copies``: each micro-batch emitted sp times in a row, so through accelerate's BatchSamplerShard over all
+    dp x sp ranks the sp consecutive ranks of a group (rank = replica x sp + j) take the same micro-batches, and the
+    groups take what dp plain ranks would (the global batches unchanged)."""
+    plain = GlobalBatchSampler(70, micro, dp, accum, seed=3, shuffle=True)
+    split = GlobalBatchSampler(70, micro, dp, accum, seed=3, shuffle=True, copies=sp)
+    want, _ = _rank_batches(plain, dp)
+    got, lengths = _rank_batches(split, dp * sp)
+    assert lengths == [len(b) for b in got] == [plain.steps_per_epoch * accum] * (dp * sp)
+    assert got == [want[rank // sp] for rank in range(dp * sp)]
+    assert split.global_batch_size == plain.global_batch_size and len(split) == len(plain) * sp
+
+
 def test_prepare_data_loader_uses_the_same_sharding():
     """The stand-in above is what accelerate's own prepare_data_loader builds and yields (for 2 ranks, on CPU,
     without a process group: process_index is passed in)."""

@@ -1,5 +1,6 @@
-"""Tensor parallelism without a process: which checkpoint layouts a TP run may resume (``resume.load_plan``). The
-real HSDP and TP runs are in tests/launch/test_parallel.py."""
+"""Tensor parallelism without a process: which checkpoint layouts a TP run may resume (``resume.load_plan``); a
+sequence-parallel rank's part of a row (``toolkit.parallel.sequence.shard``). The real HSDP, TP and sequence-parallel
+runs are in tests/launch/test_parallel.py."""
 
 import pytest
 
@@ -23,3 +24,50 @@ def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, stra
         load_plan("ck", {"strategy": wrote, "loop": {"world_size": world}}, strategy, ranks)
     config = "tp.yaml --num_processes 2 --parallelism_config_tp_size 2" if wrote == "tp" else "ddp.yaml"
     assert e.value.field_name == field and f"--config_file accelerate_configs/{config} <recipe>" in str(e.value)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sequence_parallel_shard_cuts_shifted_labels_and_pads_to_a_multiple(n):
+    """The ranks' parts of a right-padded micro-batch (7 positions: padded to a multiple of n) put together are the
+    whole row: the ids, the global positions, and the next-token targets shifted on the whole row before the cut (the
+    target at each cut is kept once: shifting each part alone would lose it), the padding no target."""
+    import torch
+
+    from toolkit.loss import IGNORE_INDEX, shift_labels
+    from toolkit.parallel.sequence import SequenceGroup, shard
+
+    ids = torch.arange(1, 15).view(2, 7)
+    labels = ids.clone()
+    labels[1, 4:] = IGNORE_INDEX  # the second row is 4 tokens, right-padded
+    parts = [shard({"input_ids": ids, "labels": labels}, SequenceGroup(size=n, rank=r, group=None)) for r in range(n)]
+    length = -(-7 // n) * n
+    pad = length - 7
+    assert {p[0].shape for p in parts} == {(2, length // n)}
+    assert torch.equal(torch.cat([p[0] for p in parts], 1), torch.nn.functional.pad(ids, (0, pad)))
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), torch.arange(length).expand(2, -1))
+    targets = torch.cat([p[2] for p in parts], 1)
+    assert torch.equal(targets, torch.nn.functional.pad(shift_labels(labels), (0, pad), value=IGNORE_INDEX))
+    assert (targets != IGNORE_INDEX).sum() == 6 + 3  # every target once: 6 in the full row, 3 in the short one
+    assert all(p[3] is None for p in parts)  # padded rows: causal attention, no document mask
+
+
+def test_sequence_parallel_packed_row_keeps_its_documents_apart():
+    """A flattened packed row (documents of 3, 2 and 2 tokens, positions restarting): each rank gets its part of the
+    row's own positions, and every rank the whole row's document ids (the padding: documents of their own), from
+    which the attention's mask lets a position see only earlier positions of its document."""
+    import torch
+
+    from toolkit.data.packing import collate_packed
+    from toolkit.parallel.sequence import SequenceGroup, _block_causal, shard
+
+    batch = collate_packed([{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2]}, {"input_ids": [1, 2],
+                                                                                    "seq_lengths": [2]}])
+    parts = [shard(batch, SequenceGroup(size=3, rank=r, group=None)) for r in range(3)]
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), torch.tensor([[0, 1, 2, 0, 1, 0, 1, 0, 0]]))
+    documents = parts[0][3]
+    assert all(torch.equal(p[3], documents) for p in parts)
+    assert documents.tolist() == [[1, 1, 1, 2, 2, 3, 3, 4, 5]]
+    mask = _block_causal(documents)[0, 0]
+    assert mask[2].tolist() == [True, True, True] + [False] * 6  # the first document's last token
+    assert mask[4].tolist() == [False] * 3 + [True, True] + [False] * 4  # the second's: not the first document
+    assert mask[8].tolist() == [False] * 8 + [True]  # a pad position sees itself only

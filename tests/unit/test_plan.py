@@ -285,3 +285,28 @@ def test_muon_counts_one_momentum_buffer_for_its_group_and_refuses_zero(llama7b,
     assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--optim", "muon"]) == 0
     out = capsys.readouterr().out
     assert "optim muon: 6.476 B parameters in Muon's group" in out and "--optim muon" in out.splitlines()[-1]
+
+
+def test_sequence_parallel_plan_divides_every_activation_by_n(llama7b, capsys):
+    """Ulysses (``--sequence-parallel-size``): each device holds s / n positions of everything but attention and the
+    s x s matrices of a / n heads, so every activation (low, expected, high; with and without checkpointing) and the
+    logits are / n, the model states unchanged; the DDP and FSDP2 rows with their launch commands; a head count n does
+    not divide is said so."""
+    from toolkit.cli.plan import main
+
+    m = count_model(llama7b)
+    for ckpt in (False, True):
+        whole, split = (activation_bytes(m, 1, 32768, "bf16", ckpt, sp=n) for n in (1, 4))
+        assert split == pytest.approx({case: value / 4 for case, value in whole.items()}, rel=1e-12)
+    assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--micro-batch", "1", "--seq-len", "32768",
+                 "--gradient-checkpointing", "--sequence-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out.split("sequence parallel 4 (Ulysses")[1].splitlines()
+    assert out[0] == ", sequence_parallel_size): each device 1/4 of every sequence; 2 data-parallel groups"
+    assert [line.split()[0] for line in out[2:]] == ["DDP", "FSDP2"]
+    assert out[2].endswith("--config_file accelerate_configs/ddp.yaml --num_processes 8 --mixed_precision bf16 "
+                           "recipes/gpt2.py --config recipes/configs/gpt2.yaml --model_name_or_path " + llama7b +
+                           " --per_device_train_batch_size 1 --block_size 32768 --gradient_checkpointing true "
+                           "--sequence_parallel_size 4")
+    assert main(["--model", llama7b, "--gpus", "6", "--gpu-memory", "80GB", "--sequence-parallel-size", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "sequence parallel 3: needs 3 to divide the 6 devices and the model's 32 attention heads")

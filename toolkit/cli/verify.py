@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--num_processes", str(plan["world"]), "--mixed_precision", "no",
                        "--main_process_port", str(_free_port()), args.recipe, *common, "--output_dir", out]
             else:
-                cmd = [sys.executable, args.recipe, *common, "--per_device_train_batch_size", str(plan["global"]),
-                       "--gradient_accumulation_steps", "1", "--pipeline_parallel_size", "1", "--output_dir", out]
+                cmd = [sys.executable, args.recipe, *common, *reference_argv(plan), "--output_dir", out]
             started = time.time()
             log = out + ".log"
             rc = _run(cmd, log, single=label == "reference")
@@ -150,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         ok &= _compare(name, runs["strategy"], runs["reference"], TOLERANCES[name])
     print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
+
+
+def reference_argv(plan: dict) -> list[str]:
+    """The one-process reference's fields after the recipe's: the whole global batch in one micro-batch, no pipeline
+    and no sequence split (one process holds every stage and every position)."""
+    return ["--per_device_train_batch_size", str(plan["global"]), "--gradient_accumulation_steps", "1",
+            "--pipeline_parallel_size", "1", "--sequence_parallel_size", "1"]
 
 
 def _plan(args, recipe_args: list[str]) -> dict:
@@ -170,11 +176,12 @@ def _plan(args, recipe_args: list[str]) -> dict:
     micro, accum = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
     # The ranks of a tensor- (or context-) parallel group take the same rows: the global batch the reference must
     # match is micro x accumulation x the data-parallel degree, not x the process count.
-    # A pipeline's stages (pipeline_parallel_size) take the same rows as well.
-    model_parallel = _config_model_parallel(args.config_file) * cfg.train.pipeline_parallel_size
+    # A pipeline's stages (pipeline_parallel_size) and a sequence-parallel group's ranks take the same rows as well.
+    model_parallel = (_config_model_parallel(args.config_file) * cfg.train.pipeline_parallel_size
+                      * cfg.train.sequence_parallel_size)
     if world % model_parallel:
         raise ConfigError("num_processes", f"is {world}, not a multiple of the config's tp_size x cp_size x "
-                                           f"pipeline_parallel_size ({model_parallel})")
+                                           f"pipeline_parallel_size x sequence_parallel_size ({model_parallel})")
     dp = world // model_parallel
     return {"world": world, "dp": dp, "micro": micro, "accum": accum, "global": dp * micro * accum}
 

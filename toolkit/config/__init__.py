@@ -8,6 +8,7 @@
   preference      beta and loss_type (DPO and GRPO), DPO's precompute_ref_log_probs, a part of TrainingArguments
   pipeline        pipeline parallelism's fields and checks, a part of TrainingArguments
   muon            optim muon's fields (torch.optim.Muon's arguments) and checks, a part of TrainingArguments
+  sequence        sequence parallelism's fields and checks (Ulysses; the ring refused), a part of TrainingArguments
   classification  label_column_name and class_weights, a part of DataArguments
   parsing         YAML + command line -> argument dataclasses through HfArgumentParser; one error per mistake
   arguments       the argument dataclasses (every field, each class naming its parts), RunConfig's checks of the whole

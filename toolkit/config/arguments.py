@@ -53,6 +53,7 @@ from toolkit.config.muon import MuonArguments
 from toolkit.config.pipeline import PipelineArguments
 from toolkit.config.preference import LOSS_TYPES, PreferenceArguments
 from toolkit.config.quantization import QuantizationArguments
+from toolkit.config.sequence import SequenceArguments
 from toolkit.env import elastic
 from toolkit.errors import ConfigError
 
@@ -564,6 +565,7 @@ class _TrainingFields:
         _check_report_to(self.report_to)
         self._check_pipeline()
         self._check_muon()
+        self._check_sequence()
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ConfigError("output_dir",
                               f"{self.output_dir} is a file; output_dir must be a folder (new, or a run's)")
@@ -600,11 +602,13 @@ class DataArguments(ClassificationArguments, _DataFields):
 
 
 @dataclass
-class TrainingArguments(MuonArguments, PipelineArguments, GRPOArguments, PreferenceArguments, _TrainingFields):
+class TrainingArguments(SequenceArguments, MuonArguments, PipelineArguments, GRPOArguments, PreferenceArguments,
+                        _TrainingFields):
     """Training fields, named as in ``transformers.TrainingArguments``; the class takes transformers' name too, as
     ``ModelArguments`` and ``DataArguments`` take run_clm.py's. Not transformers' class: only the fields this toolkit
     implements, checked here. Its own fields, then the preference tasks' (``toolkit.config.preference``), GRPO's
-    (``toolkit.config.grpo``), the pipeline's (``toolkit.config.pipeline``) and Muon's (``toolkit.config.muon``)."""
+    (``toolkit.config.grpo``), the pipeline's (``toolkit.config.pipeline``), Muon's (``toolkit.config.muon``) and
+    sequence parallelism's (``toolkit.config.sequence``)."""
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainingArguments)

@@ -10,6 +10,8 @@ the accumulation. So:
     the tail  N mod B rows of the epoch are left out (every optimizer step sees exactly B rows)
     repeats r: each row of perm listed r times in a row (GRPO: a prompt's group of num_generations completions; the
               epoch is then N*r rows)
+    copies c:  each micro-batch emitted c times in a row, so that the c consecutive ranks of a sequence-parallel group
+              (``toolkit.parallel.sequence``) take the same rows; ``num_processes`` is then the data-parallel size
 
 Each global batch is cut into ``accum * world`` micro-batches of ``micro`` rows, emitted in the order
 (micro-step 0: rank 0, rank 1, ..., micro-step 1: rank 0, ...). accelerate's ``BatchSamplerShard`` (split_batches=False)
@@ -51,6 +53,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int,
         shuffle: bool = True,
         repeats: int = 1,
+        copies: int = 1,
     ):
         self.num_samples = num_samples
         self.batch_size = micro_batch_size  # accelerate reads .batch_size to know the per-rank batch
@@ -61,6 +64,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.drop_last = True  # accelerate: no wrap-around padding; every rank gets full micro-batches
         self.epoch = 0
         self.repeats = repeats  # each row listed this many times in a row (GRPO: a prompt's group of completions)
+        self.copies = copies  # each micro-batch emitted this many times in a row (a sequence-parallel group's ranks)
 
     @property
     def global_batch_size(self) -> int:
@@ -96,7 +100,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for step in range(self.steps_per_epoch):
             rows = order[step * b : (step + 1) * b].tolist()
             for i in range(0, b, micro):  # micro-step-major, rank-minor: see the module docstring
-                yield rows[i : i + micro]
+                for _ in range(self.copies):
+                    yield rows[i : i + micro]
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.gradient_accumulation_steps * self.num_processes
+        return self.steps_per_epoch * self.gradient_accumulation_steps * self.num_processes * self.copies

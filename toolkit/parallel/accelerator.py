@@ -40,6 +40,7 @@ from toolkit.env.launcher import (
     launched_world_size,
 )
 from toolkit.errors import ConfigError
+from toolkit.parallel import sequence
 
 
 def _check_parallel_sizes() -> None:
@@ -160,6 +161,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
         _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
     _check_pipeline_launch(args, launched_strategy())
     _check_muon_launch(args)
+    sequence.check_launch(args)
 
 
 def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
@@ -197,6 +199,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
     accelerator.pipeline_parallel_size = args.pipeline_parallel_size  # read by data_parallel_size
+    accelerator.sequence_parallel_size = args.sequence_parallel_size  # and this
     atexit.register(_destroy_process_group)
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:
@@ -450,8 +453,9 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     """Ranks that take different rows of a global batch: dp_replicate x dp_shard under a ParallelismConfig (the
     ranks of one tensor-parallel group take the same rows), otherwise every process."""
     config = getattr(accelerator, "parallelism_config", None)
-    if config is None:  # the stages of one pipeline take the same rows
-        return accelerator.num_processes // getattr(accelerator, "pipeline_parallel_size", 1)
+    if config is None:  # the stages of one pipeline take the same rows, and so do a sequence-parallel group's ranks
+        return accelerator.num_processes // (getattr(accelerator, "pipeline_parallel_size", 1)
+                                             * getattr(accelerator, "sequence_parallel_size", 1))
     return config.dp_replicate_size * config.dp_shard_size
 
 
@@ -470,7 +474,9 @@ def gather_for_metrics(accelerator: Accelerator, rows):
     data-parallel degree: each row counted about tp times (docs/pitfalls.md#tp-eval-gather). Without TP this is
     accelerate's own, unchanged.
     """
-    if accelerator.num_processes == data_parallel_size(accelerator):
+    # Under sequence parallelism evaluation is not split (toolkit.parallel.sequence): every rank its own rows.
+    if accelerator.num_processes == data_parallel_size(accelerator) or getattr(accelerator, "sequence_parallel_size",
+                                                                               1) > 1:
         return accelerator.gather_for_metrics(rows)
     if data_parallel_size(accelerator) > 1:  # dp x tp is refused before work (check_parallelism): never run here
         raise RuntimeError("evaluation under tensor parallelism with data parallelism is not supported")

@@ -39,7 +39,7 @@ from toolkit.models.loading import (
     max_positions,
     parameter_dtypes,
 )
-from toolkit.parallel import pipeline
+from toolkit.parallel import pipeline, sequence
 from toolkit.parallel.accelerator import (
     data_parallel_rank,
     data_parallel_size,
@@ -173,6 +173,7 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     if adapter:
         log(adapter)
     pipeline.check_run(cfg, task, model_config)  # LoRA, the task, the architecture: one line before any work
+    sequence.check_run(cfg, task, model_config)  # the task, packing, the heads
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
     if tp_size > 1:

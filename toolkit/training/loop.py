@@ -41,6 +41,7 @@ from toolkit.env import upstream
 from toolkit.env.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.errors import TrainingStopped
 from toolkit.loss import micro_step_loss
+from toolkit.parallel import sequence as sequence_parallel
 from toolkit.parallel.accelerator import (
     configure_deepspeed,
     data_parallel_size,
@@ -238,7 +239,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
                data_parallel_size: int, max_grad_norm: float, loss_normalization: str = "global_tokens",
                skip_nonfinite: bool = False, after_backward: Callable[[int], None] | None = None,
                chunked_loss: bool = False, task=None, stop_flag: bool = False, overflows: int = 0,
-               max_consecutive_overflows: int = TrainingArguments.max_consecutive_overflows) -> StepResult:
+               max_consecutive_overflows: int = TrainingArguments.max_consecutive_overflows,
+               sequence: sequence_parallel.SequenceGroup | None = None) -> StepResult:
     """One optimizer step over this rank's k = ``len(micro_batches)`` micro-batches (steps 2-4 of the module doc).
 
     ``step``: optimizer steps done before this one (for the checks' messages and DeepSpeed's step count).
@@ -252,6 +254,8 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
     and the run stops only at ``max_consecutive_overflows`` in a row (``overflows``: those just before this step).
     Anywhere else the step is skipped (``skip_nonfinite``) or the run stops (under DeepSpeed, whose engine steps
     before the norm is known, after the step).
+    ``sequence``: this rank's sequence-parallel group (``toolkit.parallel.sequence``): each micro-batch's rows are
+    shared with it, each rank its part of every row.
     """
     task = task or CausalLM()
     accumulation = len(micro_batches)
@@ -271,11 +275,13 @@ def train_step(accelerator, model, optimizer, scheduler, micro_batches: list[dic
                     f"step {step}, micro-step {index}: accelerate's accumulation boundary "
                     f"(sync_gradients={accelerator.sync_gradients}) disagrees with ours (k={accumulation})"
                 )
-            micro_sum = task.row_losses(model, batch, chunked_loss).sum()
+            micro_sum = (task.row_losses(model, batch, chunked_loss) if sequence is None
+                         else sequence_parallel.row_losses(model, batch, sequence)).sum()
             local_targets = (torch.as_tensor(batch["num_targets"]) if "num_targets" in batch
                              else task.count_targets(batch))  # used by per_micro_batch only
-            loss = micro_step_loss(micro_sum, local_targets, global_targets, data_parallel_size, accumulation,
-                                   loss_normalization)
+            loss = micro_step_loss(micro_sum, local_targets, global_targets,
+                                   data_parallel_size if sequence is None else sequence.scale(data_parallel_size),
+                                   accumulation, loss_normalization)
             accelerator.backward(loss)
             if after_backward is not None:
                 after_backward(index)
@@ -394,6 +400,7 @@ class Run:
     checkpointer: Checkpointer
     flops_per_token: float  # model FLOPs per trained token (toolkit.reporting.accounting)
     peak_flops: float | None
+    sequence: sequence_parallel.SequenceGroup | None = None  # this rank's sequence-parallel group
 
     @property
     def steps_per_epoch(self) -> int:
@@ -447,7 +454,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     else:
         require_one_global_batch(len(train_dataset) * repeats, micro, dp, accumulation)
         sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle,
-                                     repeats=repeats)
+                                     repeats=repeats, copies=args.sequence_parallel_size)
         loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
                               num_workers=args.dataloader_num_workers)]
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * sampler.steps_per_epoch)
@@ -468,6 +475,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                               num_training_steps=total_steps)
     resume = resume or plan_resume(cfg, accelerator, train_dataset, repeats)
     configure_deepspeed(accelerator, args, load_universal=resume.loads_universal)
+    group = sequence_parallel.setup(accelerator, args, model)  # collective: before the model is wrapped
     if not pipelined:  # a pipeline's stages are sharded (FSDP2) or replicated by toolkit.parallel.pipeline itself
         keep_embeddings_out_of_fsdp_units(accelerator, model)
         model, optimizer, *prepared, scheduler = accelerator.prepare(model, optimizer, *filter(None, loaders),
@@ -478,7 +486,8 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
                data_parallel_size=dp,
                checkpointer=Checkpointer(accelerator, cfg, resume, model, optimizer, scheduler, tokenizer),
                flops_per_token=per_token, peak_flops=peak_flops(accelerator.device, accelerator.mixed_precision,
-                                                                args.peak_flops, weights_dtype(model)))
+                                                                args.peak_flops, weights_dtype(model)),
+               sequence=group)
 
 
 def _open_run_files(cfg: RunConfig, accelerator, run: Run, state: LoopState, resumed_from: str | None,
@@ -618,8 +627,9 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     evaluation = Evaluation(accelerator, model, run.eval_dl, task, chunked=args.loss_chunk_size > 0)
     if run.eval_dl is not None and args.eval_on_start and state.step == 0:
         logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
+    # ranks whose loss sums are of the same rows (a sequence-parallel group's sum up to their rows': not replicas)
     window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,
-                       replicas=accelerator.num_processes // run.data_parallel_size)
+                       replicas=accelerator.num_processes // run.data_parallel_size // args.sequence_parallel_size)
     preemption, stop = Preemption(), None
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
@@ -700,7 +710,7 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
                                 loss_normalization=args.loss_normalization, skip_nonfinite=args.skip_nonfinite_steps,
                                 after_backward=after_backward, chunked_loss=args.loss_chunk_size > 0, task=task,
                                 stop_flag=preemption.requested(), overflows=overflows,
-                                max_consecutive_overflows=args.max_consecutive_overflows)
+                                max_consecutive_overflows=args.max_consecutive_overflows, sequence=run.sequence)
         except TrainingStopped:
             _log_last_good_step(state, unlogged, run, window, evaluation, logger)
             raise

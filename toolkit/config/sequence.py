@@ -1,0 +1,55 @@
+"""Sequence parallelism's fields (``sequence_parallel_size``: Ulysses; ``context_parallel_size``: the ring, refused
+for now) and their checks, a part of ``toolkit.config``'s ``TrainingArguments``: what the split does not run yet is
+refused here, before any work; the split itself is ``toolkit.parallel.sequence``'s.
+
+Standard library only (and toolkit.errors, toolkit.config.checks): no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.config.checks import _positive
+from toolkit.errors import ConfigError
+
+
+@dataclass
+class SequenceArguments:
+    """A part of ``TrainingArguments``: its fields come after that class's own (in --help and config.yaml)."""
+
+    sequence_parallel_size: int = field(
+        default=1, metadata={"help": "Ulysses sequence parallelism: the ranks of a group of this many share every "
+                                     "sequence, each holding 1/n of its tokens (an all-to-all around attention: heads "
+                                     "split instead); data-parallel ranks = world / n, the global batch unchanged. "
+                                     "ddp.yaml or fsdp.yaml (FSDP2); causal LM and chat SFT, padded or packed "
+                                     "(docs/strategies.md#sequence-parallelism). 1 = off."}
+    )
+    context_parallel_size: int = field(
+        default=1, metadata={"help": "Ring attention (key/value passed around a ring of ranks): not supported yet; "
+                                     "use sequence_parallel_size. 1 = off."}
+    )
+
+    def _check_sequence(self) -> None:
+        """The split's fields, and what it does not run yet, refused before any work."""
+        _positive(self, "sequence_parallel_size", "context_parallel_size")
+        if self.context_parallel_size > 1:
+            raise ConfigError("context_parallel_size", "ring attention is not supported yet: use "
+                                                       f"sequence_parallel_size {self.context_parallel_size} (Ulysses; "
+                                                       "needs the attention heads divisible by it), or 1")
+        n = self.sequence_parallel_size
+        if n == 1:
+            return
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError("sequence_parallel_size", f"sequence parallelism ({n}) with pipeline parallelism "
+                                                        f"({self.pipeline_parallel_size}) is not supported: set one "
+                                                        "of them to 1")
+        if self.loss_chunk_size:
+            raise ConfigError("loss_chunk_size", f"is not supported with sequence_parallel_size {n} yet (each rank's "
+                                                 "loss is over its own part of the sequence): leave it 0")
+        if self.optim == "muon":  # each alone is proven equal to one process; together not yet (issue 47's matrix)
+            raise ConfigError("optim", f"optim muon with sequence_parallel_size {n} is not proven yet: use "
+                                       "adamw_torch (or another optim) with sequence parallelism, or "
+                                       "sequence_parallel_size 1 with muon")
+        if self.loss_normalization != "global_tokens":
+            raise ConfigError("loss_normalization", "sequence parallelism normalises by the global batch's target "
+                                                    "tokens only: use global_tokens")
