@@ -466,7 +466,8 @@ class _TrainingFields:
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
                                      "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
-                                     "(the largest activation of a small model with a big vocabulary); 0 = off."}
+                                     "(the largest activation of a small model with a big vocabulary): torch's fused "
+                                     "F.linear_cross_entropy in chunks of this size; 0 = off."}
     )
     cpu_memory_reuse: Optional[bool] = field(
         default=None, metadata={"help": "On CPU ranks, keep freed memory in the process for reuse (glibc mallopt) "

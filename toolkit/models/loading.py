@@ -231,7 +231,9 @@ def check_chunked_loss(config) -> None:
 def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: int = 0,
                         max_eval_positions: int = 0) -> None:
     """Make ``model(input_ids, attention_mask, labels=...)`` return per-row loss sums computed ``chunk_size``
-    positions at a time (``toolkit.loss.chunked_token_losses``) instead of the whole micro-batch's logits.
+    positions at a time (``toolkit.loss.chunked_token_losses``, fused: torch's ``F.linear_cross_entropy`` where the
+    head is a plain linear layer, the checkpointed chunks otherwise and for DPO's mean logits) instead of the whole
+    micro-batch's logits.
 
     The instance's own ``forward`` is replaced (not a wrapper module): DDP, FSDP and DeepSpeed call it through their
     usual hooks, and the state dict, the tied weights and ``save_pretrained`` stay those of the model. Without
@@ -259,7 +261,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
         positions = max_positions if self.training else max_eval_positions
         out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
                                    num_chunks=-(-positions // chunk_size), mean_logits=mean_logits,
-                                   row_lengths=row_lengths)
+                                   row_lengths=row_lengths, fused=True)
         return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
     model.forward = types.MethodType(forward, model)
