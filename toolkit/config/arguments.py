@@ -499,6 +499,13 @@ class _TrainingFields:
     eval_on_start: bool = field(default=False, metadata={"help": "Evaluate before the first step."})
     save_steps: Optional[int] = field(default=None, metadata={"help": "Checkpoint every N optimizer steps."})
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the N newest checkpoints."})
+    async_save: bool = field(
+        default=False, metadata={"help": "Write each checkpoint while training goes on: the weights and optimizer "
+                                         "state are copied into host memory (torch.distributed.checkpoint's "
+                                         "async_save) and written by a background thread; latest moves once the "
+                                         "write is complete. Under DDP and FSDP2 (and one process); not DeepSpeed, "
+                                         "FSDP1, tensor or pipeline parallelism."}
+    )
     resume_from_checkpoint: Optional[str] = field(
         default=None, metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints)."}
     )

@@ -36,6 +36,7 @@ from toolkit.env.launcher import (
     has_accelerator,
     launched_parallel_sizes,
     launched_strategy,
+    launched_strategy_name,
     launched_world_size,
 )
 from toolkit.errors import ConfigError
@@ -154,6 +155,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     _check_pipeline_precision(args, mixed_precision)  # before the CPU's fp16 line: a GPU host's too
     _check_mixed_precision(mixed_precision)
     _check_skip_nonfinite(args, launched_strategy())
+    _check_async_save(args)
     _check_parallel_sizes()
     if launched_parallel_sizes():
         _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
@@ -318,6 +320,18 @@ def _check_skip_nonfinite(args: TrainingArguments, strategy: str) -> None:
             "norm stops the run after that step; fp16 overflows are skipped by its loss scaler anyway); set it to "
             "false, or launch with a DDP or FSDP config",
         )
+
+
+def _check_async_save(args: TrainingArguments) -> None:
+    # The asynchronous writer (toolkit.checkpointing.checkpoint.AsyncSaves) stages the weights and the optimizer state
+    # through torch.distributed.checkpoint's get_state_dict: proven under DDP and FSDP2 (and one process) only.
+    # DeepSpeed writes its own files from its engine; FSDP1, HSDP, TP and pipelines are not tested with it.
+    name = launched_strategy_name()
+    if launched_parallel_sizes() or args.pipeline_parallel_size > 1:
+        name = "a parallelism_config launch" if launched_parallel_sizes() else "pipeline parallelism"
+    if args.async_save and name not in ("single", "ddp", "fsdp2"):
+        raise ConfigError("async_save", f"runs under DDP and FSDP2 only, not {name}; set async_save: false, or launch "
+                                        "with ddp.yaml or fsdp.yaml")
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:

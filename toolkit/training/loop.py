@@ -612,6 +612,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
+        run.checkpointer.finish()  # async_save: the write under way completes before the run goes on or exits
         # a stream's steps (and any read-ahead of them) end with the run, however it ends
         if hasattr(first[0], "close"):
             first[0].close()
