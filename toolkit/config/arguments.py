@@ -463,6 +463,23 @@ class _TrainingFields:
         default=None, metadata={"help": "Peak FLOP/s of one device, for MFU; default: a datasheet value for known "
                                         "GPUs (toolkit/reporting/accounting.py), none on a CPU."}
     )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "torch.compile each decoder block (transformers' name): one process and DDP; "
+                                         "refused under DeepSpeed, FSDP, tensor or pipeline parallelism, and with "
+                                         "gradient_checkpointing or LoRA (not proven)."}
+    )
+    torch_compile_backend: Optional[str] = field(
+        default=None, metadata={"help": "torch.compile's backend (transformers' name); unset: inductor. aot_eager "
+                                        "traces without generating code (bitwise equal to eager)."}
+    )
+    torch_compile_mode: Optional[str] = field(
+        default=None, metadata={"help": "torch.compile's mode (transformers' name): default, reduce-overhead, "
+                                        "max-autotune, ...; unset: torch's default."}
+    )
+    torch_compile_cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "A folder for inductor's compile cache (TORCHINDUCTOR_CACHE_DIR), so that a "
+                                        "restart reuses the compiled kernels; unset: torch's default (/tmp)."}
+    )
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
                                      "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
