@@ -97,10 +97,10 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
 
     ``mean_logits`` (evaluation, under ``no_grad``): also each row's ``row_logit_sums``, from the same chunks' logits.
 
-    ``fused`` (what ``loss_chunk_size`` runs, unless ``mean_logits`` or a head ``fused_cross_entropy`` cannot take):
-    torch's ``F.linear_cross_entropy`` in chunks of ``chunk_size`` instead, one call of ``head`` for the whole
-    micro-batch (``_fused_cross_entropy``). It keeps no logits between forward and backward either, and holds one
-    chunk's logits and their gradient in one buffer; ``num_chunks`` is then moot (one gather of the head per call on
+    ``fused`` (what ``loss_chunk_size`` runs, unless ``mean_logits`` or ``can_fuse`` says no): torch's
+    ``F.linear_cross_entropy`` in chunks of ``chunk_size`` instead, one call of ``head`` for the whole micro-batch
+    (``_fused_cross_entropy``). It keeps no logits between forward and backward either, and unlike the checkpointed
+    chunks no head-sized weight gradient per chunk; ``num_chunks`` is then moot (one gather of the head per call on
     every rank). Measured against the checkpointed chunks in docs/performance.md#the-loss-without-logits.
     """
     from torch.utils.checkpoint import checkpoint
