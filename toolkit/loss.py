@@ -81,7 +81,7 @@ def row_logit_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
                          chunk_size: int, num_chunks: int = 0, mean_logits: bool = False,
-                         row_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                         row_lengths: torch.Tensor | None = None, fused: bool = False) -> tuple[torch.Tensor, ...]:
     """``token_losses`` of ``head(hidden)`` without ever holding the logits of the whole micro-batch.
 
     The (batch x seq) positions are taken ``chunk_size`` at a time: project to the vocabulary, cross-entropy in fp32,
@@ -96,6 +96,12 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     possible micro-batch (rows x block_size).
 
     ``mean_logits`` (evaluation, under ``no_grad``): also each row's ``row_logit_sums``, from the same chunks' logits.
+
+    ``fused`` (what ``loss_chunk_size`` runs, unless ``mean_logits`` or ``can_fuse`` says no): torch's
+    ``F.linear_cross_entropy`` in chunks of ``chunk_size`` instead, one call of ``head`` for the whole micro-batch
+    (``_fused_cross_entropy``). It keeps no logits between forward and backward either, and unlike the checkpointed
+    chunks no head-sized weight gradient per chunk; ``num_chunks`` is then moot (one gather of the head per call on
+    every rank). Measured against the checkpointed chunks in docs/performance.md#the-loss-without-logits.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -104,6 +110,9 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
     flat_hidden, flat_targets = hidden.reshape(batch * seq, -1), targets.reshape(-1)
     rows = row_index(labels, row_lengths)
     row_loss = torch.zeros(batch if row_lengths is None else len(row_lengths), dtype=torch.float32, device=hidden.device)
+    if fused and not mean_logits and can_fuse(head):
+        ce = _fused_cross_entropy(flat_hidden, flat_targets, head, chunk_size)
+        return row_loss.index_add(0, rows, ce), _row_counts(targets, flat_targets, rows, row_lengths)
     chunks = max(num_chunks, -(-batch * seq // chunk_size))
     if chunks > num_chunks > 0:
         raise ValueError(f"a micro-batch of {batch} x {seq} positions needs {chunks} chunks of {chunk_size}, more than "
@@ -120,13 +129,53 @@ def chunked_token_losses(hidden: torch.Tensor, head: torch.nn.Module, labels: to
         else:
             ce = checkpoint(_chunk_cross_entropy, flat_hidden[part], flat_targets[part], head, use_reentrant=False)
         row_loss = row_loss.index_add(0, rows[part], ce)
-    counts = (targets != IGNORE_INDEX).sum(dim=-1) if row_lengths is None else torch.zeros_like(row_lengths).index_add(
-        0, rows, (flat_targets != IGNORE_INDEX).long())
+    counts = _row_counts(targets, flat_targets, rows, row_lengths)
     return (row_loss, counts, row_logits) if mean_logits else (row_loss, counts)
+
+
+def _row_counts(targets, flat_targets, rows, row_lengths) -> torch.Tensor:
+    if row_lengths is None:
+        return (targets != IGNORE_INDEX).sum(dim=-1)
+    return torch.zeros_like(row_lengths).index_add(0, rows, (flat_targets != IGNORE_INDEX).long())
 
 
 def _chunk_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def can_fuse(head: torch.nn.Module) -> bool:
+    """Whether ``head`` is a plain ``nn.Linear`` on a plain weight, which ``F.linear_cross_entropy`` reproduces: not a
+    LoRA-wrapped or quantized head, not a tensor-parallel shard (a DTensor, which its chunked op does not take)."""
+    from torch.distributed.tensor import DTensor
+
+    return type(head) is torch.nn.Linear and not isinstance(head.weight, DTensor)
+
+
+def _fused_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
+                         chunk_size: int) -> torch.Tensor:
+    """Per-position cross-entropy of ``head(hidden)`` by ``F.linear_cross_entropy`` (``reduction="none"``: its
+    backward recomputes each chunk's logits from the saved hidden states and weight), in fp32 as ``token_losses``.
+
+    It runs as the head's own forward, through ``head(...)``: the module's hooks are what gather a sharded weight
+    (ZeRO-3's pre-forward hook, and its pre-backward hook on the output for the backward pass; FSDP2 unshards the
+    root, which holds the head, around the whole forward). Calling the functional op on ``head.weight`` directly
+    would read ZeRO-3's empty placeholder."""
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=max(1, min(chunk_size, len(targets))),
+                                                 chunking_method=None)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight, bias = head.weight, head.bias
+        if x.dtype != torch.float32:  # fp32 cross-entropy, as the materialised path's logits.float()
+            x, weight = x.float(), weight.float()
+            bias = bias.float() if bias is not None else None
+        return F.linear_cross_entropy(x, weight, targets, linear_bias=bias, reduction="none",
+                                      ignore_index=IGNORE_INDEX, options=options)
+
+    head.forward = forward  # an instance attribute, for this call only: nn.Module.__call__ runs it inside the hooks
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
 
 
 def micro_step_loss(

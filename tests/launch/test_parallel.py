@@ -330,6 +330,10 @@ SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's star
                                                                             "parallelism attends with torch's SDPA"),
     "muon": ("ddp.yaml", 2, {"optim": "muon"}, "causal-lm", "optim: optim muon with sequence_parallel_size 2 is not "
                                                             "proven yet"),
+    "compile": ("ddp.yaml", 2, {"torch_compile": True}, "causal-lm", "torch_compile: torch_compile true with "
+                                                                     "sequence_parallel_size 2 is not proven yet"),
+    "async_save": ("ddp.yaml", 2, {"async_save": True}, "causal-lm", "async_save: async_save true with "
+                                                                     "sequence_parallel_size 2 is not proven yet"),
 }
 
 

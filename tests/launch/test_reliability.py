@@ -48,6 +48,7 @@ SIGTERM_STRAIGHT = {"max_steps": 24}
 SIGTERM_STEPS = SIGTERM_STRAIGHT["max_steps"]
 SIGKILL = {"max_steps": 9, "save_steps": 1, "save_total_limit": 2}
 SIGKILL_CONFIGS = ["ddp.yaml", "zero3.yaml", "fsdp.yaml"]
+ASYNC_CONFIGS = ["ddp.yaml", "fsdp.yaml"]  # async_save: DDP and FSDP2 (refused elsewhere: tests/unit/test_config.py)
 NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at lr 1e20 blows the weights up
 SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
 STREAM = {"streaming": True, "shuffle_buffer_size": 12, "packing": True}
@@ -69,6 +70,10 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
     for config in SIGKILL_CONFIGS:  # the resume crosses the epoch's end (6 steps)
         r.plan(f"killed_{config}", config, 2, 2, 2, SIGKILL, probe=False, interrupted=Killed(before_step=6, config=config))
         r.plan(f"straight_{config}", config, 2, 2, 2, SIGKILL, probe=False)
+    for config in ASYNC_CONFIGS:  # the same runs with async_save: a checkpoint written in the background every step
+        r.plan(f"killed_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False,
+               interrupted=Killed(before_step=6, config=config))
+        r.plan(f"straight_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False)
     # the stream: killed on 2 ranks x 2 x 2, resumed on 1 process x 8 (the one-process launch after the 2-rank one)
     stream = Runs(tmp_path_factory.mktemp("reliability-stream"), tiny_model, text_shards, COMMON, pool=pool)
     for name, killed in (("killed", Killed(before_step=SIGKILL["max_steps"] - 1, micro=2, accum=2)), ("straight", None)):
@@ -268,6 +273,29 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(runs, config):
     assert killed.left and not _saving(out), "the relaunch removes what the killed save left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
     print(f"{config}: killed after step {killed.at}, resumed: max|dw| = {diff:.1e}")
+    assert diff == 0.0
+    assert _steps_logged(out) == list(range(1, 10))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ASYNC_CONFIGS)
+def test_async_save_changes_nothing_and_a_kill_mid_write_resumes_exactly(runs, config):
+    """async_save: true (toolkit.checkpointing.checkpoint.AsyncSaves), a checkpoint every step written while the next
+    steps train: the run ends with exactly the weights of the run with synchronous saves, and its last checkpoints
+    are complete (latest names the newest, written by DCP). SIGKILLed while a write is under way (its step-N.tmp
+    exists: the background thread is writing it), the previous checkpoint is latest; the relaunch from it (an
+    async checkpoint, loaded by DCP) clears the leftover and ends with exactly the synchronous run's weights."""
+    straight, quick = runs.get_planned(f"straight_{config}"), runs.get_planned(f"straight_async_{config}")
+    diff = max_abs_diff(load_weights(os.path.join(quick, "final")), load_weights(os.path.join(straight, "final")))
+    assert diff == 0.0, diff
+    latest = open(os.path.join(quick, "checkpoints", "latest")).read()
+    assert latest == "step-9" and sorted(os.listdir(os.path.join(quick, "checkpoints"))) == ["latest", "step-8",
+                                                                                              "step-9"]
+    assert os.path.isdir(os.path.join(quick, "checkpoints", latest, "model_optimizer_dcp")) and not _saving(quick)
+    out, killed = runs.get_planned(f"killed_async_{config}"), runs.interrupted[f"killed_async_{config}"]
+    assert killed.left and not _saving(out), "the relaunch removes what the killed write left"
+    diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
+    print(f"{config} async_save: killed after step {killed.at} inside {killed.left}, resumed: max|dw| = {diff:.1e}")
     assert diff == 0.0
     assert _steps_logged(out) == list(range(1, 10))
 

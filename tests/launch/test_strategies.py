@@ -84,6 +84,8 @@ SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"
             ("ddp", "loss_chunk_size"), ("fsdp", "loss_chunk_size"), ("zero2", "loss_chunk_size"),
             ("zero3", "loss_chunk_size")]
 SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
+# torch_compile's decoder blocks traced by aot_eager (no generated code): bitwise the eager run (toolkit.models.loading)
+AOT_EAGER = {**SGD, "torch_compile": True, "torch_compile_backend": "aot_eager"}
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
 # streaming: true (toolkit/data/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
 # micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
@@ -138,6 +140,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
         r.plan(f"eval{rows}_1x8x1", None, 1, 8, 1, uneven_eval(few_validation_rows, rows))
         r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
                probe=False, timeout=EVAL_TIMEOUT_S)
+    r.plan("sgd_aot_eager_ddp", "ddp.yaml", 2, 2, 2, AOT_EAGER)
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
     streams = {}
@@ -388,6 +391,15 @@ def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strate
               if "eval_loss" in r] for o in (out, plain)]
     assert evals[1] and [t for _, t in evals[0]] == [t for _, t in evals[1]]
     assert [v for v, _ in evals[0]] == pytest.approx([v for v, _ in evals[1]], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_aot_eager_compiled_blocks_train_bitwise_like_eager_under_ddp(runs):
+    """torch_compile: true with the aot_eager backend on 2 DDP ranks (each decoder block compiled in place, padded
+    micro-batches of varied lengths): the same losses and final weights as the eager run, bit for bit."""
+    out, plain = runs.strategy("ddp", "sgd_aot_eager", AOT_EAGER), runs.strategy("ddp", "sgd", SGD)
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) == 0.0
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)]
 
 
 @pytest.fixture(scope="module")

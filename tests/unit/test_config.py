@@ -189,6 +189,28 @@ def test_skip_nonfinite_steps_under_deepspeed_is_refused_before_the_accelerator(
     assert err.value.field_name == "skip_nonfinite_steps"
 
 
+@pytest.mark.parametrize("env, launch", [({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+                                          "deepspeed-zero3"),
+                                         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "fsdp1")])
+def test_async_save_outside_ddp_and_fsdp2_is_refused_before_the_accelerator(monkeypatch, tmp_path, env, launch):
+    """async_save stages through DCP's get_state_dict, proven under DDP and FSDP2 only (tests/launch/
+    test_reliability.py): DeepSpeed (its engine writes its own files) and FSDP1 are refused with one line, from the
+    launch's environment, before accelerate or a model is touched."""
+    from toolkit.config import TrainingArguments
+    from toolkit.parallel.accelerator import make_accelerator
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), async_save=True)
+    with pytest.raises(ConfigError, match=f"async_save: runs under DDP and FSDP2 only, not {launch}; set async_save: "
+                                          "false, or launch with ddp.yaml or fsdp.yaml") as err:
+        make_accelerator(args)
+    assert err.value.field_name == "async_save"
+    from toolkit.parallel.accelerator import check_launch
+
+    check_launch(TrainingArguments(output_dir=str(tmp_path / "out")))
+
+
 def _checkpoint(folder, step: int) -> str:
     """A checkpoint folder as RunConfig sees it (its toolkit_state.json)."""
     os.makedirs(folder)
@@ -377,3 +399,16 @@ def test_a_boolean_takes_true_or_false_and_nothing_else(base, tmp_path, value):
     (tmp_path / "yes").mkdir()
     with pytest.raises(ConfigError, match="packing: takes true or false, got 'yes'"):
         parse_args(["--config", _yaml(tmp_path / "yes", **base, packing="yes")])
+
+
+def test_async_save_with_muon_is_refused_before_the_accelerator(tmp_path):
+    """Each is proven alone; DCP's get_state_dict of muon's two-optimizer wrapper is not tested with the asynchronous
+    writer: one line naming async_save, from check_launch (what a rank and toolkit train run before any work)."""
+    from toolkit.config import TrainingArguments
+    from toolkit.parallel.accelerator import check_launch
+
+    with pytest.raises(ConfigError, match="^async_save: with optim muon is not proven yet") as err:
+        check_launch(TrainingArguments(output_dir=str(tmp_path / "out"), async_save=True, optim="muon"))
+    assert err.value.field_name == "async_save"
+    check_launch(TrainingArguments(output_dir=str(tmp_path / "out"), optim="muon"))
+    check_launch(TrainingArguments(output_dir=str(tmp_path / "out"), async_save=True))

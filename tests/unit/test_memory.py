@@ -102,7 +102,8 @@ def test_chunked_loss_is_refused_for_a_model_it_cannot_reproduce():
 def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_builds_them():
     """A run that fits only thanks to ``loss_chunk_size`` must fit its evaluation too: ``eval_rows`` with the chunked
     loss gives the per-row sums and target counts of the logits path (fp32), and the head only ever sees a chunk of
-    positions, never the eval batch's [rows, seq, vocab]. The eval batch (4 x 16) holds more positions than a training
+    positions (inside one fused ``F.linear_cross_entropy`` call that returns per-position losses), never the eval
+    batch's [rows, seq, vocab]. The eval batch (4 x 16) holds more positions than a training
     micro-batch (2 x 16): in eval mode the chunk count follows the eval batch."""
     from toolkit.data.loading import CausalLMCollator
     from toolkit.models.loading import enable_chunked_loss
@@ -124,11 +125,12 @@ def test_chunked_evaluation_gives_the_row_sums_of_the_full_logits_and_never_buil
         got, got_targets = task.eval_rows(chunked, batch, chunked=True)
     assert torch.allclose(got, want, rtol=1e-6, atol=0) and torch.equal(got_targets, want_targets)
     assert shapes["plain"] == [(4, 16, 97)]  # what the hook sees of the whole batch's logits
-    assert shapes["chunked"] == [(7, 97)] * 9 + [(1, 97)], shapes["chunked"]  # 64 positions: 9 x 7 + 1
+    # one fused call (F.linear_cross_entropy in chunks of 7 inside it): 64 per-position losses, no logits out
+    assert shapes["chunked"] == [(64,)], shapes["chunked"]
 
 
 def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_data, tmp_path):
-    """train() in this process, with the chunked loss: its evaluation calls the head on chunks only (an eval batch of
+    """train() in this process, with the chunked loss: its evaluation calls the head fused only (an eval batch of
     16 rows x up to 64 positions x GPT-2's 50257 would be 206 MB of logits), and its eval loss and tokens are the plain
     run's (learning rate 0: both evaluate the same weights)."""
     from helpers import train_in_process
@@ -146,8 +148,68 @@ def test_a_run_with_loss_chunk_size_evaluates_in_chunks_too(tiny_model, padded_d
               "report_to": "none", "save_final_model": False}
     train_in_process({**values, "loss_chunk_size": 32, "output_dir": str(tmp_path / "chunked")},
                      callbacks=[HeadShapes()])
-    assert shapes and all(len(s) == 2 and s[0] <= 32 for s in shapes), sorted(set(shapes))
+    assert shapes and all(len(s) == 1 for s in shapes), sorted(set(shapes))  # per-position losses, never logits
     train_in_process({**values, "output_dir": str(tmp_path / "plain")})
     chunked, plain = (read_metrics(str(tmp_path / run))[-1] for run in ("chunked", "plain"))
     assert chunked["step"] == plain["step"] == 1 and chunked["eval_tokens"] == plain["eval_tokens"]
     assert chunked["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+
+
+def _task_batch(task_name: str, g: torch.Generator) -> tuple:
+    """A micro-batch of each task that computes token log-probs, on the tiny GPT-2's 97 tokens: the causal LM padded
+    and packed (flattened rows, per-document positions), chat SFT (the prompt masked), DPO (pairs: chosen rows, then
+    rejected rows, with precomputed reference log-probs)."""
+    from toolkit.data.loading import CausalLMCollator
+    from toolkit.data.packing import SEQ_LENGTHS, collate_packed
+    from toolkit.loss import IGNORE_INDEX
+    from toolkit.tasks.dpo import DPO, REF_COLUMNS
+    from toolkit.tasks.lm import CausalLM
+    from toolkit.tasks.sft import ChatSFT
+
+    def ids(n):
+        return torch.randint(0, 97, (n,), generator=g).tolist()
+
+    if task_name == "lm_packed":
+        rows = [{"input_ids": ids(11) + ids(9), SEQ_LENGTHS: [11, 9]}, {"input_ids": ids(14), SEQ_LENGTHS: [14]}]
+        return CausalLM(), collate_packed(rows)
+    rows = [{"input_ids": ids(n)} for n in (16, 5, 11, 16)]
+    if task_name in ("sft", "dpo"):  # the first 4 tokens a prompt: no target
+        rows = [{**r, "labels": [IGNORE_INDEX] * 4 + r["input_ids"][4:]} for r in rows]
+    batch = CausalLMCollator(pad_token_id=0)([{"labels": r["input_ids"], **r} for r in rows])
+    if task_name != "dpo":
+        return (ChatSFT() if task_name == "sft" else CausalLM()), batch
+    batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]] = -torch.rand(2, generator=g) * 30, -torch.rand(2, generator=g) * 30
+    return DPO(), batch
+
+
+@pytest.mark.parametrize("task_name", ["lm", "lm_packed", "sft", "dpo"])
+def test_the_fused_loss_trains_each_task_like_the_materialised_logits(task_name):
+    """``loss_chunk_size`` now runs torch's ``F.linear_cross_entropy`` in chunks (toolkit.loss._fused_cross_entropy):
+    3 SGD steps of each task's summed row losses, divided by the micro-batch's targets as the loop does, end within
+    1e-6 of the same steps on the materialised logits, losses within 1e-6 relative. The head is really fused: it is
+    called once per forward, on every position at once, and never returns logits."""
+    from toolkit.models.loading import enable_chunked_loss
+
+    plain = _tiny_gpt2().train()  # the tiny GPT-2's dropout is 0.1: off, so that both sides see the same forward
+    for m in plain.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    fused = copy.deepcopy(plain)
+    task, batch = _task_batch(task_name, torch.Generator().manual_seed(3))
+    enable_chunked_loss(fused, 7, max_positions=batch["input_ids"].numel())
+    outputs = []
+    fused.get_output_embeddings().register_forward_hook(lambda m, args, out: outputs.append(out.shape))
+    losses = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = task.row_losses(model, batch, chunked=name == "fused").sum() / task.count_targets(batch)
+            loss.backward()
+            optimizer.step()
+            losses.setdefault(name, []).append(float(loss.detach()))
+    assert losses["fused"] == pytest.approx(losses["plain"], rel=1e-6, abs=0)
+    for (n, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert float((p - q).abs().max()) <= 1e-6, n
+    positions = batch["input_ids"].numel()
+    assert outputs == [torch.Size([positions])] * 3, outputs  # one fused call a step: per-position losses, no logits

@@ -39,13 +39,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
                     record: dict, protect: str | None = None, pipeline: tuple | None = None) -> str:
     """Collective: call on every rank. ``record``: the JSON-able ``toolkit_state.json``. ``pipeline``: (model,
     optimizer, scheduler) of a pipeline run, which accelerate did not prepare. Returns the folder."""
-    root = layout.checkpoints_dir(output_dir)
-    final = layout.step_dir(output_dir, step)
-    tmp = final + layout.TMP_SUFFIX
-    if accelerator.is_main_process:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
-    accelerator.wait_for_everyone()
+    tmp = _begin(accelerator, output_dir, step)
     if _is_tensor_parallel(accelerator):
         _save_tensor_parallel(accelerator, tmp)
     else:
@@ -54,22 +48,123 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         staged.save(*pipeline, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
-            json.dump(record, f, indent=2)
-        layout.fsync_tree(tmp)
-        for copy in layout.converted_copies(final):  # converted from the step-N this save replaces
-            shutil.rmtree(copy, ignore_errors=True)
-        layout.replace_dir(tmp, final)
-        pointer_tmp = os.path.join(root, layout.LATEST + layout.TMP_SUFFIX)
-        with open(pointer_tmp, "w") as f:
-            f.write(os.path.basename(final))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, os.path.join(root, layout.LATEST))
-        layout.fsync_dir(root)
-        rotate_checkpoints(output_dir, save_total_limit, keep={final, protect})
+        _complete(output_dir, step, record, save_total_limit, protect)
     accelerator.wait_for_everyone()
-    return final
+    return layout.step_dir(output_dir, step)
+
+
+# async_save's folder in a checkpoint: the weights and the optimizer state, one DCP checkpoint ({"model", "optimizer"},
+# keyed by get_state_dict's names); accelerate's save_state writes the rest beside it, synchronously
+ASYNC_FOLDER = "model_optimizer_dcp"
+
+
+class AsyncSaves:
+    """``async_save: true``: checkpoints written while training goes on, one at a time (torchtitan's async mode).
+
+    ``start`` (collective) writes what is small synchronously (accelerate's ``save_state`` without the model and the
+    optimizer: RNG states, scheduler, sampler), then hands the weights and the optimizer state to
+    ``torch.distributed.checkpoint.async_save``: it copies them into host memory before it returns (a step that
+    changes the weights right after does not reach the checkpoint) and writes the copy from a background thread,
+    on a gloo process group of its own (its collectives never meet the training's). The main process's future
+    completes once every rank's files and DCP's metadata are written (DCP's coordinator gathers every rank's write
+    results first); only then does ``poll`` / ``wait`` complete the save as a synchronous one is (``_complete``: the
+    record, fsync, ``step-N.tmp`` -> ``step-N``, then ``latest``). A kill during the write leaves ``step-N.tmp`` and
+    the previous ``latest``; the next run removes the leftover. ``stalls``: seconds the loop waited per save.
+    """
+
+    def __init__(self):
+        self.pending = None  # (future, output_dir, step, record, save_total_limit, protect)
+        self.group = None
+        self.stalls: list[float] = []
+        self.staged_bytes = 0
+
+    def start(self, accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
+              record: dict, protect: str | None = None) -> None:
+        """Collective. Returns once the copy is staged; a previous write still under way is waited for first."""
+        import time
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        started = time.perf_counter()
+        self.wait(accelerator)
+        if self.group is None and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")  # collective: every rank saves at the same steps
+        tmp = _begin(accelerator, output_dir, step)
+        with _without_model_and_optimizer(accelerator, trained=True) as (model, optimizer):
+            weights, optim = get_state_dict(model, optimizer)
+            accelerator.save_state(tmp)  # the scheduler, the samplers, the RNG states: small, now
+        state = {"model": weights, "optimizer": optim}
+        self.staged_bytes = _tensor_bytes(state)
+        future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, ASYNC_FOLDER), process_group=self.group)
+        self.pending = (future, output_dir, step, record, save_total_limit, protect)
+        self.stalls.append(time.perf_counter() - started)
+
+    def poll(self, accelerator: Accelerator) -> int | None:
+        """Not collective: complete a finished write (main process). Returns its step, or None."""
+        if self.pending is None or not self.pending[0].done():
+            return None
+        return self._complete(accelerator)
+
+    def wait(self, accelerator: Accelerator) -> int | None:
+        """Not collective: wait for the write under way and complete it. Returns its step, or None."""
+        if self.pending is None:
+            return None
+        self.pending[0].result()
+        return self._complete(accelerator)
+
+    def _complete(self, accelerator: Accelerator) -> int:
+        future, output_dir, step, record, save_total_limit, protect = self.pending
+        self.pending = None
+        future.result()  # a write that failed raises here, and latest stays where it was
+        if accelerator.is_main_process:
+            _complete(output_dir, step, record, save_total_limit, protect)
+        return step
+
+
+def _tensor_bytes(tree) -> int:
+    import torch
+
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree  # an FSDP2 shard: this rank's part
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _begin(accelerator: Accelerator, output_dir: str, step: int) -> str:
+    """Collective: the ``step-N.tmp`` folder a save writes into, emptied of a killed save's leftovers."""
+    tmp = layout.step_dir(output_dir, step) + layout.TMP_SUFFIX
+    if accelerator.is_main_process:
+        os.makedirs(layout.checkpoints_dir(output_dir), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+    accelerator.wait_for_everyone()
+    return tmp
+
+
+def _complete(output_dir: str, step: int, record: dict, save_total_limit: int | None, protect: str | None) -> None:
+    """Main process, once every rank's files are in ``step-N.tmp``: the record, fsync, the rename to ``step-N``,
+    then ``latest`` (write + fsync + rename), then the rotation. A kill before the rename leaves ``latest`` as it was."""
+    root, final = layout.checkpoints_dir(output_dir), layout.step_dir(output_dir, step)
+    tmp = final + layout.TMP_SUFFIX
+    with open(os.path.join(tmp, layout.CHECKPOINT_STATE), "w") as f:
+        json.dump(record, f, indent=2)
+    layout.fsync_tree(tmp)
+    for copy in layout.converted_copies(final):  # converted from the step-N this save replaces
+        shutil.rmtree(copy, ignore_errors=True)
+    layout.replace_dir(tmp, final)
+    pointer_tmp = os.path.join(root, layout.LATEST + layout.TMP_SUFFIX)
+    with open(pointer_tmp, "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, os.path.join(root, layout.LATEST))
+    layout.fsync_dir(root)
+    rotate_checkpoints(output_dir, save_total_limit, keep={final, protect})
 
 
 def rotate_checkpoints(output_dir: str, limit: int | None, keep: set) -> None:
@@ -131,6 +226,9 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
     if _is_tensor_parallel(accelerator):
         _load_tensor_parallel(accelerator, path)
         return
+    if os.path.isdir(os.path.join(path, ASYNC_FOLDER)):
+        _load_async(accelerator, path)
+        return
     if _is_fsdp1(accelerator):
         _materialise_optimizer_state(getattr(optimizer, "optimizer", optimizer))
     own = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
@@ -143,15 +241,17 @@ def load_checkpoint(accelerator: Accelerator, path: str, optimizer, scheduler=No
 
 
 @contextmanager
-def _without_model_and_optimizer(accelerator: Accelerator):
+def _without_model_and_optimizer(accelerator: Accelerator, trained: bool = False):
     """``save_state`` / ``load_state`` of everything but the model and the optimizer: the scheduler, the samplers,
     each rank's RNG states and accelerate's step counter, in accelerate's own files. Yields the prepared model and
-    optimizer (accelerate takes them from these two lists; there is no option to leave them out)."""
+    optimizer (accelerate takes them from these two lists; there is no option to leave them out). ``trained``: the
+    first model and optimizer prepared are the run's (``prepare_run``); others (DPO's live reference) stay in the
+    lists and in accelerate's files, as in a synchronous checkpoint."""
     models, optimizers = accelerator._models, accelerator._optimizers
-    if len(models) != 1 or len(optimizers) != 1:
+    if not trained and (len(models) != 1 or len(optimizers) != 1):
         raise RuntimeError(f"a tensor-parallel checkpoint holds one model and one optimizer; accelerate prepared "
                            f"{len(models)} and {len(optimizers)}")
-    accelerator._models, accelerator._optimizers = [], []
+    accelerator._models, accelerator._optimizers = models[1:], optimizers[1:]
     try:
         yield models[0], torch_optimizer(optimizers[0])
     finally:
@@ -189,6 +289,20 @@ def _load_tensor_parallel(accelerator: Accelerator, folder: str) -> None:
         dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, TP_MODEL_FOLDER))
         dcp.load({"optimizer": optim}, checkpoint_id=os.path.join(folder, TP_OPTIMIZER_FOLDER))
         set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+        accelerator.load_state(folder)
+
+
+def _load_async(accelerator: Accelerator, folder: str) -> None:
+    """Load what ``AsyncSaves.start`` wrote (collective), as ``_load_tensor_parallel`` loads its folders: DCP reads
+    into ``get_state_dict``'s template (a fresh optimizer's state created first), accelerate's files the rest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with _without_model_and_optimizer(accelerator, trained=True) as (model, optimizer):
+        weights, optim = get_state_dict(model, optimizer)
+        state = {"model": weights, "optimizer": optim}
+        dcp.load(state, checkpoint_id=os.path.join(folder, ASYNC_FOLDER))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         accelerator.load_state(folder)
 
 

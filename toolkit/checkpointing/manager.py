@@ -10,6 +10,7 @@ conversion itself, the load and the position happen in ``load``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from toolkit import layout
@@ -54,6 +55,8 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         self.exported: str | None = None  # final/, once this run wrote it (the summary names only what was written)
         self.task = None  # the run's task (toolkit.tasks.base): its checkpoint_state is saved and loaded with the loop's
+        self.async_saves = checkpoint.AsyncSaves() if cfg.train.async_save else None
+        self.stalls: list[float] = []  # seconds the loop waited per synchronous save (async: async_saves.stalls)
 
     def load(self, state) -> str | None:
         """Collective. Load the planned checkpoint (converted first when this launch cannot read it as written) and
@@ -102,14 +105,47 @@ class Checkpointer:
         ``save_steps`` and when the run was preempted; after the last step, the final export (a preempted run is
         not finished: no export). Returns the checkpoint written, if any."""
         args, written = self.args, None
-        if (args.save_steps and state.step % args.save_steps == 0) or preempted:
-            stages = self._stages()
+        due = (args.save_steps and state.step % args.save_steps == 0) or preempted
+        if self.async_saves is not None:
+            self.async_saves.poll(self.accelerator)  # a write that finished since: latest moves to it now
+            if due and not preempted:  # a preempted run's save is its last: written before the process exits
+                self._save_async(state)
+                due = False
+            elif due:
+                self.async_saves.wait(self.accelerator)
+        if due:
+            started, stages = time.perf_counter(), self._stages()
             written = checkpoint.save_checkpoint(self.accelerator, args.output_dir, state.step, args.save_total_limit,
                                                  record=self.record(state), protect=self.plan.checkpoint,
                                                  pipeline=None if stages is None else (stages, self.optimizer, self.scheduler))
+            self.stalls.append(time.perf_counter() - started)
         if last_step and not preempted:
             self.export()
         return written
+
+    def _save_async(self, state) -> None:
+        """Collective: stage a checkpoint and write it in the background (``checkpoint.AsyncSaves``); the loop's
+        ``on_save`` is not called for it (it completes later, on the main process only)."""
+        saves = self.async_saves
+        saves.start(self.accelerator, self.args.output_dir, state.step, self.args.save_total_limit,
+                    record={**self.record(state), "layout": checkpoint.ASYNC_FOLDER}, protect=self.plan.checkpoint)
+        if len(saves.stalls) == 1:
+            self.accelerator.print(f"async_save: each checkpoint is staged in {saves.staged_bytes / 2**20:.1f} MiB "
+                                   "of host memory per rank and written in the background", flush=True)
+
+    def finish(self) -> None:
+        """Every rank, once the loop ended however it ended: the write under way (async_save) finishes and completes
+        before the process goes on (and exits); the loop's stall per save is printed."""
+        import statistics
+
+        stalls = self.stalls
+        if self.async_saves is not None:
+            self.async_saves.wait(self.accelerator)
+            stalls = self.async_saves.stalls + stalls
+        if stalls:
+            kind = "async_save" if self.async_saves is not None else "synchronous"
+            self.accelerator.print(f"checkpoint stall: median {statistics.median(stalls):.4f} s per save over "
+                                   f"{len(stalls)} saves ({kind})", flush=True)
 
     def export(self) -> str | None:
         """Collective: the final export (``final/``) of the weights as they are, when ``save_final_model`` asks for

@@ -110,6 +110,9 @@ LAUNCH_CONFIG = {"single": "ddp.yaml", "ddp": "ddp.yaml", "fsdp1": "fsdp1.yaml",
 PLAIN_LAYOUT = {"single", "ddp", "pipeline"}
 PORTABLE = {"single": PLAIN_LAYOUT, "ddp": PLAIN_LAYOUT, "pipeline": PLAIN_LAYOUT, "fsdp2": {"fsdp2"}}
 ANY_WORLD_VIA_UNIVERSAL = {"deepspeed-zero2", "deepspeed-zero3"}
+# async_save's checkpoints (toolkit.checkpointing.checkpoint.AsyncSaves: the weights and optimizer state as one DCP
+# folder by name, accelerate's files beside it): loaded by DCP on any world size, within the kind that wrote them
+ASYNC_LOADS = {"single": {"single", "ddp"}, "ddp": {"single", "ddp"}, "fsdp2": {"fsdp2"}}
 
 
 def checkpoint_format(accelerator) -> str:
@@ -124,6 +127,13 @@ def load_plan(checkpoint: str, saved: dict, strategy: str, num_processes: int) -
     Refuses, before the weights load, a checkpoint no conversion makes loadable (once: a FileNotFoundError traceback
     after the weights loaded), naming how it was written and how to relaunch it."""
     wrote, world = saved["strategy"], saved["loop"]["world_size"]
+    if saved.get("layout"):  # async_save's: DCP by name, which reshards onto any world size of the same kind
+        if strategy in ASYNC_LOADS.get(wrote, set()):
+            return None
+        raise ConfigError("resume_from_checkpoint", f"{checkpoint} was written with async_save under {wrote}, which "
+                                                    f"loads under {' or '.join(sorted(ASYNC_LOADS[wrote]))} only (this "
+                                                    f"launch: {strategy}); relaunch with --config_file "
+                                                    f"accelerate_configs/{LAUNCH_CONFIG[wrote]}")
     if strategy in PORTABLE.get(wrote, set()) or (strategy == wrote and num_processes == world):
         return None
     if strategy == wrote and wrote in ANY_WORLD_VIA_UNIVERSAL:

@@ -479,10 +479,28 @@ class _TrainingFields:
         default=None, metadata={"help": "Peak FLOP/s of one device, for MFU; default: a datasheet value for known "
                                         "GPUs (toolkit/reporting/accounting.py), none on a CPU."}
     )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "torch.compile each decoder block (transformers' name): one process and DDP; "
+                                         "refused under DeepSpeed, FSDP, tensor or pipeline parallelism, and with "
+                                         "gradient_checkpointing or LoRA (not proven)."}
+    )
+    torch_compile_backend: Optional[str] = field(
+        default=None, metadata={"help": "torch.compile's backend (transformers' name); unset: inductor. aot_eager "
+                                        "traces without generating code (bitwise equal to eager)."}
+    )
+    torch_compile_mode: Optional[str] = field(
+        default=None, metadata={"help": "torch.compile's mode (transformers' name): default, reduce-overhead, "
+                                        "max-autotune, ...; unset: torch's default."}
+    )
+    torch_compile_cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "A folder for inductor's compile cache (TORCHINDUCTOR_CACHE_DIR), so that a "
+                                        "restart reuses the compiled kernels; unset: torch's default (/tmp)."}
+    )
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
                                      "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
-                                     "(the largest activation of a small model with a big vocabulary); 0 = off.",
+                                     "(the largest activation of a small model with a big vocabulary): torch's fused "
+                                     "F.linear_cross_entropy in chunks of this size; 0 = off.",
                              "tasks": FORMAT_TASKS, "task_checks": True}
     )
     cpu_memory_reuse: Optional[bool] = field(
@@ -517,6 +535,13 @@ class _TrainingFields:
                                                          "tasks": HELD_OUT_TASKS})
     save_steps: Optional[int] = field(default=None, metadata={"help": "Checkpoint every N optimizer steps."})
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the N newest checkpoints."})
+    async_save: bool = field(
+        default=False, metadata={"help": "Write each checkpoint while training goes on: the weights and optimizer "
+                                         "state are copied into host memory (torch.distributed.checkpoint's "
+                                         "async_save) and written by a background thread; latest moves once the "
+                                         "write is complete. Under DDP and FSDP2 (and one process); not DeepSpeed, "
+                                         "FSDP1, tensor or pipeline parallelism."}
+    )
     resume_from_checkpoint: Optional[str] = field(
         default=None, metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints)."}
     )

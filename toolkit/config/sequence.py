@@ -46,10 +46,13 @@ class SequenceArguments:
         if self.loss_chunk_size:
             raise ConfigError("loss_chunk_size", f"is not supported with sequence_parallel_size {n} yet (each rank's "
                                                  "loss is over its own part of the sequence): leave it 0")
-        if self.optim == "muon":  # each alone is proven equal to one process; together not yet (issue 47's matrix)
-            raise ConfigError("optim", f"optim muon with sequence_parallel_size {n} is not proven yet: use "
-                                       "adamw_torch (or another optim) with sequence parallelism, or "
-                                       "sequence_parallel_size 1 with muon")
+        # each of these is proven equal to one process alone, not yet with sequence parallelism (issue 47's matrix)
+        for name, on in (("optim", self.optim == "muon"), ("torch_compile", self.torch_compile),
+                         ("async_save", self.async_save)):
+            if on:
+                value = "muon" if name == "optim" else "true"
+                raise ConfigError(name, f"{name} {value} with sequence_parallel_size {n} is not proven yet: use one "
+                                        "of them, not both")
         if self.loss_normalization != "global_tokens":
             raise ConfigError("loss_normalization", "sequence parallelism normalises by the global batch's target "
                                                     "tokens only: use global_tokens")

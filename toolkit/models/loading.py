@@ -364,7 +364,9 @@ def check_chunked_loss(config) -> None:
 def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: int = 0,
                         max_eval_positions: int = 0) -> None:
     """Make ``model(input_ids, attention_mask, labels=...)`` return per-row loss sums computed ``chunk_size``
-    positions at a time (``toolkit.loss.chunked_token_losses``) instead of the whole micro-batch's logits.
+    positions at a time (``toolkit.loss.chunked_token_losses``, fused: torch's ``F.linear_cross_entropy`` where the
+    head is a plain linear layer, the checkpointed chunks otherwise and for DPO's mean logits) instead of the whole
+    micro-batch's logits.
 
     The instance's own ``forward`` is replaced (not a wrapper module): DDP, FSDP and DeepSpeed call it through their
     usual hooks, and the state dict, the tied weights and ``save_pretrained`` stay those of the model. Without
@@ -392,10 +394,34 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
         positions = max_positions if self.training else max_eval_positions
         out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
                                    num_chunks=-(-positions // chunk_size), mean_logits=mean_logits,
-                                   row_lengths=row_lengths)
+                                   row_lengths=row_lengths, fused=True)
         return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
     model.forward = types.MethodType(forward, model)
+
+
+def compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | None,
+                   cache_dir: str | None = None) -> int:
+    """``torch_compile``: compile each decoder block in place (``nn.Module.compile``, torchtitan's per-block compile),
+    the model's ``_no_split_modules`` classes. In place, so that the state dict keeps its names (``torch.compile(model)``
+    would add ``_orig_mod.``) and the checkpoints of a compiled run are those of an eager one. Recompilations are
+    bounded by dynamo's automatic dynamic shapes: the first padded length compiles a static graph, the next one a
+    graph with a dynamic sequence dimension, which every later length reuses (``compiled_graphs``). Returns the number
+    of blocks compiled."""
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)  # read when inductor first compiles
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile(backend=backend or "inductor", mode=mode)
+    return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (for the log)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def parameter_dtypes(model: torch.nn.Module) -> str:

@@ -156,6 +156,8 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     _check_pipeline_precision(args, mixed_precision)  # before the CPU's fp16 line: a GPU host's too
     _check_mixed_precision(mixed_precision)
     _check_skip_nonfinite(args, launched_strategy())
+    _check_async_save(args)
+    _check_torch_compile(args)
     _check_parallel_sizes()
     if launched_parallel_sizes():
         _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
@@ -337,6 +339,35 @@ def _check_muon_launch(args: TrainingArguments) -> None:
     if args.optim == "muon" and name not in MUON_LAUNCHES:
         raise ConfigError("optim", f"muon runs on one process, ddp.yaml, fsdp.yaml (FSDP2), hsdp.yaml or tp.yaml; "
                                    f"this launch is {name}: launch with one of those, or use optim adamw_torch")
+
+
+def _check_async_save(args: TrainingArguments) -> None:
+    # The asynchronous writer (toolkit.checkpointing.checkpoint.AsyncSaves) stages the weights and the optimizer state
+    # through torch.distributed.checkpoint's get_state_dict: proven under DDP and FSDP2 (and one process) only.
+    # DeepSpeed writes its own files from its engine; FSDP1, HSDP, TP and pipelines are not tested with it.
+    name = launched_strategy_name()
+    if launched_parallel_sizes() or args.pipeline_parallel_size > 1:
+        name = "a parallelism_config launch" if launched_parallel_sizes() else "pipeline parallelism"
+    if args.async_save and name not in ("single", "ddp", "fsdp2"):
+        raise ConfigError("async_save", f"runs under DDP and FSDP2 only, not {name}; set async_save: false, or launch "
+                                        "with ddp.yaml or fsdp.yaml")
+    if args.async_save and args.optim == "muon":  # DCP's get_state_dict of the two-optimizer wrapper: not tested
+        raise ConfigError("async_save", "with optim muon is not proven yet: set async_save: false (muon's checkpoints "
+                                        "are written synchronously), or use another optim")
+
+
+def _check_torch_compile(args: TrainingArguments) -> None:
+    # Per-block compile (toolkit.models.loading.compile_blocks) is proven bitwise (aot_eager) on one process and DDP
+    # (tests/unit/test_memory.py, tests/launch/test_strategies.py); FSDP2's per-block units, ZeRO's hooks, TP's DTensors
+    # and a pipeline's stages are not tested with it, nor is transformers' checkpointing around a compiled layer.
+    name = launched_strategy_name()
+    if launched_parallel_sizes() or args.pipeline_parallel_size > 1:
+        name = "a parallelism_config launch" if launched_parallel_sizes() else "pipeline parallelism"
+    if args.torch_compile and name not in ("single", "ddp"):
+        raise ConfigError("torch_compile", f"runs on one process and under DDP only, not {name}; set torch_compile: "
+                                           "false, or launch with ddp.yaml")
+    if args.torch_compile and args.gradient_checkpointing:
+        raise ConfigError("torch_compile", "with gradient_checkpointing is not proven here; set one of them to false")
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:

@@ -30,6 +30,7 @@ from toolkit.models.loading import (
     check_adapter_model,
     check_chunked_loss,
     check_tensor_parallel,
+    compile_blocks,
     disable_dropout,
     enable_activation_checkpointing,
     enable_chunked_loss,
@@ -107,6 +108,11 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
     if checkpointing:
         enable_activation_checkpointing(model)
         log("activation checkpointing: each layer's activations are recomputed in the backward pass")
+    if cfg.train.torch_compile:
+        blocks = compile_blocks(model, cfg.train.torch_compile_backend, cfg.train.torch_compile_mode,
+                                cfg.train.torch_compile_cache_dir)
+        log(f"torch_compile: {blocks} decoder blocks compiled (backend {cfg.train.torch_compile_backend or 'inductor'}"
+            f", mode {cfg.train.torch_compile_mode or 'default'}) at their first step")
     if cfg.model.use_peft:
         model = lora.apply_lora(model, cfg.model, task.peft_task_type, log=log)
     if cfg.train.disable_dropout:
@@ -176,6 +182,8 @@ def check_inputs(cfg: RunConfig, task: Task, log=print, tp_size: int = 1):
     sequence.check_run(cfg, task, model_config)  # the task, packing, the heads
     if cfg.train.loss_chunk_size:
         check_chunked_loss(model_config)
+    if cfg.train.torch_compile and cfg.model.use_peft:
+        raise ConfigError("torch_compile", "with LoRA is not proven here; set torch_compile: false or use_peft: false")
     if tp_size > 1:
         check_tensor_parallel(cfg.model, model_config, tp_size)
     raw = None if cfg.data.streaming else task.load_raw(cfg.data)  # checks files and columns before the weights load

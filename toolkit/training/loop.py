@@ -41,6 +41,7 @@ from toolkit.env import upstream
 from toolkit.env.host_memory import keep_freed_memory, memory_kept, restore_freed_memory
 from toolkit.errors import TrainingStopped
 from toolkit.loss import micro_step_loss
+from toolkit.models.loading import compiled_graphs
 from toolkit.parallel import sequence as sequence_parallel
 from toolkit.parallel.accelerator import (
     configure_deepspeed,
@@ -640,10 +641,13 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         ended, stop = ENDED_STOPPED, e
     finally:
         preemption.restore()
+        run.checkpointer.finish()  # async_save: the write under way completes before the run goes on or exits
         # a stream's steps (and any read-ahead of them) end with the run, however it ends
         if hasattr(first[0], "close"):
             first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
+    if args.torch_compile:  # bounded by dynamo's automatic dynamic shapes (toolkit.models.loading.compile_blocks)
+        accelerator.print(f"torch_compile: {compiled_graphs()} graphs compiled in this process", flush=True)
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step, ended)
     if args.plot and accelerator.is_main_process:
