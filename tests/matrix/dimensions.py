@@ -135,11 +135,13 @@ def run_of(cell: Cell, files: dict) -> Run:
                env=mixed_precision_env(config, world) if bf16 else {}, mixed_precision="bf16" if bf16 else None)
 
 
-def reference_of(run: Run) -> Run:
-    """The same global batch on one process (1 x 8 x 1), the same precision: promise 1's other side."""
+def reference_of(run: Run, precision: str | None = "same") -> Run:
+    """The same global batch on one process (1 x 8 x 1), the same precision (or ``precision``: "bf16" or None for
+    fp32): promise 1's other side."""
     fields = {k: v for k, v in run.fields.items() if k != "pipeline_parallel_size"}
-    env = {"ACCELERATE_MIXED_PRECISION": run.mixed_precision} if run.mixed_precision else {}
-    return Run(run.recipe, run.task, "ddp.yaml", 1, 8, 1, fields, env, run.mixed_precision)
+    precision = run.mixed_precision if precision == "same" else precision
+    env = {"ACCELERATE_MIXED_PRECISION": precision} if precision else {}
+    return Run(run.recipe, run.task, "ddp.yaml", 1, 8, 1, fields, env, precision)
 
 
 def _ending_fields(cell: Cell) -> dict:

@@ -138,8 +138,10 @@ def plan_runs(pool, tmp_path_factory):
         if MATRIX["refusals"][i] is not None:
             continue
         cell, run = cells[i], D.run_of(cells[i], MATRIX["files"])
-        if cell["layout"] != "one":
-            ref = D.reference_of(run)
+        refs = [D.reference_of(run)] if cell["layout"] != "one" else []
+        if run.mixed_precision:  # and its fp32 twin: bf16 must have changed the result (autocast ran)
+            refs.append(D.reference_of(run, precision=None))
+        for ref in refs:
             name = _reference_name(ref)
             if name not in planned_refs:
                 planned_refs.add(name)
@@ -179,10 +181,10 @@ def _get(runs: Runs, name: str) -> str:
             source, step = s["copy_from"]
             if source in batch:
                 spec["copy_from"] = [source, step, o]
-            elif source in pool.done:
+            elif source in pool.done and os.path.isdir(os.path.join(pool.done[source], "checkpoints", f"step-{step}")):
                 CopyCheckpoint(pool.done[source], step)(o)
-            else:
-                continue  # its source failed: this run fails with it
+            elif source not in pool.done:
+                continue  # its source's launch failed: this run fails with it
         specs.append(spec)
         del pool.failed[o]
     try:
@@ -197,7 +199,7 @@ def _get(runs: Runs, name: str) -> str:
 
 def _started(out: str) -> bool:
     """The run began (its config written) or was seeded with a checkpoint by its launch."""
-    return os.path.isfile(os.path.join(out, "config.yaml")) or os.path.isfile(os.path.join(out, "watchdog.txt"))
+    return any(glob.glob(os.path.join(out, name)) for name in ("config.yaml", "watchdog.txt", "error_rank*.txt"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -283,12 +285,14 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
     run = D.run_of(cell, MATRIX["files"])
     out = _get(runs, f"c{i:02d}")
     cost = _seconds(out)
-    _ended(out, run, cell)
     figures = []
-    if cell["layout"] != "one":
+    if cell["layout"] == "one":  # the reference itself
+        _ended(out, run, cell)
+    else:
         ref = _get(runs, _reference_name(D.reference_of(run)))
         cost += _seconds(ref)
-        _ended(ref, D.reference_of(run), cell)
+        rows = [_ended(o, r, cell)["train_rows"] for o, r in ((ref, D.reference_of(run)), (out, run))]
+        assert rows[0] == rows[1], f"promise 2: summary.json's train_rows {rows[1]}, one process's {rows[0]}"
         diff = _weights_diff(out, ref)
         tolerance = TOLERANCES[(cell["precision"], cell["adapter"])]
         figures.append(f"dw {diff:.1e}")
@@ -297,6 +301,11 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
             logits = _merged_logits_diff(out, ref)
             figures.append(f"merged logits {logits:.1e}")
             assert logits <= MERGED_LOGITS_TOLERANCE, f"promise 2: merged export's logits {logits:.2e} from one process's"
+    if run.mixed_precision:
+        bf16 = out if cell["layout"] == "one" else _get(runs, _reference_name(D.reference_of(run)))
+        moved = _weights_diff(bf16, _get(runs, _reference_name(D.reference_of(run, precision=None))))
+        figures.append(f"bf16-fp32 {moved:.1e}")
+        assert moved > 0, "bf16 ended with the fp32 weights: autocast did not run"
     if cell["ending"] in ("sigterm", "resume_new_rank"):
         figures.append(_resumes(i, cell, run, out, runs, tmp_path))
         cost += _seconds(_get(runs, f"c{i:02d}-interrupted")) + _seconds(_get(runs, f"c{i:02d}-resumed"))
@@ -342,10 +351,16 @@ def _last_line(path: str) -> str:
 
 
 def _loads(folder: str, run: D.Run):
+    """from_pretrained of a model, or of an adapter with its base (peft's AutoPeftModel classes, which read the
+    base's path from adapter_config.json)."""
+    import peft
     import transformers
 
-    cls = transformers.AutoModelForSequenceClassification if run.task == "sequence-classification" else (
-        transformers.AutoModelForCausalLM)
+    classify = run.task == "sequence-classification"
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        cls = peft.AutoPeftModelForSequenceClassification if classify else peft.AutoPeftModelForCausalLM
+    else:
+        cls = transformers.AutoModelForSequenceClassification if classify else transformers.AutoModelForCausalLM
     try:
         return cls.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 (what from_pretrained raised is the finding)

@@ -8,8 +8,8 @@ Usage: probe_runs.py RUNS_JSON. RUNS_JSON is a list of {"argv": the recipe's com
 precision), "sigterm_at" (SIGTERM to rank 0 after that step, as a scheduler signals one process: every rank ends
 the next step, saves it and stops), "watchdog_s" (a run still going after that many seconds ends the launch, exit
 124, its output_dir's ``watchdog.txt`` saying so: a hang fails its cell instead of the session), "keep_going" (an
-exception of this run is written to its output_dir's ``error.txt`` and the next run starts: for a failure every rank
-raises; a rank left waiting in a collective ends at the watchdog)}. A run with ``copy_from`` starts from a copy of
+exception of this run is written to its output_dir's ``error_rank<R>.txt`` and, if every rank raised, the next run
+starts; a rank the others left waiting ends the launch within 30 s)}. A run with ``copy_from`` starts from a copy of
 ``run_dir``'s ``checkpoints/step-<step>`` in its output_dir (made by the main process, after the run it comes from,
 before anyone parses the config).
 
@@ -55,7 +55,8 @@ def _run_all(runs: list[dict]) -> None:
             if run.get("copy_from"):
                 src, step, out = run["copy_from"]
                 name = os.path.join("checkpoints", f"step-{step}")
-                if main:
+                # a source that failed left no checkpoint: this run starts without one (and fails on its own)
+                if main and (os.path.isdir(os.path.join(src, name)) or not run.get("keep_going")):
                     shutil.copytree(os.path.join(src, name), os.path.join(out, name))
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
@@ -89,11 +90,25 @@ def _one_run(run: dict) -> None:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"error_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(traceback.format_exc())
+        _together_or_exit()
     finally:
         if watchdog:
             watchdog.cancel()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _together_or_exit(seconds: float = 30) -> None:
+    """After a run that raised: the next run starts only if every rank raised too (all meet here); a rank the others
+    left in a collective of that run never comes, so after ``seconds`` this rank exits 1 and the launcher ends the
+    launch at once, instead of at the watchdog."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    timer = threading.Timer(seconds, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
+    dist.barrier()
+    timer.cancel()
 
 
 def _output_dir(run: dict) -> str:
