@@ -62,7 +62,8 @@ RESUMED_STEPS = 4  # an interrupted cell's max_steps: stopped at SIGTERM_AT + 1,
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
 NEW_RANK = dict(lora_r=8, lora_alpha=16)  # resume_new_rank's relaunch: another rank and alpha
 ADAPTERS = {"none": {}, "lora": LORA, "qlora4": {**LORA, "load_in_4bit": True}, "base8": {**LORA, "load_in_8bit": True}}
-VALIDATION_ROWS = {"even": 8, "uneven": 7, "one": 1}  # 8 over 1, 2 or 4 ranks x 2 rows; 7 splits unevenly
+VALIDATION_ROWS = {"even": 8, "uneven": 9, "one": 1}  # 8 over 1, 2 or 4 ranks x 2 rows; 9 gives replicas
+# different numbers of evaluation batches (5/4 rows on 2: 3 and 2 batches of 2; 3/2/2/2 on 4: 2 and 1)
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # qwen2's chat model: turns end with <|im_end|>, a token its tokenizer does not call EOS (Qwen's, ChatML's)
@@ -160,8 +161,8 @@ def _data_fields(cell: Cell, files: dict) -> dict:
         rows = None
     if data == "mixture":  # two formats mixed (dataset_mixture replaces the files; its test split is the held-out)
         mixture = json.loads(own["mixture"])
-        if rows:
-            mixture["test_split_size"] = round(rows / own["mixture_rows"], 4)
+        if rows:  # datasets holds out ceil(size x rows): exactly ``rows`` of them
+            mixture["test_split_size"] = (rows - 0.5) / own["mixture_rows"]
         return {"dataset_mixture": json.dumps(mixture), "packing": False, **own["extra"]}
     out = {"train_file": own[data] if data.startswith("stream") else own["train"],
            "validation_file": own[f"valid_{rows}"] if rows else None, **own["extra"]}
@@ -243,7 +244,7 @@ def write_models(root, bpe) -> dict:
 
 def write_files(root, bpe, tasks=DIMENSIONS["task"]) -> dict:
     """The cells' models and data under ``root`` (a pathlib folder): per task of ``tasks`` its training file, two
-    streams of files, a mixture of two formats, and validation files of 8, 7 and 1 rows."""
+    streams of files, a mixture of two formats, and validation files of 8, 9 and 1 rows."""
     files = {"models": write_models(root / "models", bpe)}
     (root / "chatml.jinja").write_text(CHATML)
     (root / "template.jinja").write_text(CHAT_TEMPLATE)
@@ -263,7 +264,7 @@ def _lm_files(d, template: dict) -> dict:
         rows.append({"text": " ".join(words[pos:pos + n])})
         pos += n
     titled = [{"title": f"row {i}", "body": r["text"]} for i, r in enumerate(rows[56:])]  # another column
-    own = _task_files(d, rows[:48], rows[48:56], titled, {})
+    own = _task_files(d, rows[:48], rows[47:56], titled, {})
     with open(d / "mix.txt", "w") as f:  # the mixture's second format: a text file, a document a line
         f.write("".join(r["text"] + "\n" for r in rows[56:88]))
     return _mixture(own, [d / "mixture-a.jsonl", d / "mix.txt"], 80)
@@ -276,7 +277,7 @@ def _sft_files(d, template: dict) -> dict:
     messages = [{"messages": m} for m in chats["train"]["messages"][:32]]
     one_turn = [m for m in chats["train"]["messages"][32:] if len(m) == 2][:24]
     alpaca = [{"instruction": u["content"], "input": "", "output": a["content"]} for u, a in one_turn]
-    valid = [{"messages": m} for m in chats["validation"]["messages"][:8]]
+    valid = [{"messages": m} for m in chats["validation"]["messages"][:9]]
     own = _task_files(d, messages, valid, alpaca, template)
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 56)
 
@@ -287,7 +288,7 @@ def _dpo_files(d, template: dict) -> dict:
     prefs = pydoc_preferences()
     pairs = [dict(r) for r in prefs["train"].select(range(56))]
     implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in pairs[32:]]
-    own = _task_files(d, pairs[:32], [dict(r) for r in prefs["validation"].select(range(8))], implicit, template)
+    own = _task_files(d, pairs[:32], [dict(r) for r in prefs["validation"].select(range(9))], implicit, template)
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 56)
 
 
@@ -297,7 +298,7 @@ def _classify_files(d, template: dict) -> dict:
     docs = stdlib_docstrings()
     names = docs["train"].features["label"].names
     labelled = [{"text": r["text"], "label": names[r["label"]]} for r in docs["train"].shuffle(seed=0).select(range(72))]
-    valid = [{"text": r["text"], "label": names[r["label"]]} for r in docs["validation"].shuffle(seed=0).select(range(8))]
+    valid = [{"text": r["text"], "label": names[r["label"]]} for r in docs["validation"].shuffle(seed=0).select(range(9))]
     ids = [{"text": r["text"], "label": names.index(r["label"])} for r in labelled[48:]]  # class ids, not names
     own = _task_files(d, labelled[:48], valid, ids, {})
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 72)
@@ -307,7 +308,7 @@ def _grpo_files(d, template: dict) -> dict:
     prompts = [(a, b) for a in range(2, 12) for b in range(3, 9)][:64]
     as_chat = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b} for a, b in prompts]
     as_text = [{"prompt": f"What is {a} + {b}?", "answer": a + b} for a, b in prompts[48:]]  # TRL's text prompts
-    own = _task_files(d, as_chat[:48], as_chat[56:64], as_text, {**template, **GRPO})
+    own = _task_files(d, as_chat[:48], as_chat[55:64], as_text, {**template, **GRPO})
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 64)
 
 
@@ -315,13 +316,16 @@ WRITERS = {"lm": _lm_files, "sft": _sft_files, "dpo": _dpo_files, "classify": _c
 
 
 def _task_files(d, train: list, valid: list, other: list, extra: dict) -> dict:
-    """A task's files: ``train``; two streams (the training rows in 3 files; in stream_switch the middle one holds
-    ``other``, rows of another format: the format-switch seam); the mixture's two sets (``train`` in its format,
-    ``other`` in another); validation files of 8, 7 and 1 rows from ``valid``."""
+    """A task's files: ``train``; two streams (the training rows in 3 files; in stream_switch the middle one's second
+    half holds ``other``, rows of another format: the format-switch seam); the mixture's two sets (``train`` in its
+    format, ``other`` in another); validation files of 8, 9 and 1 rows from ``valid``."""
     d.mkdir(parents=True, exist_ok=True)
     own = {"train": _jsonl(d / "train.jsonl", train), "extra": extra}
     thirds = [train[: len(train) // 3], train[len(train) // 3: 2 * len(train) // 3], train[2 * len(train) // 3:]]
-    for name, middle in (("stream", thirds[1]), ("stream_switch", other[: len(thirds[1])])):
+    # stream_switch: the middle file switches format half-way (issue 46 item 10: the rows after the switch were
+    # dropped silently); a switch between files is refused by datasets' reader (a CastError, in the check)
+    half = len(thirds[1]) // 2
+    for name, middle in (("stream", thirds[1]), ("stream_switch", thirds[1][:half] + other[: len(thirds[1]) - half])):
         (d / name).mkdir()
         for i, part in enumerate((thirds[0], middle, thirds[2])):
             _jsonl(d / name / f"part-{i}.jsonl", part)

@@ -49,7 +49,9 @@ TOLERANCES = {
     ("bf16", "base8"): 1.2e-2,
 }
 RESUME_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-6}  # resumed against uninterrupted, the same layout: exact
-MERGED_LOGITS_TOLERANCE = 1e-4  # the merged export's logits against one process's merged export
+# the merged export's logits against one process's merged export: fp32 measured <= 1.2e-7 (lm x FSDP2 x LoRA);
+# bf16 measured 1.6e-4 (lm x HSDP x LoRA, the adapters 1e-3 apart)
+MERGED_LOGITS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
 
 MATRIX: dict = {}  # filled at collection: the files, the array, the selected cells' indices
 RESULTS: dict[int, dict] = {}  # cell index -> its table row
@@ -161,16 +163,19 @@ def matrix_runs(run_pool) -> Runs:
 
 
 def _get(runs: Runs, name: str) -> str:
-    """A planned run's output_dir. A run its launch never reached (a run before it hung and the watchdog ended the
-    launch) is launched again, with every other unreached run of that launch config and world size, in one launch:
-    a hang fails its own cell, not the cells after it."""
+    """A planned run's output_dir, also where a later run failed its launch (what the run left says how it ended).
+    A run its launch never reached (a run before it hung and the watchdog ended the launch) is launched again, with
+    every other unreached run of that launch config and world size, in one launch: a hang fails its own cell, not
+    the cells after it."""
     try:
         return runs.get_planned(name)
     except AssertionError:
         out = str(runs.tmp / name)
-        if _started(out):
-            raise
     pool = runs.pool
+    if _started(out):  # what it left says how it ended (its summary, an error, the watchdog), whatever came after it
+        pool.failed.pop(out, None)
+        pool.done[out] = out
+        return out
     kind = pool.specs[out]["kind"]
     batch = [o for o, s in pool.specs.items() if s["kind"] == kind and o in pool.failed and not _started(o)]
     specs = []
@@ -241,8 +246,9 @@ def test_cell(cell_index, matrix_runs, tmp_path):
     except AssertionError as e:
         row["figure"] = row["figure"] or str(e).splitlines()[0][:160].replace("|", "/")
         raise
-    finally:
-        row["cost"] += time.time() - started
+    finally:  # a refused cell's cost is its check here; a run's, its runs' own seconds (summary.json)
+        if refusal is not None:
+            row["cost"] += time.time() - started
 
 
 def _refusal_of(run: D.Run, output_dir: str) -> str | None:
@@ -300,7 +306,8 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
         if cell["ending"] == "merge":
             logits = _merged_logits_diff(out, ref)
             figures.append(f"merged logits {logits:.1e}")
-            assert logits <= MERGED_LOGITS_TOLERANCE, f"promise 2: merged export's logits {logits:.2e} from one process's"
+            tolerance = MERGED_LOGITS_TOLERANCE[cell["precision"]]
+            assert logits <= tolerance, f"promise 2: merged export's logits {logits:.2e} from one process's"
     if run.mixed_precision:
         bf16 = out if cell["layout"] == "one" else _get(runs, _reference_name(D.reference_of(run)))
         moved = _weights_diff(bf16, _get(runs, _reference_name(D.reference_of(run, precision=None))))
@@ -324,6 +331,7 @@ def _ended(out: str, run: D.Run, cell: D.Cell, preempted: bool = False) -> dict:
 
     errors = sorted(glob.glob(os.path.join(out, "error_rank*.txt")) + glob.glob(os.path.join(out, "watchdog.txt")))
     assert not errors, f"promise 2: {os.path.basename(errors[0])}: " + _last_line(errors[0])
+    assert os.path.isfile(os.path.join(out, "summary.json")), "promise 2: no summary.json (its launch ended it)"
     summary = json.load(open(os.path.join(out, "summary.json")))
     steps = [row["step"] for row in read_metrics(out) if "loss" in row]
     assert steps and summary["steps"] == max(steps), ("promise 2: summary steps", summary["steps"], steps[-3:])
@@ -337,6 +345,11 @@ def _ended(out: str, run: D.Run, cell: D.Cell, preempted: bool = False) -> dict:
     assert summary["ended"] == ("data_ran_out" if streamed_out else "completed"), ("promise 2: ended", summary["ended"])
     if cell["ending"] != "data_end":
         assert summary["steps"] == summary["total_steps"] == run.fields["max_steps"], summary["steps"]
+    if streamed_out:  # read to its end: every row on disk trained or counted as dropped, one epoch
+        lines = sum(1 for path in glob.glob(run.fields["train_file"]) for line in open(path) if line.strip())
+        seen = summary["train_rows"] + (summary.get("dropped_rows") or {}).get("train", 0)
+        assert seen == lines, f"promise 2: a stream read to its end: {seen} rows trained or dropped, {lines} on disk"
+        assert summary["epochs"] == 1.0, f"promise 2: a stream read to its end says epochs {summary['epochs']}"
     final = os.path.join(out, "final")
     assert summary["final_model"] and os.path.realpath(summary["final_model"]) == os.path.realpath(final), summary
     _loads(final, run)
