@@ -4,7 +4,7 @@ launches), and each cell held to its promises:
 
 - refused: ``toolkit train`` (its ``main``, in this process) exits 2 with one line, and writes nothing;
 - accepted: the cell's run (real ranks, in the shared launch of its launch config and world size) keeps
-  1. its final weights equal one process on the same global batch (SGD; TOLERANCES below);
+  1. its final weights equal one process on the same global batch (SGD; FP32_TOLERANCE, BF16_TOLERANCE below);
   2. it ends: exit 0 within its watchdog, ``final/`` loadable with ``from_pretrained`` (the merged export too, with
      the one-process export's logits), ``summary.json`` true to what is on disk (steps, how it ended, world);
   3. interrupted (SIGTERM to rank 0), it resumes to the uninterrupted weights.
@@ -29,25 +29,41 @@ from helpers import CONFIGS, ROOT, CopyCheckpoint, Runs, launch_runs, tree_hash
 
 SEED = 0
 WATCHDOG_S = 180  # a run of a cell still going after this ends its launch (a tiny run takes 1-20 s here, 60 s on a loaded machine)
-# Cells the default suite runs (by name: stable while the dimensions are); the rest are marked matrix_full.
-SUITE: tuple[str, ...] = ()
+# Cells the default suite runs (by name: any cell, in the array or not; stable while the dimensions are); the rest
+# are marked matrix_full. bf16 under DDP, FSDP2, ZeRO-2 and ZeRO-3 (test_precision.py's bf16 test was these, in five
+# launches of their own: here they ride in the shared ones), cells of features no other test combines, and four
+# refusals.
+SUITE: tuple[str, ...] = (
+    "lm-ddp-none-padded-gpt2-even-bf16-steps",
+    "lm-fsdp2-none-padded-gpt2-even-bf16-steps",
+    "lm-zero2-none-padded-gpt2-even-bf16-steps",
+    "lm-zero3-none-padded-gpt2-even-bf16-steps",
+    "lm-tp-none-mixture-llama-even-fp32-sigterm",
+    "classify-hsdp-none-padded-gpt2-one-fp32-steps",
+    "sft-hsdp-none-bfd-qwen2-even-fp32-data_end",
+    "lm-tp-none-padded-gpt2-even-fp32-steps",
+    "lm-one-none-padded-gpt2-even-fp32-merge",
+    "grpo-one-none-stream-gpt2-even-fp32-steps",
+    "dpo-pp-none-padded-gpt2-even-fp32-steps",
+)
 
-# max |w - w_one_process| over every tensor of final/ (the adapters for LoRA), by precision and adapter, and the
-# measurement behind each (AMD EPYC, 2 gloo ranks, SGD, docs/testing.md#the-capability-matrix).
-TOLERANCES = {
-    # fp32 SGD: the ranks' summed gradients differ from one process's by fp32 rounding only: <= 3e-7 measured under
-    # DDP, ZeRO-2/3, FSDP1/2, HSDP, TP and pipelines (tests/launch/test_strategies.py, test_parallel.py, test_pipeline.py)
-    ("fp32", "none"): 1e-6,
-    ("fp32", "lora"): 1e-6,  # the adapters, as above (test_recipes.py's LoRA under DDP, ZeRO-3 and FSDP2: 1e-6)
-    ("fp32", "qlora4"): 1e-6,  # the base dequantized the same on every rank (test_qlora.py: 1e-6)
-    ("fp32", "base8"): 1e-6,
-    # bf16 autocast: bf16 matmuls round each rank's partial sums (test_precision.py measured DDP 6.5e-4, FSDP2 1.2e-3,
-    # ZeRO-2/3 3.9e-3 after 3 steps against one bf16 process): about 3x the largest
-    ("bf16", "none"): 1.2e-2,
-    ("bf16", "lora"): 1.2e-2,
-    ("bf16", "qlora4"): 1.2e-2,
-    ("bf16", "base8"): 1.2e-2,
-}
+# max |w - w_one_process| over every tensor of final/ (the adapters for LoRA), and the measurement behind each (AMD
+# EPYC, gloo ranks, SGD, 3-6 steps). fp32: the ranks' summed gradients differ from one process's by fp32 rounding
+# only: <= 1.6e-7 measured in every passing fp32 cell of the matrix's first full run (docs/testing.md), under every
+# layout and adapter (QLoRA's base dequantized alike on every rank; test_qlora.py: 1e-6 too).
+FP32_TOLERANCE = 1e-6
+# bf16 autocast (DDP, FSDP: fp32 parameters) or DeepSpeed's bf16 mode (bf16 weights, fp32 master partitions), 2 ranks
+# against one bf16 process. Measured (what was test_precision.py's bf16 test, lm x GPT-2, 3 steps): DDP 6.5e-4, FSDP2
+# 1.2e-3, ZeRO-2 and ZeRO-3 3.9e-3 (bf16 weights round every update); in the matrix's first run <= 2.8e-4 under
+# FSDP1, HSDP, pipelines. About 3x the measured value, by layout.
+BF16_TOLERANCE = {"ddp": 2e-3, "fsdp2": 4e-3, "zero2": 1.2e-2, "zero3": 1.2e-2, "fsdp1": 4e-3, "hsdp": 4e-3,
+                  "tp": 4e-3, "pp": 4e-3, "pp_fsdp2": 4e-3}
+
+
+def tolerance(cell: D.Cell) -> float:
+    return BF16_TOLERANCE[cell["layout"]] if cell["precision"] == "bf16" else FP32_TOLERANCE
+
+
 RESUME_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-6}  # resumed against uninterrupted, the same layout: exact
 # the merged export's logits against one process's merged export: fp32 measured <= 1.2e-7 (lm x FSDP2 x LoRA);
 # bf16 measured 1.6e-4 (lm x HSDP x LoRA, the adapters 1e-3 apart)
@@ -172,10 +188,18 @@ def _get(runs: Runs, name: str) -> str:
     except AssertionError:
         out = str(runs.tmp / name)
     pool = runs.pool
-    if _started(out):  # what it left says how it ended (its summary, an error, the watchdog), whatever came after it
-        pool.failed.pop(out, None)
-        pool.done[out] = out
-        return out
+    if not _started(out):
+        _relaunch(pool, out)
+    if not _started(out):
+        return runs.get_planned(name)  # its launch's error
+    pool.failed.pop(out, None)  # what it left says how it ended (summary, error, watchdog), whatever came after it
+    pool.done[out] = out
+    return out
+
+
+def _relaunch(pool, out: str) -> None:
+    """``out``'s run and every other run of its launch config and world size that its launch never reached, in one
+    launch."""
     kind = pool.specs[out]["kind"]
     batch = [o for o, s in pool.specs.items() if s["kind"] == kind and o in pool.failed and not _started(o)]
     specs = []
@@ -192,6 +216,8 @@ def _get(runs: Runs, name: str) -> str:
                 continue  # its source's launch failed: this run fails with it
         specs.append(spec)
         del pool.failed[o]
+    if not specs:
+        return
     try:
         launch_runs(os.path.dirname(out), specs, num_processes=kind[1], config=kind[0])
     except AssertionError as e:
@@ -199,7 +225,6 @@ def _get(runs: Runs, name: str) -> str:
             pool.failed[spec["out"]] = str(e)[-20000:]
     else:
         pool.done.update({spec["out"]: spec["out"] for spec in specs})
-    return runs.get_planned(name)
 
 
 def _started(out: str) -> bool:
@@ -300,14 +325,12 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
         rows = [_ended(o, r, cell)["train_rows"] for o, r in ((ref, D.reference_of(run)), (out, run))]
         assert rows[0] == rows[1], f"promise 2: summary.json's train_rows {rows[1]}, one process's {rows[0]}"
         diff = _weights_diff(out, ref)
-        tolerance = TOLERANCES[(cell["precision"], cell["adapter"])]
         figures.append(f"dw {diff:.1e}")
-        assert diff <= tolerance, f"promise 1: final weights {diff:.2e} from one process (tolerance {tolerance:g})"
+        assert diff <= tolerance(cell), f"promise 1: final weights {diff:.2e} from one process ({tolerance(cell):g})"
         if cell["ending"] == "merge":
             logits = _merged_logits_diff(out, ref)
             figures.append(f"merged logits {logits:.1e}")
-            tolerance = MERGED_LOGITS_TOLERANCE[cell["precision"]]
-            assert logits <= tolerance, f"promise 2: merged export's logits {logits:.2e} from one process's"
+            assert logits <= MERGED_LOGITS_TOLERANCE[cell["precision"]], f"promise 2: merged logits {logits:.2e} off"
     if run.mixed_precision:
         bf16 = out if cell["layout"] == "one" else _get(runs, _reference_name(D.reference_of(run)))
         moved = _weights_diff(bf16, _get(runs, _reference_name(D.reference_of(run, precision=None))))
