@@ -343,7 +343,7 @@ class RunPool:
                 self.done[other] = self.finished[s["key"]]
                 continue
             run = {"out": other, "argv": s["argv"], "recipe": s["recipe"], "probe": s["probe"], "key": s["key"],
-                   "timeout": s.get("timeout")}
+                   "timeout": s.get("timeout"), **s.get("options", {})}
             if s["copy_from"]:
                 source, step = s["copy_from"]
                 if source in self.done:  # made before this launch: seeded here
@@ -352,8 +352,8 @@ class RunPool:
                     run["copy_from"] = [source, step, other]
             runs.append(run)
         try:
-            if (len(runs) == 1 and "copy_from" not in runs[0] and not runs[0]["timeout"]
-                    and (runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True)):
+            if len(runs) == 1 and not set(runs[0]) & {"copy_from", *RUN_OPTIONS} and not runs[0].get("timeout") and (
+                    runs[0]["recipe"], runs[0]["probe"]) == ("gpt2", True):
                 launch(runs[0]["argv"], num_processes=kind[1], config=kind[0],
                        script=os.path.join(SCRIPTS, "probe_run.py"))
             elif runs:
@@ -399,13 +399,18 @@ class Runs:
 
     def plan(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict,
              copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True,
-             interrupted: Interrupted | None = None, timeout: int | None = None) -> None:
+             interrupted: Interrupted | None = None, timeout: int | None = None,
+             options: dict | None = None) -> None:
         """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
         planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``).
         ``recipe``: which of recipes/ runs it (gpt2, sft, classify, dpo, grpo); ``probe``: with probe_run.py's
         callbacks (gpt2 only); ``interrupted``: the run resumes an interrupted run of the same fields (``Interrupted``,
         e.g. ``Killed``: SIGKILLed inside a save; ask for it with ``get_planned``); ``timeout``: seconds after which
-        the run counts as hung and fails its launch (probe_runs.py's RUN_TIMEOUT_S by default)."""
+        the run counts as hung and fails its launch (probe_runs.py's RUN_TIMEOUT_S by default); ``options``:
+        probe_runs.py's per-run options (RUN_OPTIONS: the launcher's environment beyond the launch config's, a SIGTERM
+        to rank 0 after a step, a watchdog, going on after a run that failed on every rank); a run with options is
+        never shared with an equal one."""
+        assert not set(options or {}) - set(RUN_OPTIONS), f"{name}: unknown options {options}"
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
         assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"
         config = config or "ddp.yaml"
@@ -416,10 +421,11 @@ class Runs:
             interrupted.recipe, extra = recipe, {**extra, "resume_from_checkpoint": "latest"}
         self.planned[name] = dict(config=config, world=world, micro=micro, accum=accum, extra=extra,
                                   copy_from=copy_from)
-        key = None if copy_from or interrupted or (recipe, probe) != ("gpt2", True) else self._shared_key(
+        key = None if copy_from or interrupted or options or (recipe, probe) != ("gpt2", True) else self._shared_key(
             config, world, micro, accum, extra)
         self.pool.add(out, {"kind": (config, world), "argv": args_from(self._cfg(out, micro, accum, extra)),
                             "recipe": recipe, "probe": probe, "key": key, "before": interrupted, "timeout": timeout,
+                            "options": dict(options or {}),
                             "copy_from": copy_from and (str(self.tmp / copy_from[0]), copy_from[1])})
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:
@@ -458,6 +464,10 @@ class Runs:
         return self.pool.get(str(self.tmp / name))
 
 
+# a run's options in probe_runs.py (Runs.plan's options=): env, sigterm_at, watchdog_s, keep_going
+RUN_OPTIONS = ("env", "sigterm_at", "watchdog_s", "keep_going")
+
+
 def launch_runs(folder, runs: list[dict], num_processes: int = 2, config: str = "ddp.yaml"
                 ) -> subprocess.CompletedProcess:
     """One launch of tests/scripts/probe_runs.py running ``runs`` one after another in the same ranks (each a dict with
@@ -468,7 +478,8 @@ def launch_runs(folder, runs: list[dict], num_processes: int = 2, config: str = 
     folder = pathlib.Path(folder)
     path = folder / f"runs-{len(list(folder.glob('runs-*.json')))}.json"
     path.write_text(json.dumps([{"argv": r["argv"], "copy_from": r.get("copy_from"), "recipe": r.get("recipe", "gpt2"),
-                                 "probe": r.get("probe", True), "timeout": r.get("timeout")} for r in runs]))
+                                 "probe": r.get("probe", True), "timeout": r.get("timeout"),
+                                 **{k: r[k] for k in RUN_OPTIONS if k in r}} for r in runs]))
     return launch([str(path)], num_processes=num_processes, config=config,
                   script=os.path.join(SCRIPTS, "probe_runs.py"), timeout=600 + 300 * len(runs))
 

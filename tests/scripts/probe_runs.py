@@ -3,7 +3,13 @@ the same ranks, so that they pay for one process start (imports, the process gro
 
 Usage: probe_runs.py RUNS_JSON. RUNS_JSON is a list of {"argv": the recipe's command line, "copy_from": null or
 [run_dir, step, output_dir], "recipe": "gpt2" (default), "sft", "classify" or "dpo" (recipes/<recipe>.py's ``main``),
-"probe": true (default: probe_run.py's callbacks, gpt2 only) or false}. A run with ``copy_from`` starts from a copy of
+"probe": true (default: probe_run.py's callbacks, gpt2 only) or false, and the options (helpers.RUN_OPTIONS):
+"env" (variables set for this run only: the launcher's environment beyond the launch config's, e.g. bf16 mixed
+precision), "sigterm_at" (SIGTERM to rank 0 after that step, as a scheduler signals one process: every rank ends
+the next step, saves it and stops), "watchdog_s" (a run still going after that many seconds ends the launch, exit
+124, its output_dir's ``watchdog.txt`` saying so: a hang fails its cell instead of the session), "keep_going" (an
+exception of this run is written to its output_dir's ``error_rank<R>.txt`` and, if every rank raised, the next run
+starts; a rank the others left waiting ends the launch within 30 s)}. A run with ``copy_from`` starts from a copy of
 ``run_dir``'s ``checkpoints/step-<step>`` in its output_dir (made by the main process, after the run it comes from,
 before anyone parses the config).
 
@@ -24,7 +30,10 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 import probe_run  # noqa: E402  the recipe and its probes
@@ -53,22 +62,88 @@ def _run_all(runs: list[dict]) -> None:
             if run.get("copy_from"):
                 src, step, out = run["copy_from"]
                 name = os.path.join("checkpoints", f"step-{step}")
-                if main:
+                # a source that failed left no checkpoint: this run starts without one (and fails on its own)
+                if main and (os.path.isdir(os.path.join(src, name)) or not run.get("keep_going")):
                     shutil.copytree(os.path.join(src, name), os.path.join(out, name))
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            sys.argv = [sys.argv[0], *run["argv"]]
-            recipe = importlib.import_module(run.get("recipe", "gpt2"))  # recipes/ is on the path (probe_run.py)
-            probe = probe_run.Probe() if run.get("probe", True) else None
-            faulthandler.dump_traceback_later(run.get("timeout") or RUN_TIMEOUT_S, exit=True)
-            try:
-                recipe.main(callbacks=[probe] if probe else None)
-                if probe:
-                    probe.after_train()
-            finally:
-                faulthandler.cancel_dump_traceback_later()
+            _one_run(run)
     finally:
         PartialState.destroy_process_group = destroy
+
+
+def _one_run(run: dict) -> None:
+    sys.argv = [sys.argv[0], *run["argv"]]
+    recipe = importlib.import_module(run.get("recipe", "gpt2"))  # recipes/ is on the path (probe_run.py)
+    probe = probe_run.Probe() if run.get("probe", True) else None
+    callbacks = [probe] if probe else []
+    if run.get("sigterm_at"):
+        callbacks.append(SigtermAt(run["sigterm_at"]))
+    saved = dict(os.environ)
+    os.environ.update(run.get("env") or {})
+    watchdog = run.get("watchdog_s") and threading.Timer(run["watchdog_s"], _watchdog_fired, (run,))
+    if watchdog:
+        watchdog.daemon = True
+        watchdog.start()
+    faulthandler.dump_traceback_later(run.get("timeout") or RUN_TIMEOUT_S, exit=True)
+    try:
+        recipe.main(callbacks=callbacks or None)
+        if probe:
+            probe.after_train()
+    except Exception:
+        if not run.get("keep_going"):
+            raise
+        traceback.print_exc()
+        out = _output_dir(run)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"error_rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        _together_or_exit()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if watchdog:
+            watchdog.cancel()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _together_or_exit(seconds: float = 30) -> None:
+    """After a run that raised: the next run starts only if every rank raised too (all meet here); a rank the others
+    left in a collective of that run never comes, so after ``seconds`` this rank exits 1 and the launcher ends the
+    launch at once, instead of at the watchdog."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    timer = threading.Timer(seconds, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
+    dist.barrier()
+    timer.cancel()
+
+
+def _output_dir(run: dict) -> str:
+    return run["argv"][run["argv"].index("--output_dir") + 1]
+
+
+def _watchdog_fired(run: dict) -> None:
+    out = _output_dir(run)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "watchdog.txt"), "a") as f:
+        f.write(f"rank {os.environ.get('RANK', '0')}: still running after {run['watchdog_s']} s\n")
+    print(f"watchdog: {out} still running after {run['watchdog_s']} s; ending the launch", file=sys.stderr,
+          flush=True)
+    os._exit(124)
+
+
+class SigtermAt:
+    """SIGTERM to this process after ``step`` on rank 0 only: the preemption flag travels with the next step's counts
+    (toolkit.training.preemption), so every rank ends step + 1, saves it and stops."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, accelerator, state, row):
+        if state.step == self.step and accelerator.is_main_process:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":
