@@ -235,7 +235,7 @@ def test_dpo_trains_adapters_on_a_4bit_base_against_the_base_with_its_adapter_di
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0], losses
 
 
-def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path):
+def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp_path, monkeypatch):
     """Before the weights load (toolkit.training.build): ZeRO-3, FSDP1, tensor parallelism, pipeline parallelism (whose
     launches are ddp.yaml's and fsdp.yaml's), an 8-bit base on several ranks, a chunked loss, DPO's precomputed or separate reference (a copy loaded without LoRA, which a quantized base
     refuses); one line naming the field."""
@@ -246,6 +246,15 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
                             "output_dir": str(tmp_path / "r")})
     for strategy in ("single", "ddp", "deepspeed-zero2", "fsdp2"):
         check_run(cfg, strategy)
+    # bf16 with the base sharded fails in bitsandbytes' CPU kernel (the matrix's cell); one process and DDP run
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    for strategy in ("single", "ddp"):
+        check_run(cfg, strategy)
+    for strategy in ("deepspeed-zero2", "fsdp2"):
+        with pytest.raises(ConfigError, match=f"load_in_4bit: a 4bit base with mixed_precision bf16 under {strategy} "
+                                              "fails on CPU ranks"):
+            check_run(cfg, strategy)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     for strategy in ("deepspeed-zero3", "fsdp1", "tp"):
         with pytest.raises(ConfigError, match=f"load_in_4bit: a 4bit base is not supported under {strategy}"):
             check_run(cfg, strategy)

@@ -72,12 +72,27 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
     if cfg.data.streaming:
         raise ConfigError(name, "a quantized base on a stream (streaming: true) is not checked here; set streaming: "
                                 "false")
+    _check_bf16_sharded(name, strategy)
     if cfg.train.loss_chunk_size:
         raise ConfigError(name, "loss_chunk_size with a quantized base is not checked here; set loss_chunk_size: 0")
     if cfg.model.ref_model_name_or_path or cfg.train.precompute_ref_log_probs:
         field = "ref_model_name_or_path" if cfg.model.ref_model_name_or_path else "precompute_ref_log_probs"
         raise ConfigError(field, f"DPO on a quantized base ({name}) takes the base with its adapter disabled as the "
                                  "reference (no copy, no precomputed pass); unset it")
+
+
+def _check_bf16_sharded(name: str, strategy: str) -> None:
+    # Found by the capability matrix (tests/matrix, cells lm-zero2-qlora4-...-bf16 and its FSDP2 twin): on CPU ranks,
+    # bf16 autocast with the 4-bit base sharded by ZeRO-2 or FSDP2 fails in bitsandbytes' CPU 4-bit kernel at the
+    # first forward ("shape '[96, 16]' is invalid for input of size 768"); one process and DDP run (checked).
+    import os
+
+    from toolkit.env.launcher import has_accelerator
+
+    bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
+    if bf16 and strategy not in ("single", "ddp") and not has_accelerator():
+        raise ConfigError(name, f"a {name[8:]} base with mixed_precision bf16 under {strategy} fails on CPU ranks "
+                                "(bitsandbytes' CPU kernel): use mixed_precision no there, or ddp.yaml / one process")
 
 
 # The fields that decide how the frozen base is quantized: a checkpoint holds the adapters and their optimizer state,
