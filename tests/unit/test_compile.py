@@ -7,6 +7,7 @@ import os
 import pytest
 
 
+@pytest.mark.slow  # compiles (aot_eager) the blocks of a model: about 4 s
 def test_aot_eager_blocks_train_bitwise_like_eager_with_bounded_graphs(tiny_model, padded_data, tmp_path, capsys):
     """One process, 3 SGD steps over padded micro-batches of varied lengths: the final weights of the compiled run
     are the eager run's exactly, its checkpoint keeps the eager names (no ``_orig_mod.``), and the graphs compiled

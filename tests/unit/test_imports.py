@@ -21,6 +21,7 @@ do ``if TYPE_CHECKING:`` ones (stricter than needed). Imports by string (``impor
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import sys
@@ -40,6 +41,7 @@ def _module_name(path: str) -> str:
     return ".".join(parts)
 
 
+@functools.lru_cache(maxsize=1)
 def _modules() -> dict[str, ast.Module]:
     """Every module of the package, subpackages included (``toolkit/checkpointing/``)."""
     paths = sorted(Path(SOURCE).rglob("*.py"))

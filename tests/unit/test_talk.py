@@ -105,6 +105,7 @@ def test_piped_lines_are_answered_each_on_its_own_and_a_block_is_one_turn(tmp_pa
     assert said == [_greedy(model, tok, alone[2], 4), _greedy(model, tok, both, 4)]
 
 
+@pytest.mark.slow  # a toolkit chat subprocess (its imports: about 6 s)
 def test_a_lora_run_chats_from_any_folder_without_upstream_noise(tmp_path, tiny_model, chats, monkeypatch):
     """A LoRA run that trained in one folder on a base named by a relative path, chatted with from another folder
     (``toolkit chat`` as a user runs it, lines piped): the run recorded its base as an absolute path (config.yaml and
