@@ -341,13 +341,19 @@ def _check_muon_launch(args: TrainingArguments) -> None:
                                    f"this launch is {name}: launch with one of those, or use optim adamw_torch")
 
 
+def _layout_name(args: TrainingArguments) -> str:
+    """The launch's strategy name, or what splits the model beyond it (a parallelism_config launch: HSDP, TP; a
+    pipeline), for the switches proven on plain strategies only (async_save, torch_compile)."""
+    if launched_parallel_sizes():
+        return "a parallelism_config launch"
+    return "pipeline parallelism" if args.pipeline_parallel_size > 1 else launched_strategy_name()
+
+
 def _check_async_save(args: TrainingArguments) -> None:
     # The asynchronous writer (toolkit.checkpointing.checkpoint.AsyncSaves) stages the weights and the optimizer state
     # through torch.distributed.checkpoint's get_state_dict: proven under DDP and FSDP2 (and one process) only.
     # DeepSpeed writes its own files from its engine; FSDP1, HSDP, TP and pipelines are not tested with it.
-    name = launched_strategy_name()
-    if launched_parallel_sizes() or args.pipeline_parallel_size > 1:
-        name = "a parallelism_config launch" if launched_parallel_sizes() else "pipeline parallelism"
+    name = _layout_name(args)
     if args.async_save and name not in ("single", "ddp", "fsdp2"):
         raise ConfigError("async_save", f"runs under DDP and FSDP2 only, not {name}; set async_save: false, or launch "
                                         "with ddp.yaml or fsdp.yaml")
@@ -360,9 +366,7 @@ def _check_torch_compile(args: TrainingArguments) -> None:
     # Per-block compile (toolkit.models.loading.compile_blocks) is proven bitwise (aot_eager) on one process and DDP
     # (tests/unit/test_memory.py, tests/launch/test_strategies.py); FSDP2's per-block units, ZeRO's hooks, TP's DTensors
     # and a pipeline's stages are not tested with it, nor is transformers' checkpointing around a compiled layer.
-    name = launched_strategy_name()
-    if launched_parallel_sizes() or args.pipeline_parallel_size > 1:
-        name = "a parallelism_config launch" if launched_parallel_sizes() else "pipeline parallelism"
+    name = _layout_name(args)
     if args.torch_compile and name not in ("single", "ddp"):
         raise ConfigError("torch_compile", f"runs on one process and under DDP only, not {name}; set torch_compile: "
                                            "false, or launch with ddp.yaml")
