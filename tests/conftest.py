@@ -37,6 +37,12 @@ def pytest_collection_modifyitems(session, config, items):
     """tests/unit/ first (in their order), then tests/launch/: the in-process tests run on one core while the run
     pool's one-process batches run on the other (``_prefetch``)."""
     items.sort(key=lambda item: item.path.parent.name != "unit")
+    # The quick layer (-m "not slow") is the in-process one: everything under tests/launch/ starts processes (a
+    # command, a recipe, a launch), each paying an interpreter's imports of torch and transformers (2-5 s idle, 5x
+    # that on a loaded machine), so the whole folder belongs to the slow layer.
+    for item in items:
+        if item.path.parent.name == "launch":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)
