@@ -18,7 +18,9 @@ the launch environment ``accelerate launch`` would give the ranks (strategy x fi
 ``distributed.check_launch``; restarts across machines: ``elastic.check_restarts_supported``), and everything a rank
 runs before its weights load, by the ranks' own code (``build.build_data``: the tokenizer and chat template, the
 model's config, the data's files, columns and format, a tensor-parallel split, the data tokenized and one global
-batch of it). A mistake is one line and exit code 2, with no launcher traceback. Then ``accelerate launch`` runs the
+batch of it), and a resume's refusals that read only the checkpoint's files (``resume_from_checkpoint``: another LoRA
+layout, quantized base, optimizer, sample order or global batch, or a format this launch cannot load:
+``checkpointing.check_resume_before_launch``). A mistake is one line and exit code 2, with no launcher traceback. Then ``accelerate launch`` runs the
 recipe, and its exit code is this command's.
 
 The tokenization's cost: a file or Hub dataset is tokenized here once through ``datasets``' cache, which rank 0 then

@@ -135,10 +135,34 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+FSDP1_WRAPPER = "_fsdp_wrapped_module."  # in the module names of a model FSDP1 wrapped, above each unit it wraps
+
+
+def peft_names(unwrapped):
+    """The model whose module names peft reads the adapter's keys from (``save_pretrained`` keeps the state dict's
+    entries under its LoRA layers' names): ``unwrapped`` itself, or under FSDP1 a copy of its architecture on the meta
+    device wrapped by its LoRA config. FSDP1 puts ``_fsdp_wrapped_module.`` inside the names of the modules below each
+    unit it wraps (every transformer block), where its gathered state dict has none; peft 0.21 strips only a leading
+    one, so it found none of the adapter's keys and wrote an adapter with no tensor (docs/pitfalls.md#peft-fsdp1-names).
+    The copy has the names the state dict has, and costs no memory."""
+    import copy
+
+    import torch
+
+    if not any(FSDP1_WRAPPER in name for name, _ in unwrapped.named_modules()):
+        return unwrapped
+    base = unwrapped.get_base_model()
+    with torch.device("meta"):
+        fresh = type(base)._from_config(copy.deepcopy(base.config))
+    fresh.name_or_path = base.name_or_path  # what adapter_config.json names as the base
+    with torch.device("meta"):
+        return wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
+
+
 def save_adapter(unwrapped, state_dict: dict, path: str) -> None:
     """``adapter_model.safetensors`` + ``adapter_config.json`` from the gathered full state dict (main process), and
     the base model's config as trained (``config.json``: a classifier's labels, dropout as set) for ``load_exported``."""
-    unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    peft_names(unwrapped).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     config = unwrapped.get_base_model().config
     quantized = getattr(config, "quantization_config", None)
     if quantized is not None:  # the base's own config: load_exported quantizes it again as the run's fields say
