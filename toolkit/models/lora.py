@@ -95,11 +95,40 @@ def _quiet_peft():
 
 
 def wrap(model, config):
-    """``peft.get_peft_model``, quietly (``_quiet_peft``)."""
+    """``peft.get_peft_model``, quietly (``_quiet_peft``), with adapters of the whole layer's widths on a model split
+    by tensor parallelism (``_whole_widths``)."""
     from peft import get_peft_model
 
-    with _quiet_peft():
+    with _quiet_peft(), _whole_widths():
         return get_peft_model(model, config)
+
+
+@contextmanager
+def _whole_widths():
+    """peft's LoRA layers sized by the base layer's whole widths (``in_features``, ``out_features``) where its weight is
+    a tensor-parallel DTensor. peft 0.21 sizes them by the rank's shard (``to_local().shape``) and keeps that width in
+    the shard's ``nn.Linear`` (lora_A's ``in_features`` under a rowwise layer, lora_B's ``out_features`` under a
+    colwise one), while transformers 5's TP hooks read the module's ``in_features`` / ``out_features`` as the whole
+    width: the first forward failed ("shape '[384, 8]' is invalid", docs/pitfalls.md#peft-tp-lora-widths). Whole-width
+    adapters are also initialised as one process initialises them (the same draws of the same seed), and peft then
+    shards them itself (``add_lora_tp_hooks_dtensor``: each rank keeps its slice of the same tensor)."""
+    import torch
+    from peft.tuners.lora.layer import LoraLayer
+
+    sharded = LoraLayer._get_in_out_features
+
+    def whole(self, module):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(module, torch.nn.Linear) and isinstance(module.weight, DTensor):
+            return module.in_features, module.out_features
+        return sharded(self, module)
+
+    LoraLayer._get_in_out_features = whole
+    try:
+        yield
+    finally:
+        LoraLayer._get_in_out_features = sharded
 
 
 def apply_lora(model, args: ModelArguments, task_type: str, log=print):
@@ -190,8 +219,14 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
         missing, unexpected = fresh.load_state_dict(adapter, strict=False)
         missing = [k for k in missing if "lora_" in k or "modules_to_save" in k]
     else:
+        config = copy.deepcopy(base.config)
+        # a tensor-parallel base's config carries transformers' distributed_config: the copy's save_pretrained, on
+        # this process alone, would wait in a barrier for the other ranks (which the export's own barrier then met:
+        # a hang one collective later). The copy is one plain model.
+        if getattr(config, "distributed_config", None) is not None:
+            config.distributed_config = None
         with torch.device("cpu"):
-            fresh = type(base)._from_config(copy.deepcopy(base.config), dtype=next(iter(state_dict.values())).dtype)
+            fresh = type(base)._from_config(config, dtype=next(iter(state_dict.values())).dtype)
         fresh = wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
         missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
         missing = [k for k in missing if not _is_tied_alias(fresh, k)]
