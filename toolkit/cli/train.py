@@ -20,8 +20,8 @@ runs before its weights load, by the ranks' own code (``build.build_data``: the 
 model's config, the data's files, columns and format, a tensor-parallel split, the data tokenized and one global
 batch of it), and a resume's refusals that read only the checkpoint's files (``resume_from_checkpoint``: another LoRA
 layout, quantized base, optimizer, sample order or global batch, or a format this launch cannot load:
-``checkpointing.check_resume_before_launch``). A mistake is one line and exit code 2, with no launcher traceback. Then ``accelerate launch`` runs the
-recipe, and its exit code is this command's.
+``checkpointing.check_resume_before_launch``). A mistake is one line and exit code 2, with no launcher traceback.
+Then ``accelerate launch`` runs the recipe, and its exit code is this command's.
 
 The tokenization's cost: a file or Hub dataset is tokenized here once through ``datasets``' cache, which rank 0 then
 reads instead of tokenizing it again (the same fingerprints: ``data.map_with_tokenizer``), so a large set costs its
