@@ -84,6 +84,13 @@ def _refusal(files: dict):
     return refused
 
 
+def named_cells() -> tuple[str, ...]:
+    """TOOLKIT_MATRIX_CELLS: cells by name, comma-separated (any cell, in the array or not), built and run instead of
+    SUITE or the array (``TOOLKIT_MATRIX_CELLS=lm-zero3-lora-bfd-qwen2-one-bf16-resume_new_rank python -m pytest
+    tests/matrix``): one cell of the full array without generating it."""
+    return tuple(name.strip() for name in os.environ.get("TOOLKIT_MATRIX_CELLS", "").split(",") if name.strip())
+
+
 def full_matrix(config) -> bool:
     """The whole array (``-m ""``, ``-m matrix_full`` or TOOLKIT_MATRIX=full), or else the SUITE cells alone: the
     array's generation (about 400 checks) is paid only when the whole matrix runs."""
@@ -97,9 +104,10 @@ def build(config) -> dict:
         return MATRIX
     from toolkit.models.offline import bpe_from_file
 
-    started, full = time.time(), full_matrix(config)
+    named = named_cells() or SUITE
+    started, full = time.time(), full_matrix(config) and not named_cells()
     root = config._tmp_path_factory.mktemp("matrix")
-    tasks = D.DIMENSIONS["task"] if full else sorted({D.Cell.from_name(name)["task"] for name in SUITE})
+    tasks = D.DIMENSIONS["task"] if full else sorted({D.Cell.from_name(name)["task"] for name in named})
     files = D.write_files(root, bpe_from_file(os.path.join(ROOT, "tests", "data", "bpe-2048", "tokenizer.json")),
                           tasks)
     files["root"] = root
@@ -110,7 +118,7 @@ def build(config) -> dict:
         cells = [D.Cell.of(values, seam) for values, _, seam in array.cells]
         refusals, checks = [m for _, m, _ in array.cells], array.checks
     else:
-        array, cells = None, [D.Cell.from_name(name) for name in SUITE]
+        array, cells = None, [D.Cell.from_name(name) for name in named]
         refusals, checks = [refused(dict(c.values)) for c in cells], len(cells)
     MATRIX.update(files=files, array=array, cells=cells, refusals=refusals, selected=set(), checks=checks,
                   seconds={"files": made - started, "array": time.time() - made})
@@ -124,7 +132,7 @@ def pytest_generate_tests(metafunc):
     params = []
     for i, cell in enumerate(matrix["cells"]):
         marks = [] if matrix["refusals"][i] is not None else [pytest.mark.slow]
-        if cell.name not in SUITE:
+        if cell.name not in (named_cells() or SUITE):
             marks.append(pytest.mark.matrix_full)
         params.append(pytest.param(i, marks=marks, id=f"{i:02d}-{cell.name}"))
     metafunc.parametrize("cell_index", params)

@@ -290,3 +290,38 @@ def test_the_checks_tokenization_is_the_cache_the_ranks_read(tmp_path, tiny_mode
                     data_parallel=2)[2]
     assert sorted(cache.rglob("cache-*.arrow")) == written  # nothing tokenized again
     assert {f["filename"] for split in lm.values() for f in split.cache_files} <= set(map(str, written))
+
+
+@pytest.mark.slow  # an in-process LoRA run writes the checkpoint
+def test_a_resume_the_checkpoint_refuses_is_refused_before_the_launch(capsys, tmp_path, tiny_model, padded_data):
+    """A relaunch into an output_dir whose checkpoint has another LoRA rank or alpha (or another global batch): the
+    ranks refused it (``plan_resume``, after the launch), ``toolkit train``'s check did not, as the resume checks took
+    the Accelerator (the capability matrix's resume_new_rank cells). Now the check reads the checkpoint's record:
+    one line, exit 2, nothing written, no launch."""
+    from helpers import train_in_process, tree_hash
+
+    out = tmp_path / "run"
+    fields = {"model_name_or_path": tiny_model, "train_file": padded_data["train_file"], "block_size": 48,
+              "per_device_train_batch_size": 4, "save_steps": 1, "report_to": "none", "plot": False,
+              "save_final_model": False, "optim": "sgd", "use_peft": True, "lora_r": 4, "lora_alpha": 8,
+              "lora_target_modules": "c_attn"}
+    train_in_process({**fields, "max_steps": 1, "output_dir": str(out)})
+    before = tree_hash(str(out))
+    relaunch = {**fields, "max_steps": 2, "output_dir": str(out), "resume_from_checkpoint": "latest"}
+
+    def argv(**changed) -> list[str]:
+        return [f"--{k}={v}" for k, v in {**relaunch, **changed}.items() if k != "model_name_or_path"]
+
+    ddp = launch.strategy_config("ddp")
+    launch.check("causal-lm", ddp, 1, ["--model_name_or_path", tiny_model, *argv()])  # the same run: it resumes
+    for changed, processes, field in (({"lora_r": 8}, 1, "lora_r"), ({"lora_alpha": 16}, 1, "lora_alpha"),
+                                      ({"lora_target_modules": "c_proj"}, 1, "lora_target_modules"),
+                                      ({}, 2, "per_device_train_batch_size")):  # 2 ranks x 4: a global batch of 8
+        with pytest.raises(ConfigError) as e:
+            launch.check("causal-lm", ddp, processes, ["--model_name_or_path", tiny_model, *argv(**changed)])
+        assert e.value.field_name == field, str(e.value)
+    capsys.readouterr()
+    line = _refused(capsys, ["lm", "--model", tiny_model, "--num_processes", "1", *argv(lora_r=8)])
+    assert line.startswith("config error: lora_r: cannot resume from ")
+    assert "it was trained with lora_r 4, now 8" in line
+    assert tree_hash(str(out)) == before, "the refused relaunch changed the run's files"

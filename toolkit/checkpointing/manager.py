@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from toolkit import layout
 from toolkit.checkpointing import checkpoint
 from toolkit.checkpointing.convert import UNIVERSAL, convert
-from toolkit.checkpointing.resume import check_resume, checkpoint_format, order_record
+from toolkit.checkpointing.resume import check_resume, check_resume_of, checkpoint_format, launched_format, order_record
 
 
 @dataclass
@@ -44,6 +44,17 @@ def plan_resume(cfg, accelerator, train_dataset, repeats: int = 1) -> ResumePlan
         return ResumePlan(order)
     saved, conversion = check_resume(resume_from, cfg, order, accelerator)
     return ResumePlan(order, resume_from, saved, conversion)
+
+
+def check_resume_before_launch(cfg, train_dataset, repeats: int, num_processes: int, ranks: int) -> None:
+    """``plan_resume``'s refusals from the files alone, in the launching process (``toolkit train``'s check, in the
+    environment ``accelerate launch`` gives the ranks): another LoRA layout, quantized base, optimizer, sample order
+    or global batch, or a format this launch cannot load, is one line and exit 2 before the launch. The ranks check
+    again (``plan_resume``): ``accelerate launch`` alone reaches only that."""
+    resume_from = layout.resolve_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint)
+    if resume_from is not None:
+        check_resume_of(resume_from, cfg, order_record(cfg, train_dataset, repeats), launched_format(cfg),
+                        num_processes, ranks)
 
 
 class Checkpointer:

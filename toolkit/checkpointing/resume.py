@@ -16,6 +16,7 @@ import os
 from toolkit import layout
 from toolkit.checkpointing import convert
 from toolkit.data.stream import TrainStream
+from toolkit.env.launcher import launched_strategy_name
 from toolkit.errors import ConfigError
 from toolkit.models import lora, quantization
 from toolkit.parallel.accelerator import data_parallel_size, strategy_name
@@ -163,6 +164,21 @@ def _tp_size(strategy: str, world: int) -> str:
 def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, str | None]:
     """Refuse, before the weights load, a resume that would not continue the same sample order (``order``: this
     run's ``order_record``) or that this launch cannot load; returns the checkpoint's state and its ``load_plan``."""
+    return check_resume_of(checkpoint, cfg, order, checkpoint_format(accelerator), accelerator.num_processes,
+                           data_parallel_size(accelerator))
+
+
+def launched_format(cfg) -> str:
+    """``checkpoint_format`` of the launch this process is in, from the environment ``accelerate launch`` sets, before
+    any Accelerator (``toolkit train``'s check)."""
+    return "pipeline" if cfg.train.pipeline_parallel_size > 1 else launched_strategy_name()
+
+
+def check_resume_of(checkpoint: str, cfg, order: dict, strategy: str, num_processes: int,
+                    ranks: int) -> tuple[dict, str | None]:
+    """``check_resume`` from the files alone (the checkpoint's ``toolkit_state.json``): ``strategy`` its
+    ``checkpoint_format``, ``ranks`` the data-parallel ranks. ``toolkit train`` runs it before it launches (no
+    Accelerator there), each rank again as it builds (for ``accelerate launch`` alone)."""
     saved = layout.read_checkpoint_state(checkpoint)
     if saved is None:  # RunConfig checks it for a named folder; 'latest' is resolved only here
         raise ConfigError("resume_from_checkpoint", f"{checkpoint} holds no {layout.CHECKPOINT_STATE}: not a "
@@ -188,9 +204,8 @@ def check_resume(checkpoint: str, cfg, order: dict, accelerator) -> tuple[dict, 
                 f"cannot resume from {checkpoint}: {what}, so the sample order would differ and the run would "
                 f"silently train on other rows; resume with the checkpoint's values, or start a new output_dir",
             )
-    plan = load_plan(checkpoint, saved, checkpoint_format(accelerator), accelerator.num_processes)
+    plan = load_plan(checkpoint, saved, strategy, num_processes)
     micro, accumulation = cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps
-    ranks = data_parallel_size(accelerator)  # the ranks of a tensor-parallel group take the same rows
     global_batch = ranks * micro * accumulation
     saved_batch = saved["loop"]["global_batch_size"]
     if saved_batch != global_batch:

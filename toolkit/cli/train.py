@@ -18,8 +18,10 @@ the launch environment ``accelerate launch`` would give the ranks (strategy x fi
 ``distributed.check_launch``; restarts across machines: ``elastic.check_restarts_supported``), and everything a rank
 runs before its weights load, by the ranks' own code (``build.build_data``: the tokenizer and chat template, the
 model's config, the data's files, columns and format, a tensor-parallel split, the data tokenized and one global
-batch of it). A mistake is one line and exit code 2, with no launcher traceback. Then ``accelerate launch`` runs the
-recipe, and its exit code is this command's.
+batch of it), and a resume's refusals that read only the checkpoint's files (``resume_from_checkpoint``: another LoRA
+layout, quantized base, optimizer, sample order or global batch, or a format this launch cannot load:
+``checkpointing.check_resume_before_launch``). A mistake is one line and exit code 2, with no launcher traceback.
+Then ``accelerate launch`` runs the recipe, and its exit code is this command's.
 
 The tokenization's cost: a file or Hub dataset is tokenized here once through ``datasets``' cache, which rank 0 then
 reads instead of tokenizing it again (the same fingerprints: ``data.map_with_tokenizer``), so a large set costs its
@@ -233,6 +235,7 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
     if mixed_precision:
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     with environment(env), _quiet_datasets():  # a rank's environment, for the checks that read it
+        from toolkit.checkpointing import check_resume_before_launch
         from toolkit.env.elastic import check_restarts_supported
         from toolkit.env.launcher import launched_data_parallel_size, launched_parallel_sizes, launched_strategy_name
         from toolkit.parallel.accelerator import check_launch
@@ -241,12 +244,15 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
         check_restarts_supported()  # what a rank checks as its config parses (elastic.continue_restart), in its env
         check_launch(cfg.train)
         module, name = TASK_CLASSES[task].split(":")
+        task_object = getattr(importlib.import_module(module), name)()
+        ranks = launched_data_parallel_size(cfg.train.pipeline_parallel_size * cfg.train.sequence_parallel_size)
         # what every rank runs before its weights load, tokenization included (build.build_data): its datasets cache
         # is then the ranks' (a stream: its first window and validation rows, read again by each rank)
-        build_data(cfg, getattr(importlib.import_module(module), name)(), lambda *a, **k: None,
-                   strategy=launched_strategy_name(), tp_size=launched_parallel_sizes().get("tp", 1),
-                   data_parallel=launched_data_parallel_size(cfg.train.pipeline_parallel_size
-                                                              * cfg.train.sequence_parallel_size))
+        lm = build_data(cfg, task_object, lambda *a, **k: None, strategy=launched_strategy_name(),
+                        tp_size=launched_parallel_sizes().get("tp", 1), data_parallel=ranks)[2]
+        # and the resume's refusals that read only the checkpoint's files (the ranks' plan_resume, without its
+        # Accelerator): another LoRA rank, alpha or global batch is one line here, not a refusal in every rank
+        check_resume_before_launch(cfg, lm["train"], task_object.sample_repeats(cfg), processes, ranks)
 
 
 def _elastic_env(launcher: argparse.Namespace | None) -> dict[str, str]:

@@ -95,11 +95,40 @@ def _quiet_peft():
 
 
 def wrap(model, config):
-    """``peft.get_peft_model``, quietly (``_quiet_peft``)."""
+    """``peft.get_peft_model``, quietly (``_quiet_peft``), with adapters of the whole layer's widths on a model split
+    by tensor parallelism (``_whole_widths``)."""
     from peft import get_peft_model
 
-    with _quiet_peft():
+    with _quiet_peft(), _whole_widths():
         return get_peft_model(model, config)
+
+
+@contextmanager
+def _whole_widths():
+    """peft's LoRA layers sized by the base layer's whole widths (``in_features``, ``out_features``) where its weight is
+    a tensor-parallel DTensor. peft 0.21 sizes them by the rank's shard (``to_local().shape``) and keeps that width in
+    the shard's ``nn.Linear`` (lora_A's ``in_features`` under a rowwise layer, lora_B's ``out_features`` under a
+    colwise one), while transformers 5's TP hooks read the module's ``in_features`` / ``out_features`` as the whole
+    width: the first forward failed ("shape '[384, 8]' is invalid", docs/pitfalls.md#peft-tp-lora-widths). Whole-width
+    adapters are also initialised as one process initialises them (the same draws of the same seed), and peft then
+    shards them itself (``add_lora_tp_hooks_dtensor``: each rank keeps its slice of the same tensor)."""
+    import torch
+    from peft.tuners.lora.layer import LoraLayer
+
+    sharded = LoraLayer._get_in_out_features
+
+    def whole(self, module):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(module, torch.nn.Linear) and isinstance(module.weight, DTensor):
+            return module.in_features, module.out_features
+        return sharded(self, module)
+
+    LoraLayer._get_in_out_features = whole
+    try:
+        yield
+    finally:
+        LoraLayer._get_in_out_features = sharded
 
 
 def apply_lora(model, args: ModelArguments, task_type: str, log=print):
@@ -135,10 +164,34 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+FSDP1_WRAPPER = "_fsdp_wrapped_module."  # in the module names of a model FSDP1 wrapped, above each unit it wraps
+
+
+def peft_names(unwrapped):
+    """The model whose module names peft reads the adapter's keys from (``save_pretrained`` keeps the state dict's
+    entries under its LoRA layers' names): ``unwrapped`` itself, or under FSDP1 a copy of its architecture on the meta
+    device wrapped by its LoRA config. FSDP1 puts ``_fsdp_wrapped_module.`` inside the names of the modules below each
+    unit it wraps (every transformer block), where its gathered state dict has none; peft 0.21 strips only a leading
+    one, so it found none of the adapter's keys and wrote an adapter with no tensor (docs/pitfalls.md#peft-fsdp1-names).
+    The copy has the names the state dict has, and costs no memory."""
+    import copy
+
+    import torch
+
+    if not any(FSDP1_WRAPPER in name for name, _ in unwrapped.named_modules()):
+        return unwrapped
+    base = unwrapped.get_base_model()
+    with torch.device("meta"):
+        fresh = type(base)._from_config(copy.deepcopy(base.config))
+    fresh.name_or_path = base.name_or_path  # what adapter_config.json names as the base
+    with torch.device("meta"):
+        return wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
+
+
 def save_adapter(unwrapped, state_dict: dict, path: str) -> None:
     """``adapter_model.safetensors`` + ``adapter_config.json`` from the gathered full state dict (main process), and
     the base model's config as trained (``config.json``: a classifier's labels, dropout as set) for ``load_exported``."""
-    unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    peft_names(unwrapped).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     config = unwrapped.get_base_model().config
     quantized = getattr(config, "quantization_config", None)
     if quantized is not None:  # the base's own config: load_exported quantizes it again as the run's fields say
@@ -166,8 +219,14 @@ def save_merged(unwrapped, state_dict: dict, path: str) -> None:
         missing, unexpected = fresh.load_state_dict(adapter, strict=False)
         missing = [k for k in missing if "lora_" in k or "modules_to_save" in k]
     else:
+        config = copy.deepcopy(base.config)
+        # a tensor-parallel base's config carries transformers' distributed_config: the copy's save_pretrained, on
+        # this process alone, would wait in a barrier for the other ranks (which the export's own barrier then met:
+        # a hang one collective later). The copy is one plain model.
+        if getattr(config, "distributed_config", None) is not None:
+            config.distributed_config = None
         with torch.device("cpu"):
-            fresh = type(base)._from_config(copy.deepcopy(base.config), dtype=next(iter(state_dict.values())).dtype)
+            fresh = type(base)._from_config(config, dtype=next(iter(state_dict.values())).dtype)
         fresh = wrap(fresh, copy.deepcopy(unwrapped.peft_config["default"]))
         missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
         missing = [k for k in missing if not _is_tied_alias(fresh, k)]
