@@ -246,7 +246,7 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
         build_data(cfg, getattr(importlib.import_module(module), name)(), lambda *a, **k: None,
                    strategy=launched_strategy_name(), tp_size=launched_parallel_sizes().get("tp", 1),
                    data_parallel=launched_data_parallel_size(cfg.train.pipeline_parallel_size
-                                                              * cfg.train.sequence_parallel_size))
+                                                              * cfg.train.split_size))
 
 
 def _elastic_env(launcher: argparse.Namespace | None) -> dict[str, str]:
