@@ -90,6 +90,7 @@ class _Ring:
 
     def start(self, tensors):
         """Send ``tensors`` on, receive the previous rank's (same shapes); returns (works, received)."""
+        tensors = [t.contiguous() for t in tensors]  # gloo sends contiguous tensors only
         received = [torch.empty_like(t) for t in tensors]
         ops = [op for sent, got in zip(tensors, received)
                for op in (dist.P2POp(dist.isend, sent, self.next, self.group),
@@ -110,7 +111,12 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale):
         ring = _Ring(group)
         c = q.shape[2] // 2
-        out, lse, kv = None, None, (k.contiguous(), v.contiguous())
+        # contiguous: the kernels', the sends' and the gradients' layout (zeros_like keeps a view's strides); GPT-2's
+        # key/value are strided views of one projection
+        # and one dtype: the kernels take no mix (autocast leaves this function's inputs as the projections gave them)
+        ctx.dtypes = (k.dtype, v.dtype)
+        q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+        out, lse, kv = None, None, (k, v)
         for step in range(ring.n):
             works, arriving = ring.start(kv) if step < ring.n - 1 else ([], None)
             for qs, ks, causal in _blocks(step, ring.rank, ring.n, c):
@@ -132,7 +138,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(ctx.group)
         c = q.shape[2] // 2
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv, dkv = (k.contiguous(), v.contiguous()), None
+        kv, dkv = (k, v), None
         for step in range(ring.n):
             works, arriving = ring.start(kv) if step < ring.n - 1 else ([], None)
             own = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
@@ -151,7 +157,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)
             kv = arriving
         # after n hops (the last one after the last step) the sums for this rank's own keys/values have arrived
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(ctx.dtypes[0]), dkv[1].to(ctx.dtypes[1]), None, None
 
 
 def ring_attention(q, k, v, group, scale=None):
