@@ -138,7 +138,7 @@ def report(results: dict, opts) -> str:
     lines.append("")
     for label, rows in results.items():
         fits = [r["length"] for r in rows if r["peak_above_resting_mb"] <= opts.cap_mb]
-        lines.append(f"- n = {label}: the longest measured length within {opts.cap_mb} MB per rank: "
+        lines.append(f"- {'n = ' * label.isdigit()}{label}: the longest measured length within {opts.cap_mb} MB per rank: "
                      f"{max(fits) if fits else 'none'}")
     return "\n".join(lines) + "\n"
 

@@ -54,6 +54,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
     sft = Runs(tmp_path_factory.mktemp("sp-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}, recipe="sft", probe=False)
+    sft.plan("cp2", None, 2, 4, 2, CP2, recipe="sft", probe=False)
     return {"runs": r, "tp_runs": tp, "sft_runs": sft}
 
 
@@ -286,12 +287,13 @@ def test_sequence_parallel_with_activation_checkpointing_and_lora_equals_one_pro
 
 def test_sequence_parallel_gpt2_and_chat_sft_equal_one_process(runs, sft_runs):
     """GPT-2 (2 heads, learned absolute positions: each rank's part gets its global position ids) on padded text, and
-    chat SFT (the loss on the assistant's tokens only, padded chats), each on 2 ranks as one group of 2 with
-    accumulation 2, against one process x 8."""
+    chat SFT (the loss on the assistant's tokens only, padded chats; under Ulysses and under the ring), each on 2
+    ranks as one group of 2 with accumulation 2, against one process x 8."""
     _same_training(runs.get("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2}),
                    runs.get("one", None, 1, 8, 1, {"save_steps": None}))
-    _same_training(sft_runs.get("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}),
-                   sft_runs.get("one", None, 1, 8, 1, {}))
+    for split in ({"sequence_parallel_size": 2}, CP2):  # chat SFT under Ulysses and under the ring
+        _same_training(sft_runs.get("sp2" if split != CP2 else "cp2", None, 2, 4, 2, split),
+                       sft_runs.get("one", None, 1, 8, 1, {}))
 
 
 def test_sequence_parallel_adamw_with_clipping_and_resume_across_sizes(runs):

@@ -2,8 +2,8 @@
 
 ``sequence_parallel_size: n`` (DeepSpeed-Ulysses; LLaMA-Factory's and ms-swift's name), or ``context_parallel_size:
 n`` (ring attention, ``toolkit.parallel.ring``; axolotl's name): everything but the attention and which positions a
-rank holds is the same for both (below; for the ring, read "ring attention" for step 2's all-to-all and SDPA). The W launched ranks form
-W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows (the sample order's
+rank holds is the same for both (below; for the ring, read "ring attention" for step 2's all-to-all and SDPA).
+The W launched ranks form W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows (the sample order's
 ``copies``: ``toolkit.data.order``), so the data-parallel size is W / n and the global batch means what it means
 without the split. In a training micro-step each rank of a group:
 
@@ -66,16 +66,14 @@ def check_launch(args) -> None:
         return
     strategy, world = launched_strategy_name(), launched_world_size()
     if strategy not in ("ddp", "single", "fsdp2") or launched_parallel_sizes():
-        raise ConfigError(name, f"sequence parallelism runs on ddp.yaml (each rank the whole "
-                                                    "model) or fsdp.yaml (FSDP2, the weights sharded over every rank);"
-                                                    f" this launch is {strategy}"
-                                                    f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
-                                                    ", which is not proven under it: launch with "
-                                                    "accelerate_configs/ddp.yaml or fsdp.yaml, or set "
-                                                    f"{name} 1")
+        raise ConfigError(name, "sequence parallelism runs on ddp.yaml (each rank the whole model) or fsdp.yaml "
+                                f"(FSDP2, the weights sharded over every rank); this launch is {strategy}"
+                                f"{' with a parallelism_config' if launched_parallel_sizes() else ''}, which is not "
+                                "proven under it: launch with accelerate_configs/ddp.yaml or fsdp.yaml, or set "
+                                f"{name} 1")
     if world % n:
-        raise ConfigError(name, f"{n} does not divide the {world} launched processes: launch a "
-                                                    f"multiple of {n} (--num_processes {n} or {2 * n})")
+        raise ConfigError(name, f"{n} does not divide the {world} launched processes: launch a multiple of {n} "
+                                f"(--num_processes {n} or {2 * n})")
 
 
 def check_run(cfg, task, model_config) -> None:
@@ -92,6 +90,9 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
                                                  "it: leave attn_implementation unset or sdpa")
+    if _sliding_window(model_config):  # the split attends causally over the whole sequence: no window, no silent change
+        raise ConfigError(name, f"the model attends within a sliding window ({model_config.sliding_window} "
+                                f"positions), which sequence parallelism does not: set {name} 1")
     if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
         if cfg.data.padding_free:
             raise ConfigError("packing_strategy", f"{cfg.data.packing_strategy} (padding-free packing) is not "
@@ -103,6 +104,15 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("sequence_parallel_size", f"Ulysses splits the attention heads over the group: the model's "
                                                     f"{heads} query heads do not divide by {n}; use a divisor of "
                                                     f"{heads}")
+
+
+def _sliding_window(model_config) -> bool:
+    """Whether some layer of the model attends within a sliding window (Qwen2's ``use_sliding_window``, Mistral's)."""
+    types = getattr(model_config, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    return getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window",
+                                                                                 True)
 
 
 @dataclass
