@@ -15,7 +15,7 @@ computes, with the chunks' order (2n positions of chunks, each of length c):
            query head chunk j lies before both: fully masked, skipped.
 
 Each step runs the flash-attention kernel (CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA: the
-memory-efficient kernel, which takes fp32 as well) and returns its output and log-sum-exp per query; the partial
+memory-efficient kernel, which takes fp32 as well; not run on a GPU here yet: ``bench/gpu_check.sh`` checks it) and returns its output and log-sum-exp per query; the partial
 outputs merge by their log-sum-exps (``_merge``), exactly what one softmax over every key gives. The backward
 (``_RingAttention.backward``) runs the kernels' backward per step with the merged output and log-sum-exp (what
 flash attention's backward needs to rebuild each block's probabilities), passes the keys/values around the ring again,
@@ -41,11 +41,10 @@ def order(length: int, n: int) -> list[tuple[int, int]]:
 def _forward_kernel(q, k, v, causal: bool, scale):
     """One block's attention: (output batch x heads x positions x dim, log-sum-exp batch x heads x positions fp32)."""
     if q.device.type == "cuda":
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)
-        return out, lse[..., :q.shape[2]].float(), (seed, offset, lse)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, None
+        return out, lse[..., :q.shape[2]].float()  # without dropout its seed and offset are not used
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 def _backward_kernel(grad, q, k, v, out, lse, causal: bool, scale):
@@ -62,8 +61,6 @@ def _backward_kernel(grad, q, k, v, out, lse, causal: bool, scale):
 
 def _merge(out, lse, block_out, block_lse):
     """Two softmax-normalised partial outputs over disjoint keys merged into the one over their union (fp32)."""
-    if out is None:
-        return block_out.float(), block_lse
     new = torch.logaddexp(lse, block_lse)
     return (out * torch.exp(lse - new).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new).unsqueeze(-1),
             new)
@@ -111,17 +108,16 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale):
         ring = _Ring(group)
         c = q.shape[2] // 2
-        # contiguous: the kernels', the sends' and the gradients' layout (zeros_like keeps a view's strides); GPT-2's
-        # key/value are strided views of one projection
-        # and one dtype: the kernels take no mix (autocast leaves this function's inputs as the projections gave them)
+        # contiguous, for the sends and the gradients' layout (zeros_like keeps a view's strides; GPT-2's key/value
+        # are strided views of one projection), and of one dtype: the kernels take no mix of dtypes
         ctx.dtypes = (k.dtype, v.dtype)
         q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
         out, lse, kv = None, None, (k, v)
         for step in range(ring.n):
             works, arriving = ring.start(kv) if step < ring.n - 1 else ([], None)
             for qs, ks, causal in _blocks(step, ring.rank, ring.n, c):
-                block_out, block_lse, _ = _forward_kernel(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
-                if out is None:  # step 0 covers every query: the merge of the rows that later blocks touch
+                block_out, block_lse = _forward_kernel(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
+                if out is None:  # step 0 covers every query: the later blocks merge into its rows
                     out, lse = block_out.float(), block_lse.float()
                 else:
                     out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
