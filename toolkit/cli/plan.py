@@ -2,7 +2,8 @@
 
     python -m toolkit plan --model meta-llama/Llama-2-7b-hf --gpus 8 --gpu-memory 80GB [--nodes 2]
         [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]
-        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing] [--sequence-parallel-size N | --context-parallel-size N]
+        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing]
+        [--sequence-parallel-size N | --context-parallel-size N]
 
 The model is counted from its config on the meta device (no weights allocated). Per device and per strategy:
 

@@ -15,11 +15,12 @@ computes, with the chunks' order (2n positions of chunks, each of length c):
            query head chunk j lies before both: fully masked, skipped.
 
 Each step runs the flash-attention kernel (CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA: the
-memory-efficient kernel, which takes fp32 as well; not run on a GPU here yet: ``bench/gpu_check.sh`` checks it) and returns its output and log-sum-exp per query; the partial
-outputs merge by their log-sum-exps (``_merge``), exactly what one softmax over every key gives. The backward
-(``_RingAttention.backward``) runs the kernels' backward per step with the merged output and log-sum-exp (what
-flash attention's backward needs to rebuild each block's probabilities), passes the keys/values around the ring again,
-and sends the gradients of the keys/values along with them, so each reaches its owner after n hops.
+memory-efficient kernel, which takes fp32 as well; not run on a GPU here yet: ``bench/gpu_check.sh`` checks it) and
+returns its output and log-sum-exp per query; the partial outputs merge by their log-sum-exps (``_merge``), exactly
+what one softmax over every key gives. The backward (``_RingAttention.backward``) runs the kernels' backward per
+step with the merged output and log-sum-exp (what flash attention's backward needs to rebuild each block's
+probabilities), passes the keys/values around the ring again, and sends the gradients of the keys/values along with
+them, so each reaches its owner after n hops.
 
 Every row has a real causal diagonal, so no query row is ever fully masked: a query's log-sum-exp is finite from
 step 0 on. Rows are right-padded: pad positions come after every real token, no real query sees them.

@@ -2,10 +2,10 @@
 
 ``sequence_parallel_size: n`` (DeepSpeed-Ulysses; LLaMA-Factory's and ms-swift's name), or ``context_parallel_size:
 n`` (ring attention, ``toolkit.parallel.ring``; axolotl's name): everything but the attention and which positions a
-rank holds is the same for both (below; for the ring, read "ring attention" for step 2's all-to-all and SDPA).
-The W launched ranks form W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows (the sample order's
-``copies``: ``toolkit.data.order``), so the data-parallel size is W / n and the global batch means what it means
-without the split. In a training micro-step each rank of a group:
+rank holds is the same for both (below; for the ring, read "ring attention" for step 2's all-to-all and SDPA). The W
+launched ranks form W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows
+(the sample order's ``copies``: ``toolkit.data.order``), so the data-parallel size is W / n and the global batch
+means what it means without the split. In a training micro-step each rank of a group:
 
     1. shifts the labels on the whole row (so the token at each cut is a target exactly once), pads the row to a
        multiple of n (padding: no target), and keeps its n-th of the positions: ids, global positions, targets;
