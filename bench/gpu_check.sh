@@ -12,6 +12,9 @@
 # the sdpa bfd run's.
 # Then QLoRA (docs/memory.md#qlora): SmolLM2-135M (offline, from its GGUF) in 4 bits (NF4, double quantization, bf16
 # compute and storage) under FSDP2, LoRA r=16 on every linear layer; tokens/s, peak memory and the loss it ends at.
+# Then, with 2 GPUs or more, the sequence split (docs/strategies.md#sequence-parallelism): the same GPT-2 in fp32 with
+# SGD on padded rows of varied length, one process against Ulysses 2 (sequence_parallel_size) and the ring 2
+# (context_parallel_size: the memory-efficient attention kernels on CUDA, NCCL's sends), final weights within 1e-5.
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -128,4 +131,28 @@ assert math.isfinite(rows[-1]["loss"]) and rows[-1]["loss"] < rows[0]["loss"], (
 print(f"gpu_check qlora fsdp2: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
       f"{rows[-1]['tokens_per_s']:,.0f} tokens/s in the last window, peak memory {max(s['peak_memory_gb_per_rank']):.2f} GB")
 PY
+fi
+if python -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)"; then
+  SPLIT=(recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc --block_size 512 --packing false
+         --optim sgd --learning_rate 0.1 --max_grad_norm 0 --lr_scheduler_type constant --weight_decay 0 --max_steps 3
+         --logging_steps 1 --eval_on_start false --report_to none --seed 7 --overwrite_output_dir true)
+  python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 "${SPLIT[@]}" \
+    --per_device_train_batch_size 4 --output_dir "$WORK/split-one"
+  for FIELD in sequence_parallel_size context_parallel_size; do
+    python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 2 "${SPLIT[@]}" \
+      --per_device_train_batch_size 4 "--$FIELD" 2 --output_dir "$WORK/split-$FIELD"
+  done
+  python - "$WORK" <<'PY'
+import sys
+from safetensors.torch import load_file
+work = sys.argv[1]
+one = load_file(f"{work}/split-one/final/model.safetensors")
+for field in ("sequence_parallel_size", "context_parallel_size"):
+    two = load_file(f"{work}/split-{field}/final/model.safetensors")
+    diff = max((one[k].double() - two[k].double()).abs().max().item() for k in one)
+    print(f"gpu_check {field} 2 on 2 GPUs: final weights {diff:.2e} from one process")
+    assert diff <= 1e-5, (field, diff)
+PY
+else
+  echo "gpu_check sequence split: fewer than 2 GPUs, the Ulysses and ring equality check is skipped"
 fi

@@ -1,10 +1,12 @@
-"""Ulysses sequence parallelism on CPU ranks: peak memory per rank against the sequence length, and the step time.
+"""Ulysses and ring attention on CPU ranks: peak memory per rank against the sequence length, and the step time.
 
-    python bench/long_context.py [--sizes 1 2 4 --lengths 1024 2048 4096 --layers 4 --width 128 --cap-mb 200]
+    python bench/long_context.py [--sizes 1 2 4 --ring-sizes 2 4 --lengths 1024 2048 4096 --layers 4 --width 128
+                                  --cap-mb 200]
 
-For each sequence-parallel size n, n gloo ranks (``torch.multiprocessing``, ``OMP_NUM_THREADS=1``) each build the same
+For each sequence-parallel size n (Ulysses: ``--sizes``; ring attention, ``context_parallel_size``: ``--ring-sizes``,
+rows "ring n"), n gloo ranks (``torch.multiprocessing``, ``OMP_NUM_THREADS=1``) each build the same
 Llama shape from a config (``--width`` wide, ``--layers`` layers, 8 query and 4 key/value heads, a 2048-token
-vocabulary) with ``toolkit.parallel.sequence``'s attention, and run one forward and backward of one row of each
+vocabulary) with ``toolkit.parallel.sequence``'s attention (the all-to-all, or the ring), and run one forward and backward of one row of each
 length, longest last, through ``toolkit.parallel.sequence.row_losses`` (what a training micro-step runs; without
 DDP's gradient all-reduce, which does not depend on the length). Per rank and length: the peak resident memory above
 the rank's resting memory before the step (``ru_maxrss`` after the step minus the resident set before it: the step's
@@ -12,9 +14,10 @@ activations, logits, attention and gradients, which grow with the length) and th
 at the shortest length). Reports the ratio of n ranks' per-rank peak to one process's at the same length (activations
 split n ways: close to 1/n, plus what does not shrink: the gradients of the whole model), the longest measured length
 within ``--cap-mb`` per rank, the step time at the same tokens per rank against n = 1 (which also holds attention
-over an n times longer sequence for 1/n of the heads: n times its quadratic work per rank), and the seconds spent
-inside the all-to-alls (forward and backward, the slowest rank; on an oversubscribed CPU this includes waiting for the
-slowest rank to arrive).
+over an n times longer sequence for 1/n of the heads: n times its quadratic work per rank; the ring: its queries
+against n times the keys, about n times as well, in n steps), and the seconds spent inside the communication (the
+all-to-alls, or waiting for the ring's sends and receives; forward and backward, the slowest rank; on an
+oversubscribed CPU this includes waiting for the slowest rank to arrive).
 Writes ``bench/results/long_context.json`` and ``.md``.
 """
 
@@ -41,13 +44,14 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _rank(rank: int, n: int, opts, port: int, out: str) -> None:
+def _rank(rank: int, n: int, opts, port: int, out: str, ring: bool = False) -> None:
     from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from toolkit.parallel import ring as ring_attention
     from toolkit.parallel import sequence
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -58,19 +62,21 @@ def _rank(rank: int, n: int, opts, port: int, out: str) -> None:
                          max_position_embeddings=max(opts.lengths), attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
     accelerator = SimpleNamespace(process_index=rank, num_processes=n, print=lambda *a, **k: None)
-    group = sequence.setup(accelerator, SimpleNamespace(sequence_parallel_size=n), model) if n > 1 else None
+    sizes = SimpleNamespace(sequence_parallel_size=1 if ring else n, context_parallel_size=n if ring else 1)
+    group = sequence.setup(accelerator, sizes, model) if n > 1 else None
     model.train()
-    waited = [0.0]  # seconds inside the all-to-alls (forward and backward), this rank
-    all_to_all = sequence._all_to_all
+    waited = [0.0]  # seconds inside the all-to-alls or the ring's waits (forward and backward), this rank
+    owner, name = (ring_attention, "_wait") if ring else (sequence, "_all_to_all")
+    communicate = getattr(owner, name)
 
     def timed(*args):
         started = time.perf_counter()
         try:
-            return all_to_all(*args)
+            return communicate(*args)
         finally:
             waited[0] += time.perf_counter() - started
 
-    sequence._all_to_all = timed
+    setattr(owner, name, timed)
 
     def step(length: int) -> float:
         ids = torch.randint(0, 2048, (1, length), generator=torch.Generator().manual_seed(length))
@@ -98,12 +104,12 @@ def _rank(rank: int, n: int, opts, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(n: int, opts, port: int) -> list[dict]:
+def measure(n: int, opts, port: int, ring: bool = False) -> list[dict]:
     """Every rank's records for size n: per length, the largest peak over the ranks and the slowest rank's time."""
     import torch.multiprocessing as mp
 
-    out = os.path.join(RESULTS, f".long_context_{n}")
-    mp.start_processes(_rank, args=(n, opts, port, out), nprocs=n, start_method="spawn")
+    out = os.path.join(RESULTS, f".long_context_{'ring' if ring else 'ulysses'}_{n}")
+    mp.start_processes(_rank, args=(n, opts, port, out, ring), nprocs=n, start_method="spawn")
     per_rank = []
     for rank in range(n):
         with open(f"{out}.rank{rank}") as f:
@@ -120,18 +126,19 @@ def report(results: dict, opts) -> str:
              "per step; per rank: peak resident memory above the resting memory (MB), step time (s, forward and "
              "backward, slowest rank)", "",
              "| n | length | tokens per rank | peak MB per rank | vs n=1 at this length | step s | vs n=1 at the "
-             "same tokens per rank | in all-to-alls s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for n, rows in results.items():
+             "same tokens per rank | communicating s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, rows in results.items():
+        n = label.split()[-1]  # "2" (Ulysses) or "ring 2"
         for r in rows:
             base, same = one.get(r["length"]), one.get(r["length"] // int(n))
             ratio = f"{r['peak_above_resting_mb'] / base['peak_above_resting_mb']:.2f}" if base else ""
             cost = f"{r['step_s'] / same['step_s']:.2f}" if same and n != "1" else ""
-            lines.append(f"| {n} | {r['length']} | {r['length'] // int(n)} | {r['peak_above_resting_mb']} | {ratio} | "
+            lines.append(f"| {label} | {r['length']} | {r['length'] // int(n)} | {r['peak_above_resting_mb']} | {ratio} | "
                          f"{r['step_s']} | {cost} | {r['all_to_all_s']} |")
     lines.append("")
-    for n, rows in results.items():
+    for label, rows in results.items():
         fits = [r["length"] for r in rows if r["peak_above_resting_mb"] <= opts.cap_mb]
-        lines.append(f"- n = {n}: the longest measured length within {opts.cap_mb} MB per rank: "
+        lines.append(f"- {'n = ' * label.isdigit()}{label}: the longest measured length within {opts.cap_mb} MB per rank: "
                      f"{max(fits) if fits else 'none'}")
     return "\n".join(lines) + "\n"
 
@@ -139,6 +146,7 @@ def report(results: dict, opts) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ring-sizes", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
@@ -148,6 +156,7 @@ def main(argv=None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.makedirs(RESULTS, exist_ok=True)
     results = {str(n): measure(n, opts, 29500 + 7 * i) for i, n in enumerate(opts.sizes)}
+    results.update({f"ring {n}": measure(n, opts, 29600 + 7 * i, ring=True) for i, n in enumerate(opts.ring_sizes)})
     text = report(results, opts)
     print(text)
     with open(os.path.join(RESULTS, "long_context.json"), "w") as f:

@@ -54,6 +54,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, gpt2_
     sft = Runs(tmp_path_factory.mktemp("sp-sft"), gpt2_256, chats, SFT, pool=pool)
     sft.plan("one", None, 1, 8, 1, {}, recipe="sft", probe=False)
     sft.plan("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}, recipe="sft", probe=False)
+    sft.plan("cp2", None, 2, 4, 2, CP2, recipe="sft", probe=False)
     return {"runs": r, "tp_runs": tp, "sft_runs": sft}
 
 
@@ -101,10 +102,17 @@ SFT = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="c
            max_steps=3, logging_steps=1, seed=7, report_to="none", shuffle=True, per_device_eval_batch_size=3,
            packing=False, block_size=128)
 SP2 = {"sequence_parallel_size": 2}
+CP2 = {"context_parallel_size": 2}  # ring attention
 # name: (name, launch config, world, micro-batch, accumulation, fields); the global batch is 8 rows in each
-SEQUENCE_RUNS = {name: (name, config, world, micro, 2, {"sequence_parallel_size": n})
-                 for name, config, world, micro, n in (("sp2", "ddp.yaml", 2, 4, 2), ("dp2_sp2", "ddp.yaml", 4, 2, 2),
-                                                       ("sp4", "ddp.yaml", 4, 4, 4), ("fsdp2_sp2", "fsdp.yaml", 2, 4, 2))}
+SEQUENCE_RUNS = {name: (name, config, world, micro, 2, {field: n})
+                 for name, config, world, micro, field, n in (
+                     ("sp2", "ddp.yaml", 2, 4, "sequence_parallel_size", 2),
+                     ("dp2_sp2", "ddp.yaml", 4, 2, "sequence_parallel_size", 2),
+                     ("sp4", "ddp.yaml", 4, 4, "sequence_parallel_size", 4),
+                     ("fsdp2_sp2", "fsdp.yaml", 2, 4, "sequence_parallel_size", 2),
+                     ("cp2", "ddp.yaml", 2, 4, "context_parallel_size", 2),
+                     ("dp2_cp2", "ddp.yaml", 4, 2, "context_parallel_size", 2),
+                     ("fsdp2_dp2_cp2", "fsdp.yaml", 4, 2, "context_parallel_size", 2))}
 # padding-free packing: whole documents best-fit decreasing into 48-token rows, each micro-batch one flattened row
 SP_BFD = {"packing": True, "packing_strategy": "bfd"}
 PACKED_RUNS = {name: (name, "ddp.yaml", world, micro, accum, {**SP_BFD, **extra}) for name, world, micro, accum, extra in
@@ -119,11 +127,13 @@ SWITCH_RUNS = {"sp2_checkpointing": ("sp2_checkpointing", "ddp.yaml", 2, 4, 2, {
 SP_ADAMW = dict(optim="adamw_torch", learning_rate=3e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
                 warmup_steps=0, weight_decay=0.01, save_steps=2, adam_epsilon=1e-6)
 SP_ADAMW_RUNS = {"adamw_sp2": ("ddp.yaml", 2, 4, 2, {**SP_ADAMW, **SP2}),
-                 "adamw_fsdp2_sp2": ("fsdp.yaml", 2, 4, 2, {**SP_ADAMW, **SP2})}
+                 "adamw_fsdp2_sp2": ("fsdp.yaml", 2, 4, 2, {**SP_ADAMW, **SP2}),
+                 "adamw_cp2": ("ddp.yaml", 2, 4, 2, {**SP_ADAMW, **CP2})}
 RESUMED = {**SP_ADAMW, "resume_from_checkpoint": "latest"}
-# a step-2 checkpoint resumed on another sequence-parallel size: 2 -> 1 (one process) and 1 -> 2
+# a step-2 checkpoint resumed on another sequence-parallel size: 2 -> 1 (one process) and 1 -> 2; the ring's 2 -> 1
 SP_RESUMES = {"adamw_sp2_to_one": ("ddp.yaml", 1, 8, 1, RESUMED, "adamw_sp2"),
-              "adamw_one_to_sp2": ("ddp.yaml", 2, 4, 2, {**RESUMED, **SP2}, "adamw_one")}
+              "adamw_one_to_sp2": ("ddp.yaml", 2, 4, 2, {**RESUMED, **SP2}, "adamw_one"),
+              "adamw_cp2_to_one": ("ddp.yaml", 1, 8, 1, RESUMED, "adamw_cp2")}
 TP_ADAMW = {"optim": "adamw_torch", "learning_rate": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.1,
             "lr_scheduler_type": "linear", "adam_epsilon": 1e-6, "max_steps": 4}
 
@@ -218,7 +228,9 @@ def test_sequence_parallel_equals_one_process(tp_runs, name):
     4 ranks x (2 x 2 x 2) and 4 ranks x (1 x 4 x 2) all train on the global batches of one process x 8. DDP averages
     over every rank, a group's ranks hold parts of one gradient: the loss is scaled by the world, not the
     data-parallel size (with the data-parallel size: 0.055 off). sp4 splits the 4 query heads over 4 ranks and
-    replicates the 2 key/value heads. Evaluation runs whole rows on every rank: the same eval loss."""
+    replicates the 2 key/value heads. The ring (cp2, dp2_cp2, fsdp2_dp2_cp2: context_parallel_size 2, under DDP and
+    FSDP2) passes keys/values around instead, each rank a head and a tail chunk of the row padded to a multiple of 4.
+    Evaluation runs whole rows on every rank: the same eval loss."""
     reference = tp_runs.get("one", None, 1, 8, 1, {})
     run = tp_runs.get(*SEQUENCE_RUNS[name])
     assert max_abs_diff(load_weights(os.path.join(reference, "final")), load_weights(os.path.join(run, "final"))) <= 1e-6
@@ -231,7 +243,7 @@ def test_sequence_parallel_equals_one_process(tp_runs, name):
     assert [t for t, _ in evals] == [t for t, _ in want_evals] and want_evals
     assert [v for _, v in evals] == pytest.approx([v for _, v in want_evals], rel=1e-6, abs=0)
     config = json.load(open(os.path.join(run, "final", "config.json")))  # the export loads anywhere: plain attention
-    assert "toolkit_ulysses" not in json.dumps(config)
+    assert "toolkit_ulysses" not in json.dumps(config) and "toolkit_ring" not in json.dumps(config)
 
 
 @pytest.fixture(scope="module")
@@ -275,18 +287,20 @@ def test_sequence_parallel_with_activation_checkpointing_and_lora_equals_one_pro
 
 def test_sequence_parallel_gpt2_and_chat_sft_equal_one_process(runs, sft_runs):
     """GPT-2 (2 heads, learned absolute positions: each rank's part gets its global position ids) on padded text, and
-    chat SFT (the loss on the assistant's tokens only, padded chats), each on 2 ranks as one group of 2 with
-    accumulation 2, against one process x 8."""
+    chat SFT (the loss on the assistant's tokens only, padded chats; under Ulysses and under the ring), each on 2
+    ranks as one group of 2 with accumulation 2, against one process x 8."""
     _same_training(runs.get("sp2_gpt2", None, 2, 4, 2, {"save_steps": None, "sequence_parallel_size": 2}),
                    runs.get("one", None, 1, 8, 1, {"save_steps": None}))
-    _same_training(sft_runs.get("sp2", None, 2, 4, 2, {"sequence_parallel_size": 2}),
-                   sft_runs.get("one", None, 1, 8, 1, {}))
+    for split in ({"sequence_parallel_size": 2}, CP2):  # chat SFT under Ulysses and under the ring
+        _same_training(sft_runs.get("sp2" if split != CP2 else "cp2", None, 2, 4, 2, split),
+                       sft_runs.get("one", None, 1, 8, 1, {}))
 
 
 def test_sequence_parallel_adamw_with_clipping_and_resume_across_sizes(runs):
     """AdamW with clipping at 1.0 (the global norm: under FSDP2 over both ranks' shards), under DDP and FSDP2 on 2
-    ranks as one group of 2, within 1e-5 of one process; a step-2 checkpoint resumes on another sequence-parallel
-    size (2 -> one process, one process -> 2) in the same sample order and ends where the uninterrupted run does."""
+    ranks as one group of 2 (and the ring on 2 under DDP), within 1e-5 of one process; a step-2 checkpoint resumes on
+    another sequence-parallel size (2 -> one process, one process -> 2; the ring's 2 -> one process) in the same
+    sample order and ends where the uninterrupted run does."""
     reference = runs.get("adamw_one", None, 1, 8, 1, SP_ADAMW)
     want = load_weights(os.path.join(reference, "final"))
     for name, (config, world, micro, accum, extra) in SP_ADAMW_RUNS.items():
@@ -322,8 +336,8 @@ SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's star
              "sequence_parallel_size: the grpo task"),
     "streaming": ("ddp.yaml", 2, {"streaming": True, "packing": True, "validation_file": None}, "causal-lm",
                   "streaming: is not supported under sequence parallelism yet"),
-    "ring": ("ddp.yaml", 2, {"sequence_parallel_size": 1, "context_parallel_size": 2}, "causal-lm",
-             "context_parallel_size: ring attention is not supported yet"),
+    "ulysses_and_ring": ("ddp.yaml", 2, CP2, "causal-lm", "context_parallel_size: ring attention (2) with Ulysses "
+                                                          "(sequence_parallel_size 2) is not proven together"),
     "chunked_loss": ("ddp.yaml", 2, {"loss_chunk_size": 64}, "causal-lm", "loss_chunk_size: is not supported with "
                                                                           "sequence_parallel_size 2"),
     "eager": ("ddp.yaml", 2, {"attn_implementation": "eager"}, "causal-lm", "attn_implementation: sequence "
@@ -335,13 +349,32 @@ SP_REFUSALS = {  # case: (launch config, world, fields, task, the message's star
     "async_save": ("ddp.yaml", 2, {"async_save": True}, "causal-lm", "async_save: async_save true with "
                                                                      "sequence_parallel_size 2 is not proven yet"),
 }
+RING = {"sequence_parallel_size": 1, "context_parallel_size": 2}
+# the ring refuses what Ulysses refuses, naming its own field; and padding-free packing (its document mask would have
+# to travel with the chunks: not built)
+SP_REFUSALS.update({f"ring_{case}": (config, world, {**RING, **fields}, task, f"context_parallel_size: {words}")
+                    for case, (config, world, fields, task, words) in {
+                        "zero3": ("zero3.yaml", 2, {}, "causal-lm", "sequence parallelism runs on ddp.yaml"),
+                        "tp": ("tp.yaml", 2, {}, "causal-lm", "sequence parallelism runs on ddp.yaml"),
+                        "hsdp": ("hsdp.yaml", 4, {}, "causal-lm", "sequence parallelism runs on ddp.yaml"),
+                        "pipeline": ("ddp.yaml", 4, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
+                                     "causal-lm", "sequence parallelism (2) with pipeline parallelism (2)"),
+                        "dpo": ("ddp.yaml", 2, {}, "dpo", "the dpo task is not supported"),
+                        "grpo": (*SP_REFUSALS["grpo"][:2], {**SP_REFUSALS["grpo"][2]}, "grpo", "the grpo task"),
+                    }.items()})
+SP_REFUSALS["ring_streaming"] = ("ddp.yaml", 2, {**RING, **SP_REFUSALS["streaming"][2]}, "causal-lm",
+                                 "streaming: is not supported under sequence parallelism yet")
+SP_REFUSALS["ring_bfd"] = ("ddp.yaml", 2, {**RING, **SP_BFD}, "causal-lm", "packing_strategy: bfd (padding-free "
+                                                                          "packing) is not supported with "
+                                                                          "context_parallel_size")
 
 
 @pytest.mark.parametrize("case", list(SP_REFUSALS))
 def test_sequence_parallel_refusals(tmp_path, tiny_llama, padded_data, case):
     """What sequence parallelism is not proven with is refused before the weights load, one line naming the field:
     ZeRO, FSDP1, TP, HSDP, pipelines, a world or a head count n does not divide, DPO, classification, GRPO, streaming,
-    the ring (context_parallel_size), the chunked loss, another attention than SDPA. Checked in this
+    Ulysses and the ring together, the chunked loss, another attention than SDPA; the ring (context_parallel_size)
+    refuses the same, naming its field, and padding-free packing. Checked in this
     process, in the environment accelerate's launcher gives the ranks (``toolkit.cli.train.check``)."""
     config, world, fields, task, words = SP_REFUSALS[case]
     cfg = {**COMMON, **padded_data, "save_steps": None, "model_name_or_path": tiny_llama,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 # refused cell is reduced towards it to find the pair (or triple) the refusal is about.
 DIMENSIONS: dict[str, tuple[str, ...]] = {
     "task": ("lm", "sft", "dpo", "classify", "grpo"),
-    "layout": ("one", "ddp", "zero2", "zero3", "fsdp2", "fsdp1", "hsdp", "tp", "pp", "pp_fsdp2"),
+    "layout": ("one", "ddp", "zero2", "zero3", "fsdp2", "fsdp1", "hsdp", "tp", "pp", "pp_fsdp2", "cp"),
     "adapter": ("none", "lora", "qlora4", "base8"),
     "data": ("padded", "bfd", "stream", "mixture", "stream_switch"),
     "arch": ("gpt2", "llama", "qwen2"),
@@ -49,7 +49,9 @@ LAYOUTS = {
     "tp": ("tp.yaml", 2, 8, 1, {}),  # both TP ranks take the same 8 rows
     "pp": ("ddp.yaml", 2, 2, 4, {"pipeline_parallel_size": 2}),  # 2 stages, one replica: 4 micro-batches of 2
     "pp_fsdp2": ("fsdp.yaml", 4, 2, 2, {"pipeline_parallel_size": 2}),  # 2 stages x 2 FSDP2 replicas
+    "cp": ("ddp.yaml", 2, 4, 2, {"context_parallel_size": 2}),  # ring attention: one group of 2 shares every row
 }
+SPLITS = ("pipeline_parallel_size", "context_parallel_size")  # what one process cannot have (its reference drops them)
 TASKS = {"lm": ("gpt2", "causal-lm"), "sft": ("sft", "chat-sft"), "dpo": ("dpo", "dpo"),
          "classify": ("classify", "sequence-classification"), "grpo": ("grpo", "grpo")}
 # every cell: SGD (linear in the gradient: any normalisation or accumulation error shows), no clipping
@@ -140,7 +142,7 @@ def run_of(cell: Cell, files: dict) -> Run:
 def reference_of(run: Run, precision: str | None = "same") -> Run:
     """The same global batch on one process (1 x 8 x 1), the same precision (or ``precision``: "bf16" or None for
     fp32): promise 1's other side."""
-    fields = {k: v for k, v in run.fields.items() if k != "pipeline_parallel_size"}
+    fields = {k: v for k, v in run.fields.items() if k not in SPLITS}
     precision = run.mixed_precision if precision == "same" else precision
     env = {"ACCELERATE_MIXED_PRECISION": precision} if precision else {}
     return Run(run.recipe, run.task, "ddp.yaml", 1, 8, 1, fields, env, precision)

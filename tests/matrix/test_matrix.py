@@ -55,9 +55,9 @@ FP32_TOLERANCE = 1e-6
 # bf16 autocast (DDP, FSDP: fp32 parameters) or DeepSpeed's bf16 mode (bf16 weights, fp32 master partitions), 2 ranks
 # against one bf16 process. Measured (what was test_precision.py's bf16 test, lm x GPT-2, 3 steps): DDP 6.5e-4, FSDP2
 # 1.2e-3, ZeRO-2 and ZeRO-3 3.9e-3 (bf16 weights round every update); in the matrix's first run <= 2.8e-4 under
-# FSDP1, HSDP, pipelines. About 3x the measured value, by layout.
+# FSDP1, HSDP, pipelines; the ring (cp) 7.9e-4 (lm x GPT-2). About 3x the measured value, by layout.
 BF16_TOLERANCE = {"ddp": 2e-3, "fsdp2": 4e-3, "zero2": 1.2e-2, "zero3": 1.2e-2, "fsdp1": 4e-3, "hsdp": 4e-3,
-                  "tp": 4e-3, "pp": 4e-3, "pp_fsdp2": 4e-3}
+                  "tp": 4e-3, "pp": 4e-3, "pp_fsdp2": 4e-3, "cp": 2e-3}
 
 
 def tolerance(cell: D.Cell) -> float:

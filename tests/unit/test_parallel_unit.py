@@ -1,6 +1,6 @@
 """Tensor parallelism without a process: which checkpoint layouts a TP run may resume (``resume.load_plan``); a
-sequence-parallel rank's part of a row (``toolkit.parallel.sequence.shard``). The real HSDP, TP and sequence-parallel
-runs are in tests/launch/test_parallel.py."""
+sequence-parallel rank's part of a row (``toolkit.parallel.sequence.shard``), the ring's chunks and steps
+(``toolkit.parallel.ring``). The real HSDP, TP and sequence-parallel runs are in tests/launch/test_parallel.py."""
 
 import pytest
 
@@ -71,3 +71,76 @@ def test_sequence_parallel_packed_row_keeps_its_documents_apart():
     assert mask[2].tolist() == [True, True, True] + [False] * 6  # the first document's last token
     assert mask[4].tolist() == [False] * 3 + [True, True] + [False] * 4  # the second's: not the first document
     assert mask[8].tolist() == [False] * 8 + [True]  # a pad position sees itself only
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_shard_holds_a_head_and_a_tail_chunk(n):
+    """Ring attention (``context_parallel_size``): the row is padded to a multiple of 2n and rank j keeps chunks j and
+    2n-1-j (``ring.order``), with their global positions and the targets shifted on the whole row; the ranks' parts,
+    put back in that order, are the whole padded row."""
+    import torch
+
+    from toolkit.loss import IGNORE_INDEX, shift_labels
+    from toolkit.parallel.ring import order
+    from toolkit.parallel.sequence import SequenceGroup, shard
+
+    ids = torch.arange(1, 15).view(2, 7)
+    parts = [shard({"input_ids": ids, "labels": ids.clone()}, SequenceGroup(size=n, rank=r, group=None, ring=True))
+             for r in range(n)]
+    length = -(-7 // (2 * n)) * 2 * n
+    where = torch.cat([torch.arange(*span) for span in order(length, n)])  # the whole row's positions, rank by rank
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), where.expand(2, -1))
+    assert torch.equal(torch.cat([p[0] for p in parts], 1), torch.nn.functional.pad(ids, (0, length - 7))[:, where])
+    targets = torch.nn.functional.pad(shift_labels(ids), (0, length - 7), value=IGNORE_INDEX)
+    assert torch.equal(torch.cat([p[2] for p in parts], 1), targets[:, where])
+    assert order(8, 2) == [(0, 2), (6, 8), (2, 4), (4, 6)]  # rank 0: head 0 and tail 3; rank 1: chunks 1 and 2
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_ring_steps_cover_the_causal_mask_once_with_equal_work(n):
+    """Over its n steps each rank computes every (query, key) pair of the causal mask exactly once and no masked pair
+    (the fully masked blocks skipped), and every rank computes as many pairs as every other at every step: the head
+    and tail chunks balance the causal work."""
+    from toolkit.parallel.ring import _blocks, order
+
+    c = 3
+    spans = order(2 * n * c, n)
+    held = [[p for span in spans[2 * j:2 * j + 2] for p in range(*span)] for j in range(n)]  # rank j's positions
+    seen, work = {}, [[0] * n for _ in range(n)]
+    for rank in range(n):
+        for step in range(n):
+            keys = held[(rank - step) % n]
+            for qs, ks, causal in _blocks(step, rank, n, c):
+                for qi, q in enumerate(held[rank][qs]):
+                    for ki, k in enumerate(keys[ks]):
+                        if not causal or ki <= qi:
+                            seen[q, k] = seen.get((q, k), 0) + 1
+                            work[step][rank] += 1
+    length = 2 * n * c
+    assert seen == {(q, k): 1 for q in range(length) for k in range(q + 1)}
+    assert all(len(set(row)) == 1 for row in work)
+
+
+def test_sequence_split_refuses_a_sliding_window_before_work():
+    """A model whose layers attend within a sliding window (Qwen2's use_sliding_window, the capability matrix's Qwen2)
+    is refused before any work under the ring or Ulysses, naming the field: both attend causally over the whole
+    sequence (before, the run stopped in its first step with a RuntimeError)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    for field in ("context_parallel_size", "sequence_parallel_size"):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                              data=SimpleNamespace(streaming=False, padding_free=False),
+                              model=SimpleNamespace(attn_implementation=None))
+        task = SimpleNamespace(name="causal-lm")
+        windowed = Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               use_sliding_window=True, sliding_window=8, max_window_layers=0)
+        with pytest.raises(ConfigError) as refused:
+            check_run(cfg, task, windowed)
+        assert str(refused.value).startswith(f"{field}: the model attends within a sliding window (8 positions)")
+        check_run(cfg, task, Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))

@@ -310,3 +310,29 @@ def test_sequence_parallel_plan_divides_every_activation_by_n(llama7b, capsys):
     assert main(["--model", llama7b, "--gpus", "6", "--gpu-memory", "80GB", "--sequence-parallel-size", "3"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "sequence parallel 3: needs 3 to divide the 6 devices and the model's 32 attention heads")
+
+
+def test_context_parallel_plan_divides_activations_by_n_and_attention_by_n_squared(llama7b, capsys):
+    """The ring (``--context-parallel-size``): each device holds s / n positions of everything, and of attention one
+    step's block (s / n queries x s / n keys): the linear terms and the logits / n, the quadratic term / n^2; any head
+    count (3 does not divide Llama-2's 32 heads: planned anyway); the launch names context_parallel_size; Ulysses and
+    the ring together are refused as the recipes refuse them."""
+    from toolkit.cli.plan import main
+
+    m = count_model(llama7b)
+    whole, ring = (activation_bytes(m, 1, 32768, "bf16", False, sp=n, ring=True) for n in (1, 4))
+    assert ring["low"] == pytest.approx(whole["low"] / 4, rel=1e-12)  # "low": the linear terms and the logits
+
+    def attention(act, positions):  # "high" - "low": the layers' quadratic term and one more logits' share (8 b s V)
+        return act["high"] - act["low"] - 8 * positions * m.vocab
+
+    assert attention(ring, 32768 / 4) == pytest.approx(attention(whole, 32768) / 16, rel=1e-12)
+    assert main(["--model", llama7b, "--gpus", "6", "--gpu-memory", "80GB", "--micro-batch", "1", "--seq-len", "32768",
+                 "--context-parallel-size", "3"]) == 0
+    out = capsys.readouterr().out.split("context parallel 3 (ring attention")[1].splitlines()
+    assert out[0] == ", context_parallel_size): each device 1/3 of every sequence; 2 data-parallel groups"
+    assert [line.split()[0] for line in out[2:]] == ["DDP", "FSDP2"]
+    assert out[2].endswith("--per_device_train_batch_size 1 --block_size 32768 --context_parallel_size 3")
+    assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--sequence-parallel-size", "2",
+                 "--context-parallel-size", "2"]) == 2
+    assert "context_parallel_size: ring attention with Ulysses" in capsys.readouterr().err

@@ -101,10 +101,12 @@ def test_verify_gives_a_recipe_only_the_fields_its_task_takes(tiny_model, tmp_pa
     check("grpo", args.config_file, plan["world"], [*argv, "--output_dir", UNUSED_OUTPUT], mixed_precision="no")
 
 
-def test_verify_under_sequence_parallelism_compares_with_the_data_parallel_global_batch(tiny_llama, padded_data):
-    """A sequence-parallel group's ranks take the same rows: 4 processes with sequence_parallel_size 2 are 2
-    data-parallel ranks, so the one-process reference takes 2 x micro x accumulation rows, with no split of its own
-    (one process cannot split a sequence: sequence_parallel_size 2 there is refused)."""
+@pytest.mark.parametrize("field", ["sequence_parallel_size", "context_parallel_size"])
+def test_verify_under_sequence_parallelism_compares_with_the_data_parallel_global_batch(tiny_llama, padded_data,
+                                                                                        field):
+    """A sequence-parallel group's ranks take the same rows: 4 processes with sequence_parallel_size (or the ring's
+    context_parallel_size) 2 are 2 data-parallel ranks, so the one-process reference takes 2 x micro x accumulation
+    rows, with no split of its own (one process cannot split a sequence: a split of 2 there is refused)."""
     from types import SimpleNamespace
 
     from helpers import ROOT
@@ -115,7 +117,8 @@ def test_verify_under_sequence_parallelism_compares_with_the_data_parallel_globa
                            steps=2, num_processes=4)
     plan = _plan(args, ["--model_name_or_path", tiny_llama, "--train_file", padded_data["train_file"],
                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                        "--sequence_parallel_size", "2"])
+                        f"--{field}", "2"])
     assert (plan["world"], plan["dp"], plan["global"]) == (4, 2, 8)
     assert reference_argv(plan) == ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
-                                    "--pipeline_parallel_size", "1", "--sequence_parallel_size", "1"]
+                                    "--pipeline_parallel_size", "1", "--sequence_parallel_size", "1",
+                                    "--context_parallel_size", "1"]

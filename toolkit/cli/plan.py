@@ -2,7 +2,8 @@
 
     python -m toolkit plan --model meta-llama/Llama-2-7b-hf --gpus 8 --gpu-memory 80GB [--nodes 2]
         [--micro-batch 4 --seq-len 2048] [--precision bf16] [--lora-r 16 [--lora-target-modules q_proj v_proj]
-        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing] [--sequence-parallel-size N]
+        [--load-in-4bit [--use-bnb-nested-quant]]] [--gradient-checkpointing]
+        [--sequence-parallel-size N | --context-parallel-size N]
 
 The model is counted from its config on the meta device (no weights allocated). Per device and per strategy:
 
@@ -276,41 +277,46 @@ def model_states_per_device(m: ModelCount, strategy: str, devices: int, per_node
     raise ValueError(strategy)
 
 
-def sequence_plan(m: ModelCount, rows: list[dict], sp: int, args) -> list[str]:
-    """Ulysses over ``sp`` ranks (``sequence_parallel_size``) on DDP and FSDP2, the two launch configs it runs on: per
-    device the same model states, activations / n, and the launch command; data-parallel size devices / n."""
+def sequence_plan(m: ModelCount, rows: list[dict], sp: int, args, ring: bool = False) -> list[str]:
+    """Ulysses (or, ``ring``, ring attention: ``context_parallel_size``) over ``sp`` ranks on DDP and FSDP2, the two
+    launch configs it runs on: per device the same model states, activations / n (the ring: attention's blocks / n^2),
+    and the launch command; data-parallel size devices / n. Ulysses needs the heads divisible by n, the ring does not."""
     devices = args.gpus * args.nodes
-    if devices % sp or m.heads % sp:
-        return ["", f"sequence parallel {sp}: needs {sp} to divide the {devices} devices and the model's {m.heads} "
-                    "attention heads"]
-    lines = ["", f"sequence parallel {sp} (Ulysses, sequence_parallel_size): each device 1/{sp} of every sequence; "
-                 f"{devices // sp} data-parallel groups",
+    name, field = ("context", "context_parallel_size") if ring else ("sequence", "sequence_parallel_size")
+    if devices % sp or (m.heads % sp and not ring):
+        return ["", f"{name} parallel {sp}: needs {sp} to divide the {devices} devices"
+                    + ("" if ring else f" and the model's {m.heads} attention heads")]
+    lines = ["", f"{name} parallel {sp} ({'ring attention' if ring else 'Ulysses'}, {field}): each device 1/{sp} of "
+                 f"every sequence; {devices // sp} data-parallel groups",
              f"{'strategy':<9} {'states':>8} {'activations':>17} {'total (expected)':>17} {'fits':>5}  launch"]
     for r in rows:
         if r["strategy"] not in ("DDP", "FSDP2") or not r["config"]:
             continue
-        act = activation_bytes(m, args.micro_batch, args.seq_len, args.precision, args.gradient_checkpointing, sp=sp)
+        act = activation_bytes(m, args.micro_batch, args.seq_len, args.precision, args.gradient_checkpointing, sp=sp,
+                               ring=ring)
         total = {case: r["model_states"] + a for case, a in act.items()}
         lines.append(f"{r['strategy']:<9} {r['model_states'] / GB:>8.2f} "
                      f"{'/'.join(f'{act[k] / GB:.1f}' for k in ('low', 'expected', 'high')):>17} "
                      f"{total['expected'] / GB:>17.2f} {_fits(total, args.gpu_memory):>5}  accelerate launch "
                      f"{r['config']} recipes/{args.recipe}.py --config recipes/configs/{RECIPE_CONFIGS[args.recipe]} "
-                     f"{recipe_fields(args)} --sequence_parallel_size {sp}")
+                     f"{recipe_fields(args)} --{field} {sp}")
     return lines
 
 
 def activation_bytes(m: ModelCount, micro: int, seq: int, precision: str, checkpointing: bool,
-                     tp: int = 1, sp: int = 1) -> dict:
+                     tp: int = 1, sp: int = 1, ring: bool = False) -> dict:
     """Activation bytes of one micro batch on one device: low / expected / high. With tensor parallelism over ``tp``
     ranks, what lives inside attention and the MLP splits t ways, the layer's inputs and norms do not (the same
     paper: 10 s b h + 24 s b h / t + 5 a s^2 b / t). With Ulysses sequence parallelism over ``sp`` ranks
     (``toolkit.parallel.sequence``) each rank holds s / n positions of everything but attention, and attention's
-    s x s matrices for a / n heads: all of it / n."""
+    s x s matrices for a / n heads: all of it / n. Under ring attention (``ring``, ``toolkit.parallel.ring``) a rank
+    holds s / n positions of everything, and of attention one step's block at a time, its s / n queries against
+    s / n keys (the flash kernels keep no more): the quadratic term / n^2."""
     b, h, a, L, V = micro, m.width, m.heads, m.layers, m.vocab
     s = seq / sp
     scale = 1 if precision in ("bf16", "fp16") else 2  # the formula counts 16-bit activations
     linear = 10 * s * b * h + 24 * s * b * h / tp
-    quadratic = 5 * a * seq * seq * b / (tp * sp)
+    quadratic = 5 * a * seq * seq * b / (tp * sp * (sp if ring else 1))
     per_layer = {"low": linear, "expected": linear + quadratic / 2, "high": linear + quadratic}
     logits = b * s * V * 8
     out = {}
@@ -535,6 +541,8 @@ def main(argv=None) -> int:
                         help="the pipeline's micro-batches (gradient_accumulation_steps)")
     parser.add_argument("--sequence-parallel-size", type=int, default=1,
                         help="also plan Ulysses sequence parallelism over this many devices (activations / n)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="also plan ring attention over this many devices (activations / n, attention / n^2)")
     parser.add_argument("--precompute-ref-log-probs", action="store_true",
                         help="DPO's precompute_ref_log_probs: no reference in memory while training")
     args = parser.parse_args(argv)
@@ -547,6 +555,9 @@ def main(argv=None) -> int:
         if args.load_in_4bit and args.pipeline_parallel_size > 1:  # what the recipes refuse (toolkit.models.quantization)
             raise ConfigError("load_in_4bit", "a 4bit base is not supported under pipeline parallelism: drop "
                                               "--pipeline-parallel-size, or --load-in-4bit")
+        if args.context_parallel_size > 1 and args.sequence_parallel_size > 1:  # as the recipes refuse it
+            raise ConfigError("context_parallel_size", "ring attention with Ulysses (sequence_parallel_size) is not "
+                                                       "proven together: plan one of them")
         if args.optim == "muon" and (args.lora_r or args.pipeline_parallel_size > 1):  # as the recipes refuse it
             raise ConfigError("optim", "muon is refused with LoRA and with a pipeline: use --optim adamw_torch")
         m = count_model(args.model, args.lora_r, args.lora_target_modules, quantize_bits=4 if args.load_in_4bit else None,
@@ -571,4 +582,6 @@ def main(argv=None) -> int:
         print("\n".join(format_pipeline(staged, stages, args.accumulation, args)))
     if args.sequence_parallel_size > 1:
         print("\n".join(sequence_plan(m, rows, args.sequence_parallel_size, args)))
+    if args.context_parallel_size > 1:
+        print("\n".join(sequence_plan(m, rows, args.context_parallel_size, args, ring=True)))
     return 0

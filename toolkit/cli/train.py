@@ -245,7 +245,7 @@ def check(task: str, config_file: str, processes: int, argv: list[str], mixed_pr
         check_launch(cfg.train)
         module, name = TASK_CLASSES[task].split(":")
         task_object = getattr(importlib.import_module(module), name)()
-        ranks = launched_data_parallel_size(cfg.train.pipeline_parallel_size * cfg.train.sequence_parallel_size)
+        ranks = launched_data_parallel_size(cfg.train.pipeline_parallel_size * cfg.train.split_size)
         # what every rank runs before its weights load, tokenization included (build.build_data): its datasets cache
         # is then the ranks' (a stream: its first window and validation rows, read again by each rank)
         lm = build_data(cfg, task_object, lambda *a, **k: None, strategy=launched_strategy_name(),

@@ -155,7 +155,7 @@ def reference_argv(plan: dict) -> list[str]:
     """The one-process reference's fields after the recipe's: the whole global batch in one micro-batch, no pipeline
     and no sequence split (one process holds every stage and every position)."""
     return ["--per_device_train_batch_size", str(plan["global"]), "--gradient_accumulation_steps", "1",
-            "--pipeline_parallel_size", "1", "--sequence_parallel_size", "1"]
+            "--pipeline_parallel_size", "1", "--sequence_parallel_size", "1", "--context_parallel_size", "1"]
 
 
 def _plan(args, recipe_args: list[str]) -> dict:
@@ -178,10 +178,10 @@ def _plan(args, recipe_args: list[str]) -> dict:
     # match is micro x accumulation x the data-parallel degree, not x the process count.
     # A pipeline's stages (pipeline_parallel_size) and a sequence-parallel group's ranks take the same rows as well.
     model_parallel = (_config_model_parallel(args.config_file) * cfg.train.pipeline_parallel_size
-                      * cfg.train.sequence_parallel_size)
+                      * cfg.train.split_size)
     if world % model_parallel:
         raise ConfigError("num_processes", f"is {world}, not a multiple of the config's tp_size x cp_size x "
-                                           f"pipeline_parallel_size x sequence_parallel_size ({model_parallel})")
+                                           f"pipeline_parallel_size x {cfg.train.split_field} ({model_parallel})")
     dp = world // model_parallel
     return {"world": world, "dp": dp, "micro": micro, "accum": accum, "global": dp * micro * accum}
 

@@ -201,7 +201,7 @@ def make_accelerator(args: TrainingArguments, **kwargs) -> Accelerator:
     check_world(accelerator, strategy)
     check_parallelism(accelerator)
     accelerator.pipeline_parallel_size = args.pipeline_parallel_size  # read by data_parallel_size
-    accelerator.sequence_parallel_size = args.sequence_parallel_size  # and this
+    accelerator.sequence_parallel_size = args.split_size  # and this (Ulysses or the ring)
     atexit.register(_destroy_process_group)
     _honour_zero3_init_flag(accelerator)
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps:

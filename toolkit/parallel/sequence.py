@@ -1,9 +1,11 @@
-"""Ulysses sequence parallelism: the ranks of a group share every sequence, each holding 1/n of its tokens.
+"""Sequence parallelism: the ranks of a group share every sequence, each holding 1/n of its tokens.
 
-``sequence_parallel_size: n`` (DeepSpeed-Ulysses; LLaMA-Factory's and ms-swift's name). The W launched ranks form
-W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows (the sample order's
-``copies``: ``toolkit.data.order``), so the data-parallel size is W / n and the global batch means what it means
-without the split. In a training micro-step each rank of a group:
+``sequence_parallel_size: n`` (DeepSpeed-Ulysses; LLaMA-Factory's and ms-swift's name), or ``context_parallel_size:
+n`` (ring attention, ``toolkit.parallel.ring``; axolotl's name): everything but the attention and which positions a
+rank holds is the same for both (below; for the ring, read "ring attention" for step 2's all-to-all and SDPA). The W
+launched ranks form W / n groups of n consecutive ranks (rank = replica x n + j); a group's ranks take the same rows
+(the sample order's ``copies``: ``toolkit.data.order``), so the data-parallel size is W / n and the global batch
+means what it means without the split. In a training micro-step each rank of a group:
 
     1. shifts the labels on the whole row (so the token at each cut is a target exactly once), pads the row to a
        multiple of n (padding: no target), and keeps its n-th of the positions: ids, global positions, targets;
@@ -11,6 +13,11 @@ without the split. In a training micro-step each rank of a group:
        head-sharded ones over the whole sequence (``_AllToAll``: its backward is the inverse all-to-all), causal SDPA
        runs on n-th of the heads, and the inverse all-to-all gives each rank its positions back with every head;
     3. sums the cross-entropy of its positions' targets: the group's sums add up to the rows' sums.
+
+The ring: step 1 pads the row to a multiple of 2n and keeps the rank's head and tail chunks (``ring.order``: the
+causal work balanced over the ranks); step 2 is ``ring_attention``: every head, this rank's queries against each
+rank's keys/values in turn (the key/value heads repeated to the query heads first: any head count). Padding-free
+packing is refused under the ring (its document mask would have to follow the chunks around the ring; not built).
 
 Padding needs no mask: rows are right-padded (``toolkit.data.loading.CausalLMCollator``), so under the causal mask
 no real token sees a pad, and pad positions are no targets. Padding-free packing (``packing_strategy: bfd``; one
@@ -43,8 +50,10 @@ import torch.nn.functional as F
 from toolkit.env.launcher import launched_parallel_sizes, launched_strategy_name, launched_world_size
 from toolkit.errors import ConfigError
 from toolkit.loss import IGNORE_INDEX, shift_labels
+from toolkit.parallel import ring
 
 ATTENTION = "toolkit_ulysses"  # the name registered with transformers' AttentionInterface
+RING = "toolkit_ring"  # the ring's
 TASKS = ("causal-lm", "chat-sft")  # what the split's loss (next-token targets of causal LMs) is proven on
 
 
@@ -52,43 +61,58 @@ def check_launch(args) -> None:
     """The launch this process is in, against ``sequence_parallel_size``: DDP (ddp.yaml) or FSDP2 (fsdp.yaml: the
     weights sharded over every rank, data-parallel x sequence, as DeepSpeed's ALST does), its world a multiple of n.
     ZeRO, FSDP1, tensor parallelism and HSDP (a parallelism_config) are refused: not proven under the split."""
-    n = args.sequence_parallel_size
+    n, name = args.split_size, args.split_field
     if n == 1:
         return
     strategy, world = launched_strategy_name(), launched_world_size()
     if strategy not in ("ddp", "single", "fsdp2") or launched_parallel_sizes():
-        raise ConfigError("sequence_parallel_size", f"sequence parallelism runs on ddp.yaml (each rank the whole "
-                                                    "model) or fsdp.yaml (FSDP2, the weights sharded over every rank);"
-                                                    f" this launch is {strategy}"
-                                                    f"{' with a parallelism_config' if launched_parallel_sizes() else ''}"
-                                                    ", which is not proven under it: launch with "
-                                                    "accelerate_configs/ddp.yaml or fsdp.yaml, or set "
-                                                    "sequence_parallel_size 1")
+        raise ConfigError(name, "sequence parallelism runs on ddp.yaml (each rank the whole model) or fsdp.yaml "
+                                f"(FSDP2, the weights sharded over every rank); this launch is {strategy}"
+                                f"{' with a parallelism_config' if launched_parallel_sizes() else ''}, which is not "
+                                "proven under it: launch with accelerate_configs/ddp.yaml or fsdp.yaml, or set "
+                                f"{name} 1")
     if world % n:
-        raise ConfigError("sequence_parallel_size", f"{n} does not divide the {world} launched processes: launch a "
-                                                    f"multiple of {n} (--num_processes {n} or {2 * n})")
+        raise ConfigError(name, f"{n} does not divide the {world} launched processes: launch a multiple of {n} "
+                                f"(--num_processes {n} or {2 * n})")
 
 
 def check_run(cfg, task, model_config) -> None:
     """Before the data and the weights load: the task, the data layout and the model's heads."""
-    n = cfg.train.sequence_parallel_size
+    n, name = cfg.train.split_size, cfg.train.split_field
     if n == 1:
         return
     if task.name not in TASKS:
-        raise ConfigError("sequence_parallel_size", f"the {task.name} task is not supported under sequence "
-                                                    "parallelism (proven for the causal LM and chat SFT): set "
-                                                    "sequence_parallel_size 1")
+        raise ConfigError(name, f"the {task.name} task is not supported under sequence parallelism (proven for the "
+                                f"causal LM and chat SFT): set {name} 1")
     if cfg.data.streaming:
         raise ConfigError("streaming", "is not supported under sequence parallelism yet: set streaming false")
     if cfg.model.attn_implementation not in (None, "sdpa"):
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
                                                  "it: leave attn_implementation unset or sdpa")
+    if _sliding_window(model_config):  # the split attends causally over the whole sequence: no window, no silent change
+        raise ConfigError(name, f"the model attends within a sliding window ({model_config.sliding_window} "
+                                f"positions), which sequence parallelism does not: set {name} 1")
+    if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
+        if cfg.data.padding_free:
+            raise ConfigError("packing_strategy", f"{cfg.data.packing_strategy} (padding-free packing) is not "
+                                                  "supported with context_parallel_size (ring attention) yet: use "
+                                                  "sequence_parallel_size (Ulysses), or packing false")
+        return
     heads = getattr(model_config, "num_attention_heads", None)
     if heads is None or heads % n:
         raise ConfigError("sequence_parallel_size", f"Ulysses splits the attention heads over the group: the model's "
                                                     f"{heads} query heads do not divide by {n}; use a divisor of "
                                                     f"{heads}")
+
+
+def _sliding_window(model_config) -> bool:
+    """Whether some layer of the model attends within a sliding window (Qwen2's ``use_sliding_window``, Mistral's)."""
+    types = getattr(model_config, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    return getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window",
+                                                                                 True)
 
 
 @dataclass
@@ -99,6 +123,7 @@ class SequenceGroup:
     rank: int
     group: object  # torch.distributed.ProcessGroup
     documents: torch.Tensor | None = None  # a packed micro-batch's document ids over the whole row (``row_losses``)
+    ring: bool = False  # ring attention (context_parallel_size): a head and a tail chunk per rank
 
     def scale(self, data_parallel_size: int) -> int:
         """The ranks DDP averages gradients over (data-parallel x sequence), by which each micro-step's loss is
@@ -111,9 +136,11 @@ _GROUP: SequenceGroup | None = None  # the group the registered attention splits
 
 def setup(accelerator, args, model) -> SequenceGroup | None:
     """Collective, before ``prepare``: the groups of n consecutive ranks, and the model's attention switched to the
-    Ulysses all-to-all around SDPA (registered with transformers' ``AttentionInterface``). None when n is 1."""
+    Ulysses all-to-all around SDPA or to the ring (registered with transformers' ``AttentionInterface``). None when n
+    is 1."""
     global _GROUP
-    n = args.sequence_parallel_size
+    is_ring = getattr(args, "context_parallel_size", 1) > 1
+    n = args.context_parallel_size if is_ring else args.sequence_parallel_size
     if n == 1:
         return None
     import torch.distributed as dist
@@ -122,15 +149,16 @@ def setup(accelerator, args, model) -> SequenceGroup | None:
 
     rank, world = accelerator.process_index, accelerator.num_processes
     groups = [dist.new_group(list(range(start, start + n))) for start in range(0, world, n)]  # every rank, each group
-    _GROUP = SequenceGroup(size=n, rank=rank % n, group=groups[rank // n])
-    AttentionInterface.register(ATTENTION, ulysses_attention)
+    _GROUP = SequenceGroup(size=n, rank=rank % n, group=groups[rank // n], ring=is_ring)
+    name = RING if is_ring else ATTENTION
+    AttentionInterface.register(name, ring_attention if is_ring else ulysses_attention)
     # SDPA's masks outside training (evaluation, the packing guard, generation: whole sequences on each rank), so that
     # packed documents stay apart there as under SDPA
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(name, sdpa_mask)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA's PeftModel
-    base.set_attn_implementation(ATTENTION)
+    base.set_attn_implementation(name)
     accelerator.print(f"sequence parallelism: {world // n} group(s) of {n} ranks, each rank 1/{n} of every sequence "
-                      "(Ulysses all-to-all around SDPA)")
+                      f"({'ring attention' if is_ring else 'Ulysses all-to-all around SDPA'})")
     return _GROUP
 
 
@@ -187,6 +215,25 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     return _AllToAll.apply(out, group, 2, 1).transpose(1, 2).contiguous(), None
 
 
+def ring_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                   **kwargs):
+    """transformers' attention function for ``RING``: in training mode, causal ring attention of this rank's head and
+    tail chunks over the group's sequence (``toolkit.parallel.ring``; the key/value heads repeated to the query
+    heads'); outside training mode, SDPA on whole sequences (as ``ulysses_attention``)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if _GROUP is None or not module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
+        raise RuntimeError("ring attention takes no attention dropout, sliding window or softcap: this model's "
+                           "attention needs one (set context_parallel_size 1)")
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = ring.ring_attention(query, key, value, _GROUP.group, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _block_causal(documents: torch.Tensor) -> torch.Tensor:
     """batch x 1 x positions x positions, True where a query may attend: an earlier (or its own) position of its
     document."""
@@ -199,12 +246,16 @@ def shard(batch: dict, group: SequenceGroup) -> tuple[torch.Tensor, torch.Tensor
     n), and for a packed one the whole row's document ids (else None). The targets are shifted on the whole row,
     before the cut. Padded rows' positions are 0, 1, ...; a packed row's are its own (restarting per document)."""
     ids, targets, packed = batch["input_ids"], shift_labels(batch["labels"]), batch.get("position_ids")
-    pad = -ids.shape[1] % group.size
+    pad = -ids.shape[1] % (2 * group.size if group.ring else group.size)
     if pad:  # a multiple of n: the padding is no target, and no real token sees it (causal, or its own document)
         ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
         packed = F.pad(packed, (0, pad), value=0) if packed is not None else None
     positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(len(ids), -1)
     documents = torch.cumsum(positions == 0, dim=1) if packed is not None else None
+    if group.ring:  # this rank's head and tail chunks (ring.order), in that order
+        part = torch.cat([torch.arange(*span, device=ids.device)
+                          for span in ring.order(ids.shape[1], group.size)[2 * group.rank:2 * group.rank + 2]])
+        return ids[:, part], positions[:, part], targets[:, part], documents
     length = ids.shape[1] // group.size
     part = slice(group.rank * length, (group.rank + 1) * length)
     return ids[:, part], positions[:, part], targets[:, part], documents

@@ -455,7 +455,7 @@ def prepare_run(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, ev
     else:
         require_one_global_batch(len(train_dataset) * repeats, micro, dp, accumulation)
         sampler = GlobalBatchSampler(len(train_dataset), micro, dp, accumulation, seed=args.seed, shuffle=args.shuffle,
-                                     repeats=repeats, copies=args.sequence_parallel_size)
+                                     repeats=repeats, copies=args.split_size)
         loaders = [DataLoader(train_dataset, batch_sampler=sampler, collate_fn=collator,
                               num_workers=args.dataloader_num_workers)]
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * sampler.steps_per_epoch)
@@ -630,7 +630,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         logger.log(evaluation.into({"step": 0, "epoch": 0.0, "tokens_seen": 0}))
     # ranks whose loss sums are of the same rows (a sequence-parallel group's sum up to their rows': not replicas)
     window = LogWindow(accelerator, run.flops_per_token, run.peak_flops,
-                       replicas=accelerator.num_processes // run.data_parallel_size // args.sequence_parallel_size)
+                       replicas=accelerator.num_processes // run.data_parallel_size // args.split_size)
     preemption, stop = Preemption(), None
     model.train()
     try:  # the previous SIGTERM handler comes back even when a step raises (a notebook kernel lives on)
