@@ -30,7 +30,8 @@ def test_tensor_parallel_checkpoint_refused_on_another_layout(wrote, world, stra
 def test_sequence_parallel_shard_cuts_shifted_labels_and_pads_to_a_multiple(n):
     """The ranks' parts of a right-padded micro-batch (7 positions: padded to a multiple of n) put together are the
     whole row: the ids, the global positions, and the next-token targets shifted on the whole row before the cut (the
-    target at each cut is kept once: shifting each part alone would lose it), the padding no target."""
+    target at each cut is kept once: shifting each part alone would lose it), the padding no target and at position 0
+    (a row that fills a learned position table gets no position past it)."""
     import torch
 
     from toolkit.loss import IGNORE_INDEX, shift_labels
@@ -44,7 +45,9 @@ def test_sequence_parallel_shard_cuts_shifted_labels_and_pads_to_a_multiple(n):
     pad = length - 7
     assert {p[0].shape for p in parts} == {(2, length // n)}
     assert torch.equal(torch.cat([p[0] for p in parts], 1), torch.nn.functional.pad(ids, (0, pad)))
-    assert torch.equal(torch.cat([p[1] for p in parts], 1), torch.arange(length).expand(2, -1))
+    # the split's padding at position 0: numbered on, it ran past GPT-2's position table when a row filled it
+    assert torch.equal(torch.cat([p[1] for p in parts], 1),
+                       torch.nn.functional.pad(torch.arange(7), (0, pad)).expand(2, -1))
     targets = torch.cat([p[2] for p in parts], 1)
     assert torch.equal(targets, torch.nn.functional.pad(shift_labels(labels), (0, pad), value=IGNORE_INDEX))
     assert (targets != IGNORE_INDEX).sum() == 6 + 3  # every target once: 6 in the full row, 3 in the short one
@@ -88,8 +91,9 @@ def test_ring_shard_holds_a_head_and_a_tail_chunk(n):
     parts = [shard({"input_ids": ids, "labels": ids.clone()}, SequenceGroup(size=n, rank=r, group=None, ring=True))
              for r in range(n)]
     length = -(-7 // (2 * n)) * 2 * n
-    where = torch.cat([torch.arange(*span) for span in order(length, n)])  # the whole row's positions, rank by rank
-    assert torch.equal(torch.cat([p[1] for p in parts], 1), where.expand(2, -1))
+    where = torch.cat([torch.arange(*span) for span in order(length, n)])  # the whole row's places, rank by rank
+    positions = torch.nn.functional.pad(torch.arange(7), (0, length - 7))  # the split's padding at position 0
+    assert torch.equal(torch.cat([p[1] for p in parts], 1), positions[where].expand(2, -1))
     assert torch.equal(torch.cat([p[0] for p in parts], 1), torch.nn.functional.pad(ids, (0, length - 7))[:, where])
     targets = torch.nn.functional.pad(shift_labels(ids), (0, length - 7), value=IGNORE_INDEX)
     assert torch.equal(torch.cat([p[2] for p in parts], 1), targets[:, where])

@@ -244,13 +244,15 @@ def _block_causal(documents: torch.Tensor) -> torch.Tensor:
 def shard(batch: dict, group: SequenceGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's part of a micro-batch: (input ids, positions, next-token targets), each batch x (padded length /
     n), and for a packed one the whole row's document ids (else None). The targets are shifted on the whole row,
-    before the cut. Padded rows' positions are 0, 1, ...; a packed row's are its own (restarting per document)."""
+    before the cut. Padded rows' positions are 0, 1, ...; a packed row's are its own (restarting per document); the
+    split's own padding is at position 0: numbered on, it would run past a learned position table (GPT-2's
+    ``n_positions``) when the row already fills it."""
     ids, targets, packed = batch["input_ids"], shift_labels(batch["labels"]), batch.get("position_ids")
+    positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(len(ids), -1)
     pad = -ids.shape[1] % (2 * group.size if group.ring else group.size)
     if pad:  # a multiple of n: the padding is no target, and no real token sees it (causal, or its own document)
         ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
-        packed = F.pad(packed, (0, pad), value=0) if packed is not None else None
-    positions = packed if packed is not None else torch.arange(ids.shape[1], device=ids.device).expand(len(ids), -1)
+        positions = F.pad(positions, (0, pad), value=0)
     documents = torch.cumsum(positions == 0, dim=1) if packed is not None else None
     if group.ring:  # this rank's head and tail chunks (ring.order), in that order
         part = torch.cat([torch.arange(*span, device=ids.device)
