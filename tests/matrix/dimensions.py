@@ -56,6 +56,11 @@ TASKS = {"lm": ("gpt2", "causal-lm"), "sft": ("sft", "chat-sft"), "dpo": ("dpo",
 COMMON = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
               seed=7, report_to="none", logging_steps=1, shuffle=True, per_device_eval_batch_size=2, block_size=48,
               save_steps=1000, plot=False)
+# A classifier's loss is per example and its head trains whole: at COMMON's 0.5 its loss swung 1.8 -> 5.1 -> 2.8 ->
+# 4.1 within 6 steps (Llama; Qwen2 with a 4-bit base alike), a chaotic path on which any rounding grows: bf16 DDP
+# ended 2.69 from one bf16 process (the fp32 twin 1.31 from it), a ZeRO-2 fp32 adapter 2.9e-4 from one process. The
+# promises compare runs, not a divergent run's noise: its cells train at a rate where the loss goes down.
+TASK_FIELDS = {"classify": dict(learning_rate=0.05)}
 STEPS = 3  # max_steps of a cell that ends by its steps (and of a merge export)
 SIGTERM_AT = 1  # rank 0 is sent SIGTERM after this step: every rank ends the next one, saves it and stops
 RESUMED_STEPS = 4  # an interrupted cell's max_steps: stopped at SIGTERM_AT + 1, resumed to here
@@ -128,7 +133,7 @@ def run_of(cell: Cell, files: dict) -> Run:
     """The run a cell launches (``files``: ``write_files``' paths)."""
     recipe, task = TASKS[cell["task"]]
     config, world, micro, accum, layout_fields = LAYOUTS[cell["layout"]]
-    fields = {**COMMON, **layout_fields, **_data_fields(cell, files), **ADAPTERS[cell["adapter"]],
+    fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files), **ADAPTERS[cell["adapter"]],
               "model_name_or_path": files["models"][cell["arch"]], **_ending_fields(cell)}
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):
         fields["chat_template"] = files["chatml"]
