@@ -10,7 +10,8 @@ launches), and each cell held to its promises:
   3. interrupted (SIGTERM to rank 0), it resumes to the uninterrupted weights.
 
 ``python -m pytest tests/matrix -m ""`` runs every cell (the default deselects ``matrix_full``: the suite runs the
-SUITE cells only) and prints the table: cell, expectation, result, figure. docs/testing.md#the-capability-matrix.
+SUITE cells only) and prints the table: cell, expectation, result, figure. ``TOOLKIT_MATRIX_CELLS=name,name`` runs
+the cells named (in the array or not) without making the array. docs/testing.md#the-capability-matrix.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def build(config) -> dict:
         return MATRIX
     from toolkit.models.offline import bpe_from_file
 
-    started, full = time.time(), full_matrix(config)
+    named = [n for n in os.environ.get("TOOLKIT_MATRIX_CELLS", "").split(",") if n]  # cells by name, array or not
+    started, full = time.time(), full_matrix(config) and not named
     root = config._tmp_path_factory.mktemp("matrix")
-    tasks = D.DIMENSIONS["task"] if full else sorted({D.Cell.from_name(name)["task"] for name in SUITE})
+    tasks = D.DIMENSIONS["task"] if full else sorted({D.Cell.from_name(name)["task"] for name in named or SUITE})
     files = D.write_files(root, bpe_from_file(os.path.join(ROOT, "tests", "data", "bpe-2048", "tokenizer.json")),
                           tasks)
     files["root"] = root
@@ -110,7 +112,7 @@ def build(config) -> dict:
         cells = [D.Cell.of(values, seam) for values, _, seam in array.cells]
         refusals, checks = [m for _, m, _ in array.cells], array.checks
     else:
-        array, cells = None, [D.Cell.from_name(name) for name in SUITE]
+        array, cells = None, [D.Cell.from_name(name) for name in named or SUITE]
         refusals, checks = [refused(dict(c.values)) for c in cells], len(cells)
     MATRIX.update(files=files, array=array, cells=cells, refusals=refusals, selected=set(), checks=checks,
                   seconds={"files": made - started, "array": time.time() - made})
@@ -124,7 +126,7 @@ def pytest_generate_tests(metafunc):
     params = []
     for i, cell in enumerate(matrix["cells"]):
         marks = [] if matrix["refusals"][i] is not None else [pytest.mark.slow]
-        if cell.name not in SUITE:
+        if cell.name not in SUITE and not os.environ.get("TOOLKIT_MATRIX_CELLS"):
             marks.append(pytest.mark.matrix_full)
         params.append(pytest.param(i, marks=marks, id=f"{i:02d}-{cell.name}"))
     metafunc.parametrize("cell_index", params)
@@ -331,6 +333,8 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
             logits = _merged_logits_diff(out, ref)
             figures.append(f"merged logits {logits:.1e}")
             assert logits <= MERGED_LOGITS_TOLERANCE[cell["precision"]], f"promise 2: merged logits {logits:.2e} off"
+    if (cell["task"], cell["arch"]) in D.GRPO_MODELS:
+        figures.append(_ends_turns(out))
     if run.mixed_precision:
         bf16 = out if cell["layout"] == "one" else _get(runs, _reference_name(D.reference_of(run)))
         moved = _weights_diff(bf16, _get(runs, _reference_name(D.reference_of(run, precision=None))))
@@ -341,6 +345,22 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
         cost += _seconds(_get(runs, f"c{i:02d}-interrupted")) + _seconds(_get(runs, f"c{i:02d}-resumed"))
     RESULTS[i]["cost"] += cost
     return "; ".join(figures) or "ran"
+
+
+def _ends_turns(out: str) -> str:
+    """GRPO on a chat model whose turns end with a token its tokenizer does not call EOS (Qwen2's <|im_end|>): every
+    completion ends at the end of its turn or at max_completion_length; nothing after <|im_end|> is scored or trained
+    (the cell's reward logs, of the completions' ids as the loss takes them, how many reached <|im_end|> and how many
+    tokens came after one). Without a completion that reached it, the promise went untested: a failure too."""
+    from toolkit.reporting.metrics import read_metrics
+
+    rows = [r for r in read_metrics(out) if "turns/tokens_after_end" in r]
+    assert rows, "promise 2 (GRPO): no generation logged where its completions end (turns/ in metrics.jsonl)"
+    reached, after = sum(r["turns/reached_end"] for r in rows), sum(r["turns/tokens_after_end"] for r in rows)
+    assert reached > 0, "promise 2 (GRPO): no completion reached <|im_end|>: the end of a turn went untested"
+    assert after == 0, (f"promise 2 (GRPO): completions went on past <|im_end|>: tokens after the end of a turn "
+                        f"scored and trained ({after:.2f}: the logged generations' means, summed)")
+    return f"{reached / len(rows):.1f} a generation ended at im_end, 0 tokens after"
 
 
 def _seconds(out: str) -> float:
