@@ -169,8 +169,8 @@ def one_format(builder, tables: Callable) -> Callable:
     column the stream's first file has not (an ``UnreadableLine`` naming the file and its row, after the rows before
     it): ``datasets`` casts every later file to the first one's columns and drops the others, so a later file that
     switches from ``messages`` rows to Alpaca rows gave rows of nulls, every one dropped as fitting no format, and
-    the run ended with ``data_ran_out`` (a loaded set of those files is refused; a switch within the first file is
-    ``toolkit.tasks.sft.other_format``'s)."""
+    the run ended with ``data_ran_out`` (docs/pitfalls.md#stream-later-columns; a loaded set of those files is
+    refused; a switch within the first file is ``toolkit.tasks.sft.other_format``'s)."""
     import pyarrow.compute as pc
 
     cast, found = builder._cast_table, []
