@@ -186,7 +186,8 @@ def one_format(builder, tables: Callable) -> Callable:
             if first >= 0:
                 row = {c: v for c, v in table.slice(first, 1).to_pylist()[0].items() if v is not None}
                 found.append((first, sorted(features), row))
-                table = table.slice(0, first).select([c for c in table.column_names if c in features])
+                table = table.slice(0, first)
+            table = table.select([c for c in table.column_names if c in features])  # (a column of nulls holds nothing)
         return cast(table, *args, **kwargs)
 
     builder._cast_table = cast_one_format

@@ -157,10 +157,11 @@ def save_classifier_base(unwrapped, path: str, final: str) -> None:
     """A classifier's adapter (peft's SEQ_CLS) in ``path``, to be moved to ``final``, made to load alone with
     ``AutoPeftModelForSequenceClassification.from_pretrained(final)``: peft loads the base named in
     adapter_config.json with that base's own config, whose head (2 labels by default) does not fit the trained head
-    (a size mismatch: docs/pitfalls.md#peft-auto-classifier). So ``final/base/`` holds the base as the classifier it trained: its config as trained
-    (labels, pad token) beside the base's own weight files, hard links where the file system allows (no space), copies
-    otherwise, and the adapter names it. Nothing when the base's weights are no files of one folder (a base that was
-    itself an adapter folder: the toolkit's loaders read the run's config.yaml either way)."""
+    (a size mismatch: docs/pitfalls.md#peft-auto-classifier). So ``final/base/`` holds the base as the classifier it
+    trained: its config as trained (labels, pad token) beside the base's own weight files, hard links where the file
+    system allows (no space), copies otherwise, and the adapter names it. Nothing when the base's weights are no
+    files of one folder (a base that was itself an adapter folder: the toolkit's loaders read the run's config.yaml
+    either way)."""
     import json
     import shutil
 
