@@ -368,6 +368,23 @@ def test_a_later_file_of_a_stream_that_switches_format_stops_at_its_first_other_
         next(steps)  # (without the fix: StopIteration, the 6 Alpaca rows dropped as rows of nulls)
 
 
+def test_a_later_file_with_a_column_of_nulls_only_streams_on(tmp_path):
+    """A later file's extra column that holds no value (``"meta": null`` on every row) is no other format: its rows
+    stream on (a CastError stopped the stream at that file before: datasets cannot cast a column it does not know,
+    even one of nulls)."""
+    from toolkit.data.stream import open_source, source_rows
+
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(3)))
+    second.write_text("".join(json.dumps({**chat(i), "meta": None}) + "\n" for i in range(3, 6)))
+    files = [str(first), str(second)]
+    assert [row["messages"][0]["content"] for row in source_rows(open_source(files, 0, False), files)] == [
+        f"q {i}" for i in range(6)]
+
+
 def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_reads_the_same_rows(tmp_path, capsys):
     """A malformed line in the middle of a stream was pyarrow's traceback (its JSON reader parses a chunk at once and
     cannot skip a line). The file is read on from that chunk line by line: the line is a row of nulls, dropped and
