@@ -135,8 +135,8 @@ def run_of(cell: Cell, files: dict) -> Run:
     """The run a cell launches (``files``: ``write_files``' paths)."""
     recipe, task = TASKS[cell["task"]]
     config, world, micro, accum, layout_fields = LAYOUTS[cell["layout"]]
-    fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files), **ADAPTERS[cell["adapter"]],
-              "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
+    fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files),
+              **ADAPTERS[cell["adapter"]], "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
               **_ending_fields(cell)}
     if (cell["task"], cell["arch"]) == ("grpo", "qwen2"):  # its reward also logs where completions end (test_matrix)
         fields["reward_funcs"] = "grpo_rewards:vowels_ending_turns"
@@ -279,13 +279,13 @@ def _chat_model(model, tok, path: str) -> str:
 def write_files(root, bpe, tasks=DIMENSIONS["task"]) -> dict:
     """The cells' models and data under ``root`` (a pathlib folder): per task of ``tasks`` its training file, two
     streams of files, a mixture of two formats, and validation files of 8, 9 and 1 rows."""
+    from transformers import AutoTokenizer
+
     files = {"models": write_models(root / "models", bpe)}
     (root / "chatml.jinja").write_text(CHATML)
     (root / "template.jinja").write_text(CHAT_TEMPLATE)
     files["chatml"] = str(root / "chatml.jinja")
     template = {"chat_template": str(root / "template.jinja")}
-    from transformers import AutoTokenizer
-
     end_of_turn = AutoTokenizer.from_pretrained(files["models"]["qwen2"]).convert_tokens_to_ids("<|im_end|>")
     for task in tasks:
         files[task] = WRITERS[task](root / task, template, **({"end_of_turn": end_of_turn} if task == "grpo" else {}))
