@@ -81,6 +81,8 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
 
     for name, partial in seeds:  # a seam is a cell that runs if any completion of it does
         for _ in range(20):
+            if _label(out, base, partial, name):  # refused whatever the rest: an earlier cell's refusal is its
+                break
             values = fill(partial) if not clashes(partial) else None
             if values is None:
                 out.uncoverable.append(tuple(partial.items()))
@@ -101,6 +103,19 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
         add(values, None)
     out.uncoverable += sorted(uncovered)
     return out
+
+
+def _label(out: Array, base: dict, partial: dict, name: str) -> bool:
+    """A seam whose own values hold a set already forbidden (an earlier cell's refusal reduced to them): that set's
+    refused cell is the seam's cell, named so (instead of the seam listed as not coverable)."""
+    for bad, _ in out.forbidden:
+        if all(partial.get(d) == v for d, v in bad.items()):
+            reduced = {**base, **bad}
+            for i, (values, message, seam) in enumerate(out.cells):
+                if values == reduced and seam is None:
+                    out.cells[i] = (values, message, name)
+            return True
+    return False
 
 
 def _pair(dims, a, b):

@@ -58,6 +58,13 @@ TASKS = {"lm": ("gpt2", "causal-lm"), "sft": ("sft", "chat-sft"), "dpo": ("dpo",
 COMMON = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler_type="constant", weight_decay=0,
               seed=7, report_to="none", logging_steps=1, shuffle=True, per_device_eval_batch_size=2, block_size=48,
               save_steps=1000, plot=False)
+# A classifier's loss is per example and its head trains whole: at COMMON's 0.5 its loss swung 1.8 -> 5.1 -> 2.8 ->
+# 4.1 within 6 steps (Llama; Qwen2 with a 4-bit base alike), a chaotic path on which any rounding grows: bf16 DDP
+# ended 2.69 from one bf16 process (the fp32 twin 1.31 from it), a ZeRO-2 fp32 adapter 2.9e-4 from one process. The
+# promises compare runs, not a divergent run's noise: its cells train at a rate where the loss goes down.
+TASK_FIELDS = {"classify": dict(learning_rate=0.05)}
+# GRPO on Qwen2: a chat model whose turns end with <|im_end|>, a token its tokenizer does not call EOS (_chat_model)
+GRPO_MODELS = {("grpo", "qwen2"): "qwen2_turns"}
 STEPS = 3  # max_steps of a cell that ends by its steps (and of a merge export)
 SIGTERM_AT = 1  # rank 0 is sent SIGTERM after this step: every rank ends the next one, saves it and stops
 RESUMED_STEPS = 4  # an interrupted cell's max_steps: stopped at SIGTERM_AT + 1, resumed to here
@@ -130,8 +137,11 @@ def run_of(cell: Cell, files: dict) -> Run:
     """The run a cell launches (``files``: ``write_files``' paths)."""
     recipe, task = TASKS[cell["task"]]
     config, world, micro, accum, layout_fields = LAYOUTS[cell["layout"]]
-    fields = {**COMMON, **layout_fields, **_data_fields(cell, files), **ADAPTERS[cell["adapter"]],
-              "model_name_or_path": files["models"][cell["arch"]], **_ending_fields(cell)}
+    fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files),
+              **ADAPTERS[cell["adapter"]], "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
+              **_ending_fields(cell)}
+    if (cell["task"], cell["arch"]) == ("grpo", "qwen2"):  # its reward also logs where completions end (test_matrix)
+        fields["reward_funcs"] = "grpo_rewards:vowels_ending_turns"
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):
         fields["chat_template"] = files["chatml"]
     bf16 = cell["precision"] == "bf16"
@@ -242,19 +252,45 @@ def write_models(root, bpe) -> dict:
     model.save_pretrained(models["qwen2"])
     tok.model_max_length = 64
     tok.save_pretrained(models["qwen2"])
+    models["qwen2_turns"] = _chat_model(model, tok, str(root / "qwen2-turns"))
     return models
+
+
+def _chat_model(model, tok, path: str) -> str:
+    """GRPO's Qwen2 (``GRPO_MODELS``): a chat model as Qwen's instruct releases are, whose generation_config ends
+    generation at ``<|im_end|>`` as well as at the tokenizer's EOS, and which ends about half its 6-token completions
+    there (measured: 34 of 64 draws from the whole distribution, as GRPO samples, 32 before their last token; its
+    first token 10% ``<|im_end|>``): every embedding shares one direction, which ``<|im_end|>``'s row of the (untied)
+    head reads. Without that, a random model drew ``<|im_end|>`` about once in 2000 tokens and generating past a
+    turn's end showed in no cell."""
+    import torch
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        shared = torch.randn(model.config.hidden_size)
+        shared /= shared.norm()
+        model.model.embed_tokens.weight += 0.2 * shared
+        model.lm_head.weight[end] = 1.25 * shared
+    model.generation_config.eos_token_id = [end, tok.eos_token_id]
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
 
 
 def write_files(root, bpe, tasks=DIMENSIONS["task"]) -> dict:
     """The cells' models and data under ``root`` (a pathlib folder): per task of ``tasks`` its training file, two
     streams of files, a mixture of two formats, and validation files of 8, 9 and 1 rows."""
+    from transformers import AutoTokenizer
+
     files = {"models": write_models(root / "models", bpe)}
     (root / "chatml.jinja").write_text(CHATML)
     (root / "template.jinja").write_text(CHAT_TEMPLATE)
     files["chatml"] = str(root / "chatml.jinja")
     template = {"chat_template": str(root / "template.jinja")}
+    end_of_turn = AutoTokenizer.from_pretrained(files["models"]["qwen2"]).convert_tokens_to_ids("<|im_end|>")
     for task in tasks:
-        files[task] = WRITERS[task](root / task, template)
+        files[task] = WRITERS[task](root / task, template, **({"end_of_turn": end_of_turn} if task == "grpo" else {}))
     return files
 
 
@@ -307,10 +343,13 @@ def _classify_files(d, template: dict) -> dict:
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 72)
 
 
-def _grpo_files(d, template: dict) -> dict:
+def _grpo_files(d, template: dict, end_of_turn: int) -> dict:
+    """``end_of_turn``: a column of Qwen2's <|im_end|> id, for the reward that logs where completions end."""
     prompts = [(a, b) for a in range(2, 12) for b in range(3, 9)][:64]
-    as_chat = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b} for a, b in prompts]
-    as_text = [{"prompt": f"What is {a} + {b}?", "answer": a + b} for a, b in prompts[48:]]  # TRL's text prompts
+    as_chat = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b,
+                "end_of_turn": end_of_turn} for a, b in prompts]
+    as_text = [{"prompt": f"What is {a} + {b}?", "answer": a + b, "end_of_turn": end_of_turn}
+               for a, b in prompts[48:]]  # TRL's text prompts
     own = _task_files(d, as_chat[:48], as_chat[55:64], as_text, {**template, **GRPO})
     return _mixture(own, [d / "mixture-a.jsonl", d / "mixture-b.jsonl"], 64)
 

@@ -10,7 +10,8 @@ launches), and each cell held to its promises:
   3. interrupted (SIGTERM to rank 0), it resumes to the uninterrupted weights.
 
 ``python -m pytest tests/matrix -m ""`` runs every cell (the default deselects ``matrix_full``: the suite runs the
-SUITE cells only) and prints the table: cell, expectation, result, figure. docs/testing.md#the-capability-matrix.
+SUITE cells only) and prints the table: cell, expectation, result, figure. ``TOOLKIT_MATRIX_CELLS=name,name`` runs
+the cells named (in the array or not) without making the array. docs/testing.md#the-capability-matrix.
 """
 
 from __future__ import annotations
@@ -336,9 +337,11 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
         figures.append(f"dw {diff:.1e}")
         assert diff <= tolerance(cell), f"promise 1: final weights {diff:.2e} from one process ({tolerance(cell):g})"
         if cell["ending"] == "merge":
-            logits = _merged_logits_diff(out, ref)
+            logits = _merged_logits_diff(out, ref, run)
             figures.append(f"merged logits {logits:.1e}")
             assert logits <= MERGED_LOGITS_TOLERANCE[cell["precision"]], f"promise 2: merged logits {logits:.2e} off"
+    if (cell["task"], cell["arch"]) in D.GRPO_MODELS:
+        figures.append(_ends_turns(out))
     if run.mixed_precision:
         bf16 = out if cell["layout"] == "one" else _get(runs, _reference_name(D.reference_of(run)))
         moved = _weights_diff(bf16, _get(runs, _reference_name(D.reference_of(run, precision=None))))
@@ -349,6 +352,22 @@ def _keeps_promises(i: int, cell: D.Cell, runs: Runs, tmp_path) -> str:
         cost += _seconds(_get(runs, f"c{i:02d}-interrupted")) + _seconds(_get(runs, f"c{i:02d}-resumed"))
     RESULTS[i]["cost"] += cost
     return "; ".join(figures) or "ran"
+
+
+def _ends_turns(out: str) -> str:
+    """GRPO on a chat model whose turns end with a token its tokenizer does not call EOS (Qwen2's <|im_end|>): every
+    completion ends at the end of its turn or at max_completion_length; nothing after <|im_end|> is scored or trained
+    (the cell's reward logs, of the completions' ids as the loss takes them, how many reached <|im_end|> and how many
+    tokens came after one). Without a completion that reached it, the promise went untested: a failure too."""
+    from toolkit.reporting.metrics import read_metrics
+
+    rows = [r for r in read_metrics(out) if "turns/tokens_after_end" in r]
+    assert rows, "promise 2 (GRPO): no generation logged where its completions end (turns/ in metrics.jsonl)"
+    reached, after = sum(r["turns/reached_end"] for r in rows), sum(r["turns/tokens_after_end"] for r in rows)
+    assert reached > 0, "promise 2 (GRPO): no completion reached <|im_end|>: the end of a turn went untested"
+    assert after == 0, (f"promise 2 (GRPO): completions went on past <|im_end|>: tokens after the end of a turn "
+                        f"scored and trained ({after:.2f}: the logged generations' means, summed)")
+    return f"{reached / len(rows):.1f} a generation ended at im_end, 0 tokens after"
 
 
 def _seconds(out: str) -> float:
@@ -428,15 +447,18 @@ def _weights_diff(a: str, b: str) -> float:
     return max_abs_diff(_tensors(os.path.join(a, "final")), _tensors(os.path.join(b, "final")))
 
 
-def _merged_logits_diff(a: str, b: str) -> float:
+def _merged_logits_diff(a: str, b: str, run: D.Run) -> float:
+    """The merged exports' logits on the same ids, each loaded as its task's model (a classifier's as one: loaded as
+    a causal LM, Qwen2's untied head came up random on each side, 0.66 apart)."""
     import torch
     import transformers
 
     ids = torch.arange(100, 124).view(2, 12)
+    auto = (transformers.AutoModelForSequenceClassification if run.task == "sequence-classification"
+            else transformers.AutoModelForCausalLM)
     logits = []
     for out in (a, b):
-        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final", "merged"),
-                                                                  dtype=torch.float32)
+        model = auto.from_pretrained(os.path.join(out, "final", "merged"), dtype=torch.float32)
         with torch.no_grad():
             logits.append(model(ids).logits.double())
     return float((logits[0] - logits[1]).abs().max())

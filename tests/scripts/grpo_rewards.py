@@ -77,3 +77,18 @@ def no_kwargs(prompts, completions, answer) -> list[float]:
 def needs_difficulty(prompts, completions, difficulty, **kwargs) -> list[float]:
     """A column the built-in arithmetic set does not have."""
     return [float(d) for d in difficulty]
+
+
+def vowels_ending_turns(prompts, completions, answer, completion_ids, end_of_turn, log_metric, **kwargs) -> list[float]:
+    """``vowels``, and where the completions it scores end (the capability matrix's GRPO cells on a chat model): of
+    their ids (as the loss takes them), how many reached the end of a turn (``end_of_turn``: the id of Qwen2's
+    <|im_end|>, a column) and how many tokens came after one (generated, scored and trained past the turn)."""
+    reached = after = 0
+    for ids, end in zip(completion_ids, end_of_turn):
+        ids = list(ids)
+        if end in ids:
+            reached += 1
+            after += len(ids) - ids.index(end) - 1
+    log_metric("turns/reached_end", reached)
+    log_metric("turns/tokens_after_end", after)
+    return vowels(prompts, completions, answer)

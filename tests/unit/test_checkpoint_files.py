@@ -522,3 +522,42 @@ def test_lora_runs_chain_sft_dpo_grpo_each_on_the_last_ones_final(gpt2_256, chat
     assert torch.equal(_logits(load_exported(folder, adapter_base_arguments(folder))), trained)
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "merged"))
     assert float((_logits(merged) - trained).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_classifier_adapter_loads_alone_with_peft_auto_class(families, tmp_path, family):
+    """A classifier's LoRA export (its head of 6 labels new, trained whole: peft's modules_to_save) loads in one call,
+    ``AutoPeftModelForSequenceClassification.from_pretrained(final)``, with the trained logits, exactly. peft loads
+    the base adapter_config.json names with that base's own config: 2 labels, and the trained head did not fit (a
+    size mismatch; the capability matrix's classifier LoRA cells). final/base/ is the base as the classifier it
+    trained, its weight files hard links of the base's."""
+    import peft
+    import torch
+    from transformers import AutoTokenizer
+
+    from toolkit.config import ModelArguments
+    from toolkit.models.loading import load_config, load_model
+    from toolkit.models.lora import apply_lora
+
+    args = ModelArguments(model_name_or_path=families[family], use_peft=True, lora_r=4, lora_alpha=8,
+                          lora_dropout=0.0, lora_target_modules=["all-linear"])
+    config = load_config(args)
+    config.num_labels, config.id2label = 6, {i: f"class {i}" for i in range(6)}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    config.pad_token_id = config.eos_token_id
+    model = apply_lora(load_model(args, config=config, auto_class="AutoModelForSequenceClassification"), args,
+                       "SEQ_CLS", log=lambda *_: None)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # "trained": every trainable tensor moved (LoRA's B starts at zero), the head included
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    trained = _logits(model)
+    final = str(tmp_path / "final")
+    _save_final(model, AutoTokenizer.from_pretrained(args.model_name_or_path), final, merge_lora=False)
+    loaded = peft.AutoPeftModelForSequenceClassification.from_pretrained(final)
+    assert loaded.config.num_labels == 6 and loaded.config.id2label[5] == "class 5"
+    assert torch.equal(_logits(loaded), trained), family
+    base_weights = [f for f in os.listdir(families[family]) if f.endswith(".safetensors")]
+    assert all(os.path.samefile(os.path.join(final, "base", f), os.path.join(families[family], f))
+               for f in base_weights)  # hard links: no second copy of the base

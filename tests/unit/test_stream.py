@@ -343,6 +343,48 @@ def test_a_chat_stream_that_goes_on_in_another_format_is_refused_as_the_loaded_s
         next(steps)
 
 
+def test_a_later_file_of_a_stream_that_switches_format_stops_at_its_first_other_row(tmp_path, bpe_2048):
+    """The switch in a later file than the first (the matrix's stream_switch cells): ``datasets`` casts every file to
+    the first one's columns, so the Alpaca rows came as rows of nulls (``{'messages': None}``), each dropped as
+    fitting no chat format, and the run ended with data_ran_out. Now the stream gives the rows before the switch,
+    then stops at the first Alpaca row, naming its file and row (an UnreadableLine: every rank alike)."""
+    from toolkit.data.stream import UnreadableLine
+    from toolkit.tasks.sft import ChatSFT
+
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+    first, second = tmp_path / "part-0.jsonl", tmp_path / "part-1.jsonl"
+    first.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(4)))
+    second.write_text("".join(json.dumps(row) + "\n" for row in [chat(4), chat(5), *(
+        {"instruction": f"do {i}", "input": "", "output": f"done {i}"} for i in range(6))]))
+    keep, _ = ChatSFT().stream_rows(bpe_2048, DataArguments(), 64, "messages")
+    stream = TrainStream(StreamSpec([str(first), str(second)], 2, 3, False), keep=keep, collate=list, micro=2,
+                         accumulation=1, encode=lambda rows: [row["messages"][0]["content"] for row in rows])
+    steps = stream.steps()
+    assert [next(steps) for _ in range(3)] == [[[f"q {i}", f"q {i + 1}"]] for i in range(0, 6, 2)]
+    with pytest.raises(UnreadableLine, match=r"dataset_format: the stream's rows have the columns \['messages'\] "
+                                             r"\(its first file's\), but .*part-1.jsonl row 3 has others"):
+        next(steps)  # (without the fix: StopIteration, the 6 Alpaca rows dropped as rows of nulls)
+
+
+def test_a_later_file_with_a_column_of_nulls_only_streams_on(tmp_path):
+    """A later file's extra column that holds no value (``"meta": null`` on every row) is no other format: its rows
+    stream on (a CastError stopped the stream at that file before: datasets cannot cast a column it does not know,
+    even one of nulls)."""
+    from toolkit.data.stream import open_source, source_rows
+
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(3)))
+    second.write_text("".join(json.dumps({**chat(i), "meta": None}) + "\n" for i in range(3, 6)))
+    files = [str(first), str(second)]
+    assert [row["messages"][0]["content"] for row in source_rows(open_source(files, 0, False), files)] == [
+        f"q {i}" for i in range(6)]
+
+
 def test_a_malformed_json_line_in_a_stream_is_dropped_and_counted_and_a_resume_reads_the_same_rows(tmp_path, capsys):
     """A malformed line in the middle of a stream was pyarrow's traceback (its JSON reader parses a chunk at once and
     cannot skip a line). The file is read on from that chunk line by line: the line is a row of nulls, dropped and

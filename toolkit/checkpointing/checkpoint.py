@@ -490,6 +490,8 @@ def _save_final(accelerator: Accelerator, model, tokenizer, path: str, merge_lor
         shutil.rmtree(tmp, ignore_errors=True)
         if lora.is_peft_model(unwrapped):
             lora.save_adapter(unwrapped, state_dict, tmp)
+            if unwrapped.peft_config["default"].task_type == "SEQ_CLS":  # its head is new: AutoPeft needs its shape
+                lora.save_classifier_base(unwrapped, tmp, path)
             if merge_lora:
                 lora.save_merged(unwrapped, state_dict, os.path.join(tmp, lora.MERGED))
                 if tokenizer is not None:

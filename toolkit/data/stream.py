@@ -115,7 +115,7 @@ def open_source(files: list[str], seed: int, shuffle: bool, state: dict | None =
     name, kwargs = file_builder({"train": ordered})
     builder = load_dataset_builder(name, data_files={"train": ordered}, **kwargs)  # what load_dataset(streaming) does
     if name == "json":
-        builder._generate_tables = lenient_json(builder, builder._generate_tables)
+        builder._generate_tables = one_format(builder, lenient_json(builder, builder._generate_tables))
     source = builder.as_streaming_dataset(split="train")
     if state is not None:
         source.load_state_dict(state)
@@ -157,7 +157,57 @@ def lenient_json(builder, tables: Callable) -> Callable:
                     number += 1
                     if line.strip():
                         rows.append(_json_row(line, path, number, builder))
-                yield Key(0, chunk - 1), builder._cast_table(pa.Table.from_pylist(rows))
+                columns = list(dict.fromkeys(c for row in rows for c in row))  # every row's (not the first's alone)
+                yield Key(0, chunk - 1), builder._cast_table(pa.Table.from_pylist([{c: row.get(c) for c in columns}
+                                                                                   for row in rows]))
+
+    return generate
+
+
+def one_format(builder, tables: Callable) -> Callable:
+    """``datasets``' JSON reader (``tables``: its ``_generate_tables``) stopping at a row that holds a value in a
+    column the stream's first file has not (an ``UnreadableLine`` naming the file and its row, after the rows before
+    it): ``datasets`` casts every later file to the first one's columns and drops the others, so a later file that
+    switches from ``messages`` rows to Alpaca rows gave rows of nulls, every one dropped as fitting no format, and
+    the run ended with ``data_ran_out`` (docs/pitfalls.md#stream-later-columns; a loaded set of those files is
+    refused; a switch within the first file is ``toolkit.tasks.sft.other_format``'s)."""
+    import pyarrow.compute as pc
+
+    cast, found = builder._cast_table, []
+
+    def cast_one_format(table, *args, **kwargs):
+        features = builder.info.features
+        other = [c for c in table.column_names if features is not None and c not in features]
+        if other:
+            valid = pc.is_valid(table[other[0]])
+            for column in other[1:]:
+                valid = pc.or_(valid, pc.is_valid(table[column]))
+            first = pc.index(valid, True).as_py()
+            if first >= 0:
+                row = {c: v for c, v in table.slice(first, 1).to_pylist()[0].items() if v is not None}
+                found.append((first, sorted(features), row))
+                table = table.slice(0, first)
+            table = table.select([c for c in table.column_names if c in features])  # (a column of nulls holds nothing)
+        return cast(table, *args, **kwargs)
+
+    builder._cast_table = cast_one_format
+
+    def generate(*args, **kwargs):
+        paths = [p for files in kwargs.get("files_iterables", ()) for p in files]
+        rows = 0  # this file's rows before the table
+        for key, table in tables(*args, **kwargs):
+            if not found:
+                yield key, table
+                rows += len(table)
+                continue
+            first, columns, row = found.pop()
+            if len(table):
+                yield key, table
+            raise UnreadableLine("dataset_format", f"the stream's rows have the columns {columns} (its first file's), "
+                                                   f"but {paths[0] if len(paths) == 1 else 'a later file'} row "
+                                                   f"{rows + first + 1} has others ({row!r:.120}): a stream holds rows "
+                                                   "of one format, as a loaded set does (a loaded set of these files "
+                                                   "is refused too): convert those rows, or train on them apart")
 
     return generate
 
@@ -196,6 +246,8 @@ def source_rows(source, files: list[str], field: str = "train_file") -> Iterator
             row = next(rows)
         except StopIteration:
             return
+        except UnreadableLine:  # already the line's error (one_format)
+            raise
         except (ValueError, pa.ArrowException) as e:  # pyarrow's ArrowInvalid: a malformed line
             from toolkit.data.loading import unreadable
 

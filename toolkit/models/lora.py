@@ -203,6 +203,49 @@ def save_adapter(unwrapped, state_dict: dict, path: str) -> None:
             config.quantization_config = quantized
 
 
+BASE = "base"  # final/base/: a classifier adapter's base as the classifier it trained (save_classifier_base)
+
+
+def save_classifier_base(unwrapped, path: str, final: str) -> None:
+    """A classifier's adapter (peft's SEQ_CLS) in ``path``, to be moved to ``final``, made to load alone with
+    ``AutoPeftModelForSequenceClassification.from_pretrained(final)``: peft loads the base named in
+    adapter_config.json with that base's own config, whose head (2 labels by default) does not fit the trained head
+    (a size mismatch: docs/pitfalls.md#peft-auto-classifier). So ``final/base/`` holds the base as the classifier it
+    trained: its config as trained (labels, pad token) beside the base's own weight files, hard links where the file
+    system allows (no space), copies otherwise, and the adapter names it. Nothing when the base's weights are no
+    files of one folder (a base that was itself an adapter folder: the toolkit's loaders read the run's config.yaml
+    either way)."""
+    import json
+    import shutil
+
+    from transformers.utils import cached_file
+
+    base = unwrapped.get_base_model()
+    try:
+        # the files it loaded from (a Hub model's are in the cache): no request
+        source = os.path.dirname(cached_file(base.name_or_path, "config.json", local_files_only=True))
+    except OSError:
+        return
+    weights = [f for f in sorted(os.listdir(source)) if f.endswith((".safetensors", ".bin", ".index.json"))
+               and not f.startswith("adapter_")]
+    if not weights:
+        return
+    folder = os.path.join(path, BASE)
+    os.makedirs(folder, exist_ok=True)
+    for name in weights:
+        try:
+            os.link(os.path.realpath(os.path.join(source, name)), os.path.join(folder, name))
+        except OSError:  # another file system: a copy
+            shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+    shutil.copyfile(os.path.join(path, "config.json"), os.path.join(folder, "config.json"))  # save_adapter's
+    adapter_config = os.path.join(path, "adapter_config.json")
+    with open(adapter_config) as f:
+        values = json.load(f)
+    values["base_model_name_or_path"] = os.path.join(os.path.abspath(final), BASE)
+    with open(adapter_config, "w") as f:
+        json.dump(values, f, indent=2, sort_keys=True)
+
+
 def save_merged(unwrapped, state_dict: dict, path: str) -> None:
     """Base + adapter as one plain model, written with ``save_pretrained`` (main process): a fresh CPU copy of the
     architecture takes the gathered weights, peft merges (W + B A x alpha / r) and unloads the adapter layers."""
