@@ -86,6 +86,7 @@ SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"
 SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
 # torch_compile's decoder blocks traced by aot_eager (no generated code): bitwise the eager run (toolkit.models.loading)
 AOT_EAGER = {**SGD, "torch_compile": True, "torch_compile_backend": "aot_eager"}
+AOT_EAGER_ADAMW = {**ADAMW, "torch_compile": True, "torch_compile_backend": "aot_eager"}
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
 # streaming: true (toolkit/data/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
 # micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
@@ -141,6 +142,11 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
         r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
                probe=False, timeout=EVAL_TIMEOUT_S)
     r.plan("sgd_aot_eager_ddp", "ddp.yaml", 2, 2, 2, AOT_EAGER)
+    # FSDP2 with compiled blocks, and the resume of its checkpoint beside the eager run's resume (the fsdp launch)
+    r.plan("adamw_aot_eager_fsdp", "fsdp.yaml", 2, 2, 2, AOT_EAGER_ADAMW)
+    r.plan("adamw_resumed_fsdp", "fsdp.yaml", 2, 2, 2, RESUME, copy_from=("adamw_fsdp", 2))
+    r.plan("adamw_aot_eager_resumed_fsdp", "fsdp.yaml", 2, 2, 2, {**AOT_EAGER_ADAMW, **RESUME},
+           copy_from=("adamw_aot_eager_fsdp", 2))
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
     streams = {}
@@ -400,6 +406,22 @@ def test_aot_eager_compiled_blocks_train_bitwise_like_eager_under_ddp(runs):
     out, plain = runs.strategy("ddp", "sgd_aot_eager", AOT_EAGER), runs.strategy("ddp", "sgd", SGD)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) == 0.0
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)]
+
+
+@pytest.mark.slow
+def test_aot_eager_compiled_blocks_train_and_resume_bitwise_like_eager_under_fsdp2(runs):
+    """torch_compile: true (aot_eager) on 2 FSDP2 ranks, each decoder block compiled before fully_shard wraps it
+    (torchtitan's order; FSDP2's all-gather hooks run eagerly between the compiled blocks), 3 AdamW steps: the same
+    losses and final weights as the eager run, bit for bit; and the compiled run resumed from its own step-2
+    checkpoint ends bit for bit where the eager run resumed from its step-2 checkpoint ends."""
+    out, plain = runs.strategy("fsdp", "adamw_aot_eager", AOT_EAGER_ADAMW), runs.strategy("fsdp", "adamw", ADAMW)
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) == 0.0
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)]
+    resumed = runs.strategy("fsdp", "adamw_aot_eager_resumed", {**AOT_EAGER_ADAMW, **RESUME},
+                            prepare=copy_checkpoint(out, 2))
+    plain_resumed = runs.strategy("fsdp", "adamw_resumed", RESUME, prepare=copy_checkpoint(plain, 2))
+    assert [r["step"] for r in metrics(resumed)] == [r["step"] for r in metrics(plain_resumed)] == [3]
+    assert max_abs_diff(load_weights(final(resumed)), load_weights(final(plain_resumed))) == 0.0
 
 
 @pytest.fixture(scope="module")
