@@ -136,15 +136,22 @@ class AsyncSaves:
         return step
 
 
-def _tensor_bytes(tree) -> int:
+def _tensor_bytes(tree, seen: set | None = None) -> int:
+    """Bytes of the tensors in ``tree``, each storage once (DCP's stager copies a tied weight, GPT-2's ``lm_head``
+    and ``wte``, once)."""
     import torch
 
+    seen = set() if seen is None else seen
     if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
+        return sum(_tensor_bytes(v, seen) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
+        return sum(_tensor_bytes(v, seen) for v in tree)
     if isinstance(tree, torch.Tensor):
         local = tree.to_local() if hasattr(tree, "to_local") else tree  # an FSDP2 shard: this rank's part
+        key = (local.data_ptr(), local.numel(), local.dtype)
+        if key in seen:
+            return 0
+        seen.add(key)
         return local.numel() * local.element_size()
     return 0
 
