@@ -10,6 +10,7 @@ Launches are shared between assertions (each costs ~10 s of process start).
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -87,6 +88,8 @@ SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
 # torch_compile's decoder blocks traced by aot_eager (no generated code): bitwise the eager run (toolkit.models.loading)
 AOT_EAGER = {**SGD, "torch_compile": True, "torch_compile_backend": "aot_eager"}
 AOT_EAGER_ADAMW = {**ADAMW, "torch_compile": True, "torch_compile_backend": "aot_eager"}
+# inductor (the default backend) generates kernels: the suite's one cold compile (minutes on 2 shared cores)
+INDUCTOR_TIMEOUT_S = 900
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
 # streaming: true (toolkit/data/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
 # micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
@@ -111,6 +114,10 @@ def uneven_eval(files: dict, rows: int) -> dict:
 
 def scratch(tiny_model) -> dict:
     return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
+
+
+def inductor(extra: dict, cache: str) -> dict:
+    return {**extra, "torch_compile": True, "torch_compile_cache_dir": cache}
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_shards, few_validation_rows):
@@ -142,6 +149,10 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
         r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
                probe=False, timeout=EVAL_TIMEOUT_S)
     r.plan("sgd_aot_eager_ddp", "ddp.yaml", 2, 2, 2, AOT_EAGER)
+    # inductor on 2 DDP ranks, its compile cache in a folder of its own (the one-process run of the test reads it)
+    r.inductor_cache = str(tmp_path_factory.mktemp("inductor-cache"))
+    r.plan("adamw_inductor_ddp", "ddp.yaml", 2, 2, 2, inductor(ADAMW, r.inductor_cache), timeout=INDUCTOR_TIMEOUT_S)
+    r.plan("sgd_1x2x4", None, 1, 2, 4, SGD)
     # FSDP2 with compiled blocks, and the resume of its checkpoint beside the eager run's resume (the fsdp launch)
     r.plan("adamw_aot_eager_fsdp", "fsdp.yaml", 2, 2, 2, AOT_EAGER_ADAMW)
     r.plan("adamw_resumed_fsdp", "fsdp.yaml", 2, 2, 2, RESUME, copy_from=("adamw_fsdp", 2))
@@ -422,6 +433,30 @@ def test_aot_eager_compiled_blocks_train_and_resume_bitwise_like_eager_under_fsd
     plain_resumed = runs.strategy("fsdp", "adamw_resumed", RESUME, prepare=copy_checkpoint(plain, 2))
     assert [r["step"] for r in metrics(resumed)] == [r["step"] for r in metrics(plain_resumed)] == [3]
     assert max_abs_diff(load_weights(final(resumed)), load_weights(final(plain_resumed))) == 0.0
+
+
+@pytest.mark.slow
+def test_inductor_trains_like_eager_and_its_cache_spares_the_next_run_the_compile(runs, tiny_model, padded_data,
+                                                                                   tmp_path):
+    """torch_compile: true with inductor (generated kernels, which round differently): 2 DDP ranks, 3 AdamW steps over
+    padded micro-batches of varied lengths, end within 1e-5 of the eager run; then one process, 3 SGD steps, in the
+    same shapes (micro-batches of 2), ends within 1e-6 of its eager run and, reading the compile cache the DDP run
+    left in torch_compile_cache_dir, takes its graphs from there (a restart does not pay the compile again): its log
+    counts inductor's cache hits, and at most one graph compiled afresh (measured: 7 hits, 1 miss; dynamo's
+    automatic dynamic shapes start from a static graph of the first padded length, which a process whose first
+    micro-batch has another length compiles anew). The suite's one cold inductor compile (the DDP run's)."""
+    out = runs.strategy("ddp", "adamw_inductor", inductor(ADAMW, runs.inductor_cache))
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.strategy("ddp", "adamw", ADAMW)))) <= 1e-5
+    assert os.listdir(runs.inductor_cache)
+    eager = runs.get("sgd_1x2x4", None, 1, 2, 4, SGD)
+    warm = str(tmp_path / "warm")
+    proc = launch(args_from({**COMMON, **padded_data, **inductor(SGD, runs.inductor_cache), "plot": False,
+                             "model_name_or_path": tiny_model, "output_dir": warm, "per_device_train_batch_size": 2,
+                             "gradient_accumulation_steps": 4}), num_processes=1, timeout=INDUCTOR_TIMEOUT_S)
+    assert max_abs_diff(load_weights(final(warm)), load_weights(final(eager))) <= 1e-6
+    said = proc.stdout.split("torch_compile: ")[-1].splitlines()[0]
+    hits, misses = (int(n) for n in re.fullmatch(r".*inductor's cache: (\d+) hits, (\d+) misses\)", said).groups())
+    assert hits >= 3 and misses <= 1, said
 
 
 @pytest.fixture(scope="module")

@@ -649,7 +649,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
             first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if args.torch_compile:  # bounded by dynamo's automatic dynamic shapes (toolkit.models.loading.compile_blocks)
-        accelerator.print(f"torch_compile: {compiled_graphs()} graphs compiled in this process", flush=True)
+        accelerator.print(f"torch_compile: {compiled_graphs()}", flush=True)
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step, ended)
     if args.plot and accelerator.is_main_process:
