@@ -12,6 +12,7 @@
 # the sdpa bfd run's.
 # Then QLoRA (docs/memory.md#qlora): SmolLM2-135M (offline, from its GGUF) in 4 bits (NF4, double quantization, bf16
 # compute and storage) under FSDP2, LoRA r=16 on every linear layer; tokens/s, peak memory and the loss it ends at.
+# Then torch_compile: GPT-2 124M bf16 with and without inductor-compiled blocks, tokens/s and MFU (GPU only).
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -127,5 +128,25 @@ rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl") if '"l
 assert math.isfinite(rows[-1]["loss"]) and rows[-1]["loss"] < rows[0]["loss"], (rows[0], rows[-1])
 print(f"gpu_check qlora fsdp2: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
       f"{rows[-1]['tokens_per_s']:,.0f} tokens/s in the last window, peak memory {max(s['peak_memory_gb_per_rank']):.2f} GB")
+PY
+fi
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  # torch_compile (docs/performance.md#compiled-blocks): GPT-2 124M bf16 with and without its blocks compiled by
+  # inductor, tokens/s and MFU of the last logging window (after the compile), the compile cache in $WORK
+  for COMPILE in false true; do
+    python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 \
+      --mixed_precision bf16 recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc \
+      --block_size 1024 --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" \
+      --logging_steps 10 --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false \
+      --report_to none --torch_compile "$COMPILE" --torch_compile_cache_dir "$WORK/compile-cache" \
+      --output_dir "$WORK/run-compile-$COMPILE" --overwrite_output_dir true
+  done
+  python - "$WORK" <<'PY'
+import json, sys
+for compile_ in ("false", "true"):
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/run-compile-{compile_}/metrics.jsonl") if '"loss"' in line]
+    mfu = rows[-1].get("mfu")
+    print(f"gpu_check torch_compile {compile_}: {rows[-1]['tokens_per_s']:,.0f} tokens/s in the last window, MFU "
+          + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f", last loss {rows[-1]['loss']:.3f}")
 PY
 fi
