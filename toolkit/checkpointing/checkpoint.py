@@ -79,6 +79,10 @@ class AsyncSaves:
         self.stalls: list[float] = []
         self.staged_bytes = 0
         self.completed: list[tuple[object, str]] = []  # (state as saved, step-N) per write completed, for on_save
+        # One stager for the run: it keeps its host copies and refills them at the next save (each save starts once
+        # the previous write is complete), where dcp.async_save's own stager, made per call, allocates them afresh
+        # every time (fresh pages, zero-filled by the kernel: half the DDP stall measured; docs/performance.md)
+        self.stager = None
 
     def start(self, accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
               record: dict, protect: str | None = None, state=None) -> None:
@@ -100,7 +104,13 @@ class AsyncSaves:
             accelerator.save_state(tmp)  # the scheduler, the samplers, the RNG states: small, now
         staged = {"model": weights, "optimizer": optim}
         self.staged_bytes = _tensor_bytes(staged)
-        future = dcp.async_save(staged, checkpoint_id=os.path.join(tmp, ASYNC_FOLDER), process_group=self.group)
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # no pinned or shared memory, staged before async_save returns: what async_save's own stager does
+            self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        future = dcp.async_save(staged, checkpoint_id=os.path.join(tmp, ASYNC_FOLDER), process_group=self.group,
+                                async_stager=self.stager)
         self.pending = (future, output_dir, step, record, save_total_limit, protect, state)
         self.stalls.append(time.perf_counter() - started)
 
@@ -125,6 +135,13 @@ class AsyncSaves:
             return None
         self.pending[0].result()
         return self._complete(accelerator)
+
+    def close(self, accelerator: Accelerator) -> None:
+        """Once the run saves no more: the write under way completes, and the stager's host copies are let go."""
+        self.wait(accelerator)
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def _complete(self, accelerator: Accelerator) -> int:
         future, output_dir, step, record, save_total_limit, protect, state = self.pending

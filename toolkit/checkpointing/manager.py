@@ -142,7 +142,7 @@ class Checkpointer:
 
         stalls = self.stalls
         if self.async_saves is not None:
-            self.async_saves.wait(self.accelerator)
+            self.async_saves.close(self.accelerator)
             stalls = self.async_saves.stalls + stalls
         if stalls:
             kind = "async_save" if self.async_saves is not None else "synchronous"
