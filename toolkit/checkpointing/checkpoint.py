@@ -81,7 +81,7 @@ class AsyncSaves:
         self.completed: list[tuple[object, str]] = []  # (state as saved, step-N) per write completed, for on_save
         # One stager for the run: it keeps its host copies and refills them at the next save (each save starts once
         # the previous write is complete), where dcp.async_save's own stager, made per call, allocates them afresh
-        # every time (fresh pages, zero-filled by the kernel: half the DDP stall measured; docs/performance.md)
+        # every time (fresh pages, zero-filled by the kernel: docs/pitfalls.md#dcp-stager-per-call)
         self.stager = None
 
     def start(self, accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
