@@ -15,6 +15,7 @@
 # Then, with 2 GPUs or more, the sequence split (docs/strategies.md#sequence-parallelism): the same GPT-2 in fp32 with
 # SGD on padded rows of varied length, one process against Ulysses 2 (sequence_parallel_size) and the ring 2
 # (context_parallel_size: the memory-efficient attention kernels on CUDA, NCCL's sends), final weights within 1e-5.
+# Then torch_compile: GPT-2 124M bf16 with and without inductor-compiled blocks, tokens/s and MFU (GPU only).
 # Not part of CI. On a CPU it runs too (slowly: use 2 steps, micro 1), the fp16 part left out.
 #   bench/gpu_check.sh [steps=30] [micro_batch=8]
 set -euo pipefail
@@ -155,4 +156,24 @@ for field in ("sequence_parallel_size", "context_parallel_size"):
 PY
 else
   echo "gpu_check sequence split: fewer than 2 GPUs, the Ulysses and ring equality check is skipped"
+fi
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  # torch_compile (docs/performance.md#compiled-blocks): GPT-2 124M bf16 with and without its blocks compiled by
+  # inductor, tokens/s and MFU of the last logging window (after the compile), the compile cache in $WORK
+  for COMPILE in false true; do
+    python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml --num_processes 1 \
+      --mixed_precision bf16 recipes/gpt2.py --model_name_or_path "$WORK/gpt2-124m" --dataset_name pydoc \
+      --block_size 1024 --per_device_train_batch_size "$MICRO" --gradient_accumulation_steps 1 --max_steps "$STEPS" \
+      --logging_steps 10 --learning_rate 3e-4 --warmup_steps 0 --eval_on_start false --save_final_model false \
+      --report_to none --torch_compile "$COMPILE" --torch_compile_cache_dir "$WORK/compile-cache" \
+      --output_dir "$WORK/run-compile-$COMPILE" --overwrite_output_dir true
+  done
+  python - "$WORK" <<'PY'
+import json, sys
+for compile_ in ("false", "true"):
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/run-compile-{compile_}/metrics.jsonl") if '"loss"' in line]
+    mfu = rows[-1].get("mfu")
+    print(f"gpu_check torch_compile {compile_}: {rows[-1]['tokens_per_s']:,.0f} tokens/s in the last window, MFU "
+          + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f", last loss {rows[-1]['loss']:.3f}")
+PY
 fi

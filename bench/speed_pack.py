@@ -2,6 +2,7 @@
 
     python bench/speed_pack.py loss  [--positions 2048 --hidden 576 --vocab 49152 --chunks 256,1024 --repeats 3]
     python bench/speed_pack.py save  [--steps 12]
+    python bench/speed_pack.py switches  [--steps 12]
 
 ``loss``: one token loss over ``positions`` positions of a head ``hidden`` x ``vocab`` (SmolLM2-135M's: 576 x 49152),
 forward and backward, in a fresh process per setting: the materialised logits (``toolkit.loss.token_losses``), the
@@ -12,6 +13,9 @@ and the head's gradient buffer allocated), on a GPU ``torch.cuda.max_memory_allo
 
 ``save``: recipes/gpt2.py on 2 gloo ranks (DDP and FSDP2) with a checkpoint every step, synchronous against
 ``async_save: true``; the loop's stall per save is read from the run's log (``checkpoint stall``).
+
+``switches``: each switch on against all off in one table (2 DDP ranks): step time, peak memory per rank, the
+compile (the first step's excess), the stall per save.
 
 Writes ``bench/results/speed_pack.json`` and ``.md``.
 """
@@ -131,7 +135,7 @@ def save(rows: dict) -> None:
     with open(path, "w") as f:
         json.dump(old, f, indent=2)
     with open(os.path.join(RESULTS, "speed_pack.md"), "w") as f:
-        for name, text in (("loss", loss_markdown), ("save", save_markdown)):
+        for name, text in (("loss", loss_markdown), ("save", save_markdown), ("switches", switches_markdown)):
             if name in old:
                 f.write(text(old[name]) + "\n")
 
@@ -177,9 +181,64 @@ def save_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# each switch of the pack on, against all off: (name, the recipe's fields beyond the plain run's)
+SWITCHES = (("all off", []), ("loss_chunk_size 256", ["--loss_chunk_size", "256"]),
+            ("torch_compile (inductor)", ["--torch_compile", "true"]),
+            ("async_save (save every step)", ["--async_save", "true", "--save_steps", "1"]),
+            ("synchronous save every step", ["--save_steps", "1"]))
+
+
+def switches_table(opts) -> list[dict]:
+    """recipes/gpt2.py on 2 gloo DDP ranks, each switch on against all off, on a GPT-2 of 4 x 256 (vocab 50257: the
+    head and its logits dominate, what loss_chunk_size is for): the median step time after the first (from the
+    per-step metrics), the first step's excess over it (the compile, for torch_compile), the peak memory per rank
+    (summary.json), the loop's stall per save (the run's ``checkpoint stall`` line)."""
+    import re
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="speed-pack-switches-")
+    model = os.path.join(work, "gpt2-4x256")
+    subprocess.run([sys.executable, "-m", "toolkit", "offline", "tiny-gpt2", model, "--n-layer", "4", "--n-embd",
+                    "256", "--n-head", "4", "--n-positions", "256"], check=True, cwd=ROOT, capture_output=True)
+    rows = []
+    for name, fields in SWITCHES:
+        out = os.path.join(work, re.sub(r"\W+", "-", name))
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(ROOT, "accelerate_configs", "ddp.yaml"), "--num_processes", "2", "recipes/gpt2.py",
+               "--model_name_or_path", model, "--dataset_name", "pydoc", "--block_size", "256",
+               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps",
+               str(opts.steps), "--optim", "adamw_torch", "--logging_steps", "1", "--eval_on_start", "false",
+               "--save_final_model", "false", "--report_to", "none", "--plot", "false", "--save_total_limit", "2",
+               "--torch_compile_cache_dir", os.path.join(work, "compile-cache"), "--output_dir", out, *fields]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "recipes")])}
+        text = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+        steps = [1 / r["steps_per_s"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+                 if r.get("steps_per_s")]
+        stall = re.search(r"checkpoint stall: median ([0-9.]+) s", text)
+        summary = json.load(open(os.path.join(out, "summary.json")))
+        step = statistics.median(steps[1:])
+        rows.append({"switch": name, "step_s": round(step, 3), "first_step_excess_s": round(steps[0] - step, 1),
+                     "peak_gb_per_rank": summary.get("peak_memory_gb_per_rank"),
+                     "stall_s": float(stall.group(1)) if stall else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def switches_markdown(rows: list[dict]) -> str:
+    lines = ["Each switch on against all off: 2 gloo DDP ranks, GPT-2 4 x 256 (vocab 50257), micro-batch 4 x 256 "
+             "tokens, AdamW.", "",
+             "| switch | step (s, median after the first) | first step's excess (s: the compile) | peak memory per "
+             "rank (GB) | stall per save (s) |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        peak = "/".join(f"{p:.2f}" for p in r["peak_gb_per_rank"] or [])
+        lines.append(f"| {r['switch']} | {r['step_s']} | {r['first_step_excess_s']} | {peak} | "
+                     f"{r['stall_s'] if r['stall_s'] is not None else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["loss", "loss-one", "save"])
+    parser.add_argument("what", choices=["loss", "loss-one", "save", "switches"])
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -193,6 +252,8 @@ def main() -> None:
         print(json.dumps(loss_one(opts.setting, opts.chunk, opts)))
     elif opts.what == "loss":
         save({"loss": loss_table(opts)})
+    elif opts.what == "switches":
+        save({"switches": switches_table(opts)})
     else:
         save({"save": save_table(opts)})
 

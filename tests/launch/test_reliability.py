@@ -27,6 +27,7 @@ from helpers import (
     launch,
     load_weights,
     max_abs_diff,
+    read_probes,
     subprocess_env,
     wait_until_gone,
 )
@@ -73,7 +74,7 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
     for config in ASYNC_CONFIGS:  # the same runs with async_save: a checkpoint written in the background every step
         r.plan(f"killed_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False,
                interrupted=Killed(before_step=6, config=config))
-        r.plan(f"straight_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False)
+        r.plan(f"straight_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True})  # on_save probed
     # the stream: killed on 2 ranks x 2 x 2, resumed on 1 process x 8 (the one-process launch after the 2-rank one)
     stream = Runs(tmp_path_factory.mktemp("reliability-stream"), tiny_model, text_shards, COMMON, pool=pool)
     for name, killed in (("killed", Killed(before_step=SIGKILL["max_steps"] - 1, micro=2, accum=2)), ("straight", None)):
@@ -292,6 +293,12 @@ def test_async_save_changes_nothing_and_a_kill_mid_write_resumes_exactly(runs, c
     assert latest == "step-9" and sorted(os.listdir(os.path.join(quick, "checkpoints"))) == ["latest", "step-8",
                                                                                               "step-9"]
     assert os.path.isdir(os.path.join(quick, "checkpoints", latest, "model_optimizer_dcp")) and not _saving(quick)
+    # the loop's on_save, once per checkpoint on every rank, once its write completed (latest names it on rank 0),
+    # with the state it holds
+    ranks = read_probes(quick)
+    assert [s[:2] for s in ranks[0]["saves"]] == [s[:2] for s in ranks[1]["saves"]] == [
+        [step, f"step-{step}"] for step in range(1, 10)]
+    assert [s[2] for s in ranks[0]["saves"]] == [f"step-{step}" for step in range(1, 10)]
     out, killed = runs.get_planned(f"killed_async_{config}"), runs.interrupted[f"killed_async_{config}"]
     assert killed.left and not _saving(out), "the relaunch removes what the killed write left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))

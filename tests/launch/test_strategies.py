@@ -10,6 +10,7 @@ Launches are shared between assertions (each costs ~10 s of process start).
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -86,6 +87,9 @@ SWITCHES = [("ddp", "gradient_checkpointing"), ("fsdp", "gradient_checkpointing"
 SWITCH_VALUES = {"gradient_checkpointing": True, "loss_chunk_size": 24}
 # torch_compile's decoder blocks traced by aot_eager (no generated code): bitwise the eager run (toolkit.models.loading)
 AOT_EAGER = {**SGD, "torch_compile": True, "torch_compile_backend": "aot_eager"}
+AOT_EAGER_ADAMW = {**ADAMW, "torch_compile": True, "torch_compile_backend": "aot_eager"}
+# inductor (the default backend) generates kernels: the suite's one cold compile (minutes on 2 shared cores)
+INDUCTOR_TIMEOUT_S = 900
 RESUME = {**ADAMW, "resume_from_checkpoint": "latest"}
 # streaming: true (toolkit/data/stream.py) under every layout: 4 files read in shuffled windows of 12 rows, bfd-packed per
 # micro-batch; each rank reads and tokenizes only its rows (g % data-parallel degree). layout -> (config, ranks,
@@ -110,6 +114,10 @@ def uneven_eval(files: dict, rows: int) -> dict:
 
 def scratch(tiny_model) -> dict:
     return {**SGD, "model_name_or_path": None, "config_name": tiny_model, "tokenizer_name": tiny_model}
+
+
+def inductor(extra: dict, cache: str) -> dict:
+    return {**extra, "torch_compile": True, "torch_compile_cache_dir": cache}
 
 
 def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_shards, few_validation_rows):
@@ -141,6 +149,15 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
         r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
                probe=False, timeout=EVAL_TIMEOUT_S)
     r.plan("sgd_aot_eager_ddp", "ddp.yaml", 2, 2, 2, AOT_EAGER)
+    # inductor on 2 DDP ranks, its compile cache in a folder of its own
+    r.inductor_cache = str(tmp_path_factory.mktemp("inductor-cache"))
+    r.plan("adamw_inductor_ddp", "ddp.yaml", 2, 2, 2, inductor(ADAMW, r.inductor_cache), timeout=INDUCTOR_TIMEOUT_S)
+    r.plan("sgd_1x2x4", None, 1, 2, 4, SGD)
+    # FSDP2 with compiled blocks, and the resume of its checkpoint beside the eager run's resume (the fsdp launch)
+    r.plan("adamw_aot_eager_fsdp", "fsdp.yaml", 2, 2, 2, AOT_EAGER_ADAMW)
+    r.plan("adamw_resumed_fsdp", "fsdp.yaml", 2, 2, 2, RESUME, copy_from=("adamw_fsdp", 2))
+    r.plan("adamw_aot_eager_resumed_fsdp", "fsdp.yaml", 2, 2, 2, {**AOT_EAGER_ADAMW, **RESUME},
+           copy_from=("adamw_aot_eager_fsdp", 2))
     for ranks in (1, 2):
         r.plan(f"adamw_fsdp_to_ddp{ranks}", "ddp.yaml", ranks, *SPLIT[ranks], RESUME, copy_from=("adamw_fsdp", 2))
     streams = {}
@@ -400,6 +417,45 @@ def test_aot_eager_compiled_blocks_train_bitwise_like_eager_under_ddp(runs):
     out, plain = runs.strategy("ddp", "sgd_aot_eager", AOT_EAGER), runs.strategy("ddp", "sgd", SGD)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) == 0.0
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)]
+
+
+@pytest.mark.slow
+def test_aot_eager_compiled_blocks_train_and_resume_bitwise_like_eager_under_fsdp2(runs):
+    """torch_compile: true (aot_eager) on 2 FSDP2 ranks, each decoder block compiled before fully_shard wraps it
+    (torchtitan's order; FSDP2's all-gather hooks run eagerly between the compiled blocks), 3 AdamW steps: the same
+    losses and final weights as the eager run, bit for bit; and the compiled run resumed from its own step-2
+    checkpoint ends bit for bit where the eager run resumed from its step-2 checkpoint ends."""
+    out, plain = runs.strategy("fsdp", "adamw_aot_eager", AOT_EAGER_ADAMW), runs.strategy("fsdp", "adamw", ADAMW)
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(plain))) == 0.0
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)]
+    resumed = runs.strategy("fsdp", "adamw_aot_eager_resumed", {**AOT_EAGER_ADAMW, **RESUME},
+                            prepare=copy_checkpoint(out, 2))
+    plain_resumed = runs.strategy("fsdp", "adamw_resumed", RESUME, prepare=copy_checkpoint(plain, 2))
+    assert [r["step"] for r in metrics(resumed)] == [r["step"] for r in metrics(plain_resumed)] == [3]
+    assert max_abs_diff(load_weights(final(resumed)), load_weights(final(plain_resumed))) == 0.0
+
+
+@pytest.mark.slow
+def test_inductor_trains_like_eager_and_its_cache_spares_a_restart_the_compile(runs, tiny_model, padded_data,
+                                                                               tmp_path):
+    """torch_compile: true with inductor (generated kernels, which round differently): 2 DDP ranks, 3 AdamW steps over
+    padded micro-batches of varied lengths, end within 1e-5 of the eager run; one process, 3 SGD steps, within 1e-6
+    of its eager run; and the same one-process run again (a restart) with the same torch_compile_cache_dir takes
+    every graph from the cache: its log counts inductor's cache hits and no miss, and it ends bit for bit where the
+    first ended. Two cold inductor compiles in the suite (the DDP run's, the first one-process run's)."""
+    out = runs.strategy("ddp", "adamw_inductor", inductor(ADAMW, runs.inductor_cache))
+    assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.strategy("ddp", "adamw", ADAMW)))) <= 1e-5
+    eager, cache, said = runs.get("sgd_1x2x4", None, 1, 2, 4, SGD), str(tmp_path / "cache"), {}
+    for name in ("cold", "restart"):
+        proc = launch(args_from({**COMMON, **padded_data, **inductor(SGD, cache), "plot": False,
+                                 "model_name_or_path": tiny_model, "output_dir": str(tmp_path / name),
+                                 "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}),
+                      num_processes=1, timeout=INDUCTOR_TIMEOUT_S)
+        line = proc.stdout.split("torch_compile: ")[-1].splitlines()[0]
+        said[name] = [int(n) for n in re.fullmatch(r".*inductor's cache: (\d+) hits, (\d+) misses\)", line).groups()]
+    cold, restart = (load_weights(final(str(tmp_path / name))) for name in ("cold", "restart"))
+    assert max_abs_diff(cold, load_weights(final(eager))) <= 1e-6 and max_abs_diff(restart, cold) == 0.0
+    assert said["cold"][1] >= 1 and said["restart"][0] >= 1 and said["restart"][1] == 0, said
 
 
 @pytest.fixture(scope="module")

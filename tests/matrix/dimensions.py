@@ -24,7 +24,14 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "split": ("even", "uneven", "one"),
     "precision": ("fp32", "bf16"),
     "ending": ("steps", "data_end", "sigterm", "merge", "resume_new_rank"),
+    # the speed switches of issue 50: blocks compiled by aot_eager (bitwise eager), checkpoints written in the
+    # background (a save every step)
+    "speed": ("none", "aot_eager", "async_save"),
 }
+# dimensions a cell's name leaves out at their base value (added after the first cells were named: their names hold)
+NAMED_IF_SET = ("speed",)
+SPEEDS = {"none": {}, "aot_eager": {"torch_compile": True, "torch_compile_backend": "aot_eager"},
+          "async_save": {"async_save": True, "save_steps": 1}}
 
 # The seams found by review (issue 47): partial cells the array starts from, so that each is a cell whatever the
 # greedy choice would pick. (name, the values it fixes; the rest are filled in to cover pairs.)
@@ -98,7 +105,7 @@ class Cell:
     def from_name(cls, name: str) -> "Cell":
         """The cell ``name`` names (its values joined by '-', as ``name`` writes them), with its seam's name if the
         cell holds one's values."""
-        values = dict(zip(DIMENSIONS, name.split("-")))
+        values = {**{d: DIMENSIONS[d][0] for d in NAMED_IF_SET}, **dict(zip(DIMENSIONS, name.split("-")))}
         assert len(values) == len(DIMENSIONS) and all(v in DIMENSIONS[d] for d, v in values.items()), name
         seam = next((s for s, partial in SEAMS if all(values[d] == v for d, v in partial.items())), None)
         return cls.of(values, seam)
@@ -108,7 +115,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return "-".join(v for _, v in self.values)
+        return "-".join(v for d, v in self.values if d not in NAMED_IF_SET or v != DIMENSIONS[d][0])
 
 
 @dataclass
@@ -138,8 +145,9 @@ def run_of(cell: Cell, files: dict) -> Run:
     recipe, task = TASKS[cell["task"]]
     config, world, micro, accum, layout_fields = LAYOUTS[cell["layout"]]
     fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files),
-              **ADAPTERS[cell["adapter"]], "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
-              **_ending_fields(cell)}
+              **ADAPTERS[cell["adapter"]],
+              "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
+              **_ending_fields(cell), **SPEEDS[cell["speed"]]}
     if (cell["task"], cell["arch"]) == ("grpo", "qwen2"):  # its reward also logs where completions end (test_matrix)
         fields["reward_funcs"] = "grpo_rewards:vowels_ending_turns"
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):
@@ -152,7 +160,10 @@ def run_of(cell: Cell, files: dict) -> Run:
 def reference_of(run: Run, precision: str | None = "same") -> Run:
     """The same global batch on one process (1 x 8 x 1), the same precision (or ``precision``: "bf16" or None for
     fp32): promise 1's other side."""
-    fields = {k: v for k, v in run.fields.items() if k not in SPLITS}
+    # the plain run (SPEEDS' fields as COMMON has them): a speed switch must change nothing
+    speed = {k for fields in SPEEDS.values() for k in fields}
+    fields = {k: v for k, v in run.fields.items() if k not in SPLITS and k not in speed}
+    fields.update({k: COMMON[k] for k in speed if k in COMMON})
     precision = run.mixed_precision if precision == "same" else precision
     env = {"ACCELERATE_MIXED_PRECISION": precision} if precision else {}
     return Run(run.recipe, run.task, "ddp.yaml", 1, 8, 1, fields, env, precision)

@@ -46,6 +46,11 @@ SUITE: tuple[str, ...] = (
     "lm-one-none-padded-gpt2-even-fp32-merge",
     "grpo-one-none-stream-gpt2-even-fp32-steps",
     "dpo-pp-none-padded-gpt2-even-fp32-steps",
+    # the speed switches (issue 50): compiled blocks under FSDP2, a save every step in the background under DDP
+    # through a SIGTERM and its resume, compiled blocks under ZeRO-2 refused
+    "lm-fsdp2-none-padded-gpt2-even-fp32-steps-aot_eager",
+    "lm-ddp-none-padded-gpt2-even-fp32-sigterm-async_save",
+    "lm-zero2-none-padded-gpt2-even-fp32-steps-aot_eager",
 )
 
 # max |w - w_one_process| over every tensor of final/ (the adapters for LoRA), and the measurement behind each (AMD

@@ -3,6 +3,7 @@
 - counts DDP gradient all-reduces per micro-step with a DDP communication hook (proves no_sync skips them);
 - records the trained model's logits on a fixed input, to compare with what final/ loads back;
 - measures the bytes of weights and optimizer state each rank holds after the last step (for ``toolkit plan``);
+- records each ``on_save`` call (the step, the folder, what ``latest`` named then);
 - records what each rank really ran (distributed type, world, the prepared model's type, DeepSpeed's stage, clipping
   and step count) and a fingerprint of the full (gathered) weights that rank ends with, to prove ranks agree;
 - after ``train`` returned (``after_train``): whether the run's process group is still referenced by
@@ -34,6 +35,7 @@ class Probe:
         self.output_dir = None
         self.weight_decays = None
         self.group = self.probe_dir = None
+        self.saves = []  # per on_save: (the state's step, the folder's name, what latest names then on this rank)
 
     def on_prepared(self, accelerator, model, optimizer):
         import torch.distributed as dist
@@ -55,6 +57,11 @@ class Probe:
         self.per_micro_step.append((state.step, micro_step, self.calls))
         self.calls = 0
 
+    def on_save(self, accelerator, state, checkpoint):
+        latest = os.path.join(os.path.dirname(checkpoint), "latest")
+        self.saves.append((state.step, os.path.basename(checkpoint), open(latest).read() if os.path.exists(latest)
+                           else None))
+
     def on_end(self, accelerator, model, summary):
         out = self.probe_dir = os.path.join(summary["final_model"], "..", "probe")
         os.makedirs(out, exist_ok=True)
@@ -64,7 +71,8 @@ class Probe:
                   # how FSDP2 lays a weight over the mesh: ["S(0)"], or ["R", "S(0)"] (Replicate, Shard(0)) for HSDP
                   "placements": [str(p) for p in getattr(next(model.parameters()), "placements", ())],
                   "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays,
-                  "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED")}
+                  "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED"),
+                  "saves": self.saves}
         if summary["distributed_type"] in ("MULTI_CPU", "MULTI_GPU") or record["is_fsdp2"]:  # DDP, TP, FSDP2
             record.update(clip_probe(accelerator, model))
         if summary["distributed_type"] == "DEEPSPEED":

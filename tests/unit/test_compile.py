@@ -33,13 +33,29 @@ def test_aot_eager_blocks_train_bitwise_like_eager_with_bounded_graphs(tiny_mode
     assert os.path.isdir(tmp_path / "compiled" / "final")
 
 
-def test_torch_compile_outside_one_process_and_ddp_is_refused(monkeypatch, tmp_path):
-    """FSDP2, ZeRO, TP and pipelines are not proven with compiled blocks: one line, before accelerate or a model."""
+def test_torch_compile_outside_one_process_ddp_and_fsdp2_is_refused(monkeypatch, tmp_path):
+    """ZeRO, FSDP1, TP and pipelines are not proven with compiled blocks: one line, before accelerate or a model
+    (FSDP1 here; ZeRO-2: the capability matrix's refused cell lm-zero2-...-aot_eager, tests/matrix)."""
+    from toolkit.config import TrainingArguments
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.accelerator import check_launch
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="torch_compile: runs on one process, under DDP and FSDP2 only, not fsdp1"):
+        check_launch(TrainingArguments(output_dir=str(tmp_path), torch_compile=True))
+
+
+def test_torch_compile_with_fsdp_activation_checkpointing_is_refused(monkeypatch, tmp_path):
+    """FSDP2 compiles its blocks (tests/launch/test_strategies.py), but not with the launch config's activation
+    checkpointing around them (transformers' checkpointing of a compiled layer is not proven): one line."""
     from toolkit.config import TrainingArguments
     from toolkit.errors import ConfigError
     from toolkit.parallel.accelerator import check_launch
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    with pytest.raises(ConfigError, match="torch_compile: runs on one process and under DDP only, not fsdp2"):
+    check_launch(TrainingArguments(output_dir=str(tmp_path), torch_compile=True))  # FSDP2 itself: proven
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    with pytest.raises(ConfigError, match="torch_compile: with the launch config's fsdp_activation_checkpointing"):
         check_launch(TrainingArguments(output_dir=str(tmp_path), torch_compile=True))

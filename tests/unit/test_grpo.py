@@ -654,6 +654,8 @@ HELD_OUT = "recipes/grpo.py does not use it: delete it"  # toolkit.config.help.u
     ({"dataset_format": "messages"}, "dataset_format", HELD_OUT),
     ({"dataset_mixture": {"datasets": [{"id": "arithmetic"}]}, "dataset_name": None}, "dataset_mixture",
      "GRPO does not take it here"),
+    # the fused loss (toolkit.loss) gives the sampled token's log-prob, not the entropy GRPO logs
+    ({"loss_chunk_size": 64}, "loss_chunk_size", "GRPO logs the entropy of every completion token's distribution"),
 ])
 def test_grpo_refuses_before_any_work(tiny_model, tmp_path, monkeypatch, values, field, message):
     """What every run checks before its weights load (``build.check_inputs``: a recipe's ranks, ``toolkit train``

@@ -336,3 +336,29 @@ def test_context_parallel_plan_divides_activations_by_n_and_attention_by_n_squar
     assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--sequence-parallel-size", "2",
                  "--context-parallel-size", "2"]) == 2
     assert "context_parallel_size: ring attention with Ulysses" in capsys.readouterr().err
+
+
+def test_async_save_line_is_what_a_rank_stages(tiny_model, capsys):
+    """--async-save: the host memory of each rank's staged checkpoint (DDP: the whole weights and AdamW state; FSDP2:
+    an eighth on 8), the figure AsyncSaves logs at the first save, measured here on the tiny GPT-2 after an AdamW step
+    (the bytes of DCP's get_state_dict, each storage once as dcp.async_save's stager copies it: GPT-2's tied head
+    once): equal within 5% (the planner counts 8 bytes of AdamW state per parameter; the state also holds each
+    tensor's step; the line rounds to 0.1 MiB)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.checkpointing.checkpoint import _tensor_bytes
+    from toolkit.cli.plan import main
+
+    assert main(["--model", tiny_model, "--gpus", "8", "--gpu-memory", "80GB", "--async-save"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("async_save: "))
+    ddp, fsdp2 = (float(line.split(f"{name} ")[1].split(" GB (")[1].split(" MiB")[0]) for name in ("DDP", "FSDP2"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
+    optimizer.step()
+    staged = _tensor_bytes(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))) / 2**20
+    assert ddp == pytest.approx(staged, rel=0.05) and fsdp2 == pytest.approx(ddp / 8, abs=0.1), (line, staged)
+    assert main(["--model", tiny_model, "--gpus", "8", "--gpu-memory", "80GB"]) == 0
+    assert "async_save" not in capsys.readouterr().out

@@ -73,14 +73,21 @@ class AsyncSaves:
     """
 
     def __init__(self):
-        self.pending = None  # (future, output_dir, step, record, save_total_limit, protect)
-        self.group = None
+        self.pending = None  # (future, output_dir, step, record, save_total_limit, protect, state)
+        self.group = None  # DCP's writes (from its background thread)
+        self.flags = None  # poll's answer, on a group of its own: never beside a collective of the writer thread
         self.stalls: list[float] = []
         self.staged_bytes = 0
+        self.completed: list[tuple[object, str]] = []  # (state as saved, step-N) per write completed, for on_save
+        # One stager for the run: it keeps its host copies and refills them at the next save (each save starts once
+        # the previous write is complete), where dcp.async_save's own stager, made per call, allocates them afresh
+        # every time (fresh pages, zero-filled by the kernel: docs/pitfalls.md#dcp-stager-per-call)
+        self.stager = None
 
     def start(self, accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
-              record: dict, protect: str | None = None) -> None:
-        """Collective. Returns once the copy is staged; a previous write still under way is waited for first."""
+              record: dict, protect: str | None = None, state=None) -> None:
+        """Collective. Returns once the copy is staged; a previous write still under way is waited for first.
+        ``state``: what ``completed`` hands back with the folder once the write is complete."""
         import time
 
         import torch.distributed as dist
@@ -89,23 +96,38 @@ class AsyncSaves:
 
         started = time.perf_counter()
         self.wait(accelerator)
-        if self.group is None and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")  # collective: every rank saves at the same steps
+        if self.group is None and dist.is_initialized():  # collective: every rank saves at the same steps
+            self.group, self.flags = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         tmp = _begin(accelerator, output_dir, step)
         with _without_model_and_optimizer(accelerator, trained=True) as (model, optimizer):
             weights, optim = get_state_dict(model, optimizer)
             accelerator.save_state(tmp)  # the scheduler, the samplers, the RNG states: small, now
-        state = {"model": weights, "optimizer": optim}
-        self.staged_bytes = _tensor_bytes(state)
-        future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, ASYNC_FOLDER), process_group=self.group)
-        self.pending = (future, output_dir, step, record, save_total_limit, protect)
+        staged = {"model": weights, "optimizer": optim}
+        self.staged_bytes = _tensor_bytes(staged)
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # no pinned or shared memory, staged before async_save returns: what async_save's own stager does
+            self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        future = dcp.async_save(staged, checkpoint_id=os.path.join(tmp, ASYNC_FOLDER), process_group=self.group,
+                                async_stager=self.stager)
+        self.pending = (future, output_dir, step, record, save_total_limit, protect, state)
         self.stalls.append(time.perf_counter() - started)
 
     def poll(self, accelerator: Accelerator) -> int | None:
-        """Not collective: complete a finished write (main process). Returns its step, or None."""
-        if self.pending is None or not self.pending[0].done():
+        """Collective while a write is under way: complete it on every rank once it is finished. The main process's
+        future completes last (DCP's coordinator gathers every rank's results first), so its answer, broadcast, is
+        every rank's: all of them complete the same write at the same step (``completed``: the loop's ``on_save``
+        on every rank, which Ray's report needs). Returns its step, or None."""
+        import torch
+        import torch.distributed as dist
+
+        if self.pending is None:
             return None
-        return self._complete(accelerator)
+        done = torch.tensor([int(self.pending[0].done())])
+        if self.flags is not None:
+            dist.broadcast(done, group=self.flags, group_src=0)
+        return self._complete(accelerator) if done.item() else None
 
     def wait(self, accelerator: Accelerator) -> int | None:
         """Not collective: wait for the write under way and complete it. Returns its step, or None."""
@@ -114,24 +136,39 @@ class AsyncSaves:
         self.pending[0].result()
         return self._complete(accelerator)
 
+    def close(self, accelerator: Accelerator) -> None:
+        """Once the run saves no more: the write under way completes, and the stager's host copies are let go."""
+        self.wait(accelerator)
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
     def _complete(self, accelerator: Accelerator) -> int:
-        future, output_dir, step, record, save_total_limit, protect = self.pending
+        future, output_dir, step, record, save_total_limit, protect, state = self.pending
         self.pending = None
         future.result()  # a write that failed raises here, and latest stays where it was
         if accelerator.is_main_process:
             _complete(output_dir, step, record, save_total_limit, protect)
+        self.completed.append((state, layout.step_dir(output_dir, step)))
         return step
 
 
-def _tensor_bytes(tree) -> int:
+def _tensor_bytes(tree, seen: set | None = None) -> int:
+    """Bytes of the tensors in ``tree``, each storage once (DCP's stager copies a tied weight, GPT-2's ``lm_head``
+    and ``wte``, once)."""
     import torch
 
+    seen = set() if seen is None else seen
     if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
+        return sum(_tensor_bytes(v, seen) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
+        return sum(_tensor_bytes(v, seen) for v in tree)
     if isinstance(tree, torch.Tensor):
         local = tree.to_local() if hasattr(tree, "to_local") else tree  # an FSDP2 shard: this rank's part
+        key = (local.data_ptr(), local.numel(), local.dtype)
+        if key in seen:
+            return 0
+        seen.add(key)
         return local.numel() * local.element_size()
     return 0
 

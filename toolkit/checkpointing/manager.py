@@ -10,6 +10,7 @@ conversion itself, the load and the position happen in ``load``.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ class Checkpointer:
         args, written = self.args, None
         due = (args.save_steps and state.step % args.save_steps == 0) or preempted
         if self.async_saves is not None:
-            self.async_saves.poll(self.accelerator)  # a write that finished since: latest moves to it now
+            self.async_saves.poll(self.accelerator)  # a write that finished since: latest moves to it now (collective)
             if due and not preempted:  # a preempted run's save is its last: written before the process exits
                 self._save_async(state)
                 due = False
@@ -136,10 +137,11 @@ class Checkpointer:
 
     def _save_async(self, state) -> None:
         """Collective: stage a checkpoint and write it in the background (``checkpoint.AsyncSaves``); the loop's
-        ``on_save`` is not called for it (it completes later, on the main process only)."""
+        ``on_save`` is called for it once the write is complete (``completed``), with the state as it was saved."""
         saves = self.async_saves
         saves.start(self.accelerator, self.args.output_dir, state.step, self.args.save_total_limit,
-                    record={**self.record(state), "layout": checkpoint.ASYNC_FOLDER}, protect=self.plan.checkpoint)
+                    record={**self.record(state), "layout": checkpoint.ASYNC_FOLDER}, protect=self.plan.checkpoint,
+                    state=copy.copy(state))
         if len(saves.stalls) == 1:
             self.accelerator.print(f"async_save: each checkpoint is staged in {saves.staged_bytes / 2**20:.1f} MiB "
                                    "of host memory per rank and written in the background", flush=True)
@@ -151,12 +153,20 @@ class Checkpointer:
 
         stalls = self.stalls
         if self.async_saves is not None:
-            self.async_saves.wait(self.accelerator)
+            self.async_saves.close(self.accelerator)
             stalls = self.async_saves.stalls + stalls
         if stalls:
             kind = "async_save" if self.async_saves is not None else "synchronous"
             self.accelerator.print(f"checkpoint stall: median {statistics.median(stalls):.4f} s per save over "
                                    f"{len(stalls)} saves ({kind})", flush=True)
+
+    def completed(self) -> list[tuple[object, str]]:
+        """The asynchronous writes completed since the last call, oldest first: (the loop's state as saved, the
+        checkpoint folder ``latest`` now names), the same on every rank (``AsyncSaves.poll``)."""
+        if self.async_saves is None:
+            return []
+        done, self.async_saves.completed = self.async_saves.completed, []
+        return done
 
     def export(self) -> str | None:
         """Collective: the final export (``final/``) of the weights as they are, when ``save_final_model`` asks for

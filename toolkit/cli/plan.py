@@ -430,6 +430,21 @@ def muon_line(m: ModelCount) -> list[str]:
             "device for the largest matrix's Newton-Schulz working set (fp32, whole)"]
 
 
+# async_save stages what each rank holds of the weights and the optimizer state (DCP's get_state_dict: whole under
+# DDP, this rank's shards under FSDP2) in host memory; the launches it runs under (toolkit.parallel.accelerator)
+ASYNC_SAVE_STRATEGIES = ("DDP", "FSDP2")
+MIB = 2**20
+
+
+def async_save_line(rows: list[dict]) -> list[str]:
+    """With --async-save: the host memory each rank's staged copy takes (toolkit.checkpointing.checkpoint.AsyncSaves,
+    which logs the same figure, measured, at the first save)."""
+    staged = [f"{r['strategy']} {(r['weights'] + r['optimizer']) / GB:.2f} GB ({(r['weights'] + r['optimizer']) / MIB:.1f}"
+              " MiB)" for r in rows if r["strategy"] in ASYNC_SAVE_STRATEGIES]  # MiB: the log's unit
+    return [f"async_save: each checkpoint is staged in host memory, per rank: {', '.join(staged)} (the weights and "
+            "optimizer state the rank holds); refused under the other strategies"]
+
+
 def format_plan(m: ModelCount, rows: list[dict], args) -> str:
     ckpt, other = ("with", "without") if args.gradient_checkpointing else ("without", "with")
     lines = [
@@ -454,7 +469,7 @@ def format_plan(m: ModelCount, rows: list[dict], args) -> str:
                      f"{r['optimizer'] / GB:>8.2f} {r.get('reference', 0) / GB:>8.2f} {r['model_states'] / GB:>8.2f} "
                      f"{acts[0]:>17} {acts[1]:>17} "
                      f"{r['total']['expected'] / GB:>17.2f} {r['fits']:>5} {r['fits_other']:>12}  {launch}")
-    lines += ["", *recommendation(rows, args)]
+    lines += [*(async_save_line(rows) if getattr(args, "async_save", False) else []), "", *recommendation(rows, args)]
     if args.nodes > 1:
         lines.append(f"on each of the {args.nodes} nodes, also: --machine_rank <0..{args.nodes - 1}> "
                      "--main_process_ip <node 0's address> --main_process_port 29500 (docs/multinode.md)")
@@ -545,6 +560,8 @@ def main(argv=None) -> int:
                         help="also plan ring attention over this many devices (activations / n, attention / n^2)")
     parser.add_argument("--precompute-ref-log-probs", action="store_true",
                         help="DPO's precompute_ref_log_probs: no reference in memory while training")
+    parser.add_argument("--async-save", action="store_true",
+                        help="async_save: also the host memory of each rank's staged checkpoint (DDP, FSDP2)")
     args = parser.parse_args(argv)
     for name in ("gpus", "nodes", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:

@@ -480,9 +480,9 @@ class _TrainingFields:
                                         "GPUs (toolkit/reporting/accounting.py), none on a CPU."}
     )
     torch_compile: bool = field(
-        default=False, metadata={"help": "torch.compile each decoder block (transformers' name): one process and DDP; "
-                                         "refused under DeepSpeed, FSDP, tensor or pipeline parallelism, and with "
-                                         "gradient_checkpointing or LoRA (not proven)."}
+        default=False, metadata={"help": "torch.compile each decoder block (transformers' name): one process, DDP "
+                                         "and FSDP2; refused under DeepSpeed, FSDP1, tensor or pipeline parallelism, "
+                                         "and with activation checkpointing or LoRA (not proven)."}
     )
     torch_compile_backend: Optional[str] = field(
         default=None, metadata={"help": "torch.compile's backend (transformers' name); unset: inductor. aot_eager "

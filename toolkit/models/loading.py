@@ -417,11 +417,15 @@ def compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | None
     return len(blocks)
 
 
-def compiled_graphs() -> int:
-    """Graphs dynamo compiled in this process so far (for the log)."""
+def compiled_graphs() -> str:
+    """What the log says at a compiled run's end: the graphs dynamo compiled in this process so far, and how many of
+    inductor's compiled graphs came from its cache (``torch_compile_cache_dir``: a restart that finds its graphs there
+    does not compile them again) or were compiled afresh."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    said = f"{int(counters['stats']['unique_graphs'])} graphs compiled in this process"
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return said + (f" (inductor's cache: {hits} hits, {misses} misses)" if hits or misses else "")
 
 
 def parameter_dtypes(model: torch.nn.Module) -> str:

@@ -363,15 +363,20 @@ def _check_async_save(args: TrainingArguments) -> None:
 
 
 def _check_torch_compile(args: TrainingArguments) -> None:
-    # Per-block compile (toolkit.models.loading.compile_blocks) is proven bitwise (aot_eager) on one process and DDP
-    # (tests/unit/test_memory.py, tests/launch/test_strategies.py); FSDP2's per-block units, ZeRO's hooks, TP's DTensors
-    # and a pipeline's stages are not tested with it, nor is transformers' checkpointing around a compiled layer.
+    # Per-block compile (toolkit.models.loading.compile_blocks, before fully_shard as torchtitan does: FSDP2's hooks
+    # are dynamo-disabled, so the all-gathers run eagerly between the compiled blocks) is proven bitwise (aot_eager) on
+    # one process, DDP and FSDP2 (tests/unit/test_compile.py, tests/launch/test_strategies.py). ZeRO's hooks, FSDP1's
+    # flat parameters, TP's DTensors and a pipeline's stages are not tested with it, nor is checkpointing around a
+    # compiled layer.
     name = _layout_name(args)
-    if args.torch_compile and name not in ("single", "ddp"):
-        raise ConfigError("torch_compile", f"runs on one process and under DDP only, not {name}; set torch_compile: "
-                                           "false, or launch with ddp.yaml")
+    if args.torch_compile and name not in ("single", "ddp", "fsdp2"):
+        raise ConfigError("torch_compile", f"runs on one process, under DDP and FSDP2 only, not {name}; set "
+                                           "torch_compile: false, or launch with ddp.yaml or fsdp.yaml")
     if args.torch_compile and args.gradient_checkpointing:
         raise ConfigError("torch_compile", "with gradient_checkpointing is not proven here; set one of them to false")
+    if args.torch_compile and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":
+        raise ConfigError("torch_compile", "with the launch config's fsdp_activation_checkpointing is not proven "
+                                           "here; set torch_compile: false or fsdp_activation_checkpointing: false")
 
 
 def _check_accumulation_env(args: TrainingArguments) -> None:

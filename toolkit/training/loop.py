@@ -642,12 +642,14 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
     finally:
         preemption.restore()
         run.checkpointer.finish()  # async_save: the write under way completes before the run goes on or exits
+        for saved_state, saved in run.checkpointer.completed():  # async_save: a write completed last of all
+            _call(callbacks, "on_save", accelerator=accelerator, state=saved_state, checkpoint=saved)
         # a stream's steps (and any read-ahead of them) end with the run, however it ends
         if hasattr(first[0], "close"):
             first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
     if args.torch_compile:  # bounded by dynamo's automatic dynamic shapes (toolkit.models.loading.compile_blocks)
-        accelerator.print(f"torch_compile: {compiled_graphs()} graphs compiled in this process", flush=True)
+        accelerator.print(f"torch_compile: {compiled_graphs()}", flush=True)
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step, ended)
     if args.plot and accelerator.is_main_process:
@@ -738,8 +740,10 @@ def _run_steps(cfg: RunConfig, accelerator, run: Run, state: LoopState, task, lo
         if ran_out:
             _data_ran_out(accelerator, run, state)
         saved = run.checkpointer.save(state, last_step=last, preempted=stopping)  # every save_steps; final/ last
-        if saved is not None:  # complete and named by latest (a launcher records it: scripts/ray_train.py)
-            _call(callbacks, "on_save", accelerator=accelerator, state=state, checkpoint=saved)
+        # complete and named by latest (a launcher records it: scripts/ray_train.py); async_save's writes once they
+        # completed, with the state they hold
+        for saved_state, folder in run.checkpointer.completed() + ([(state, saved)] if saved is not None else []):
+            _call(callbacks, "on_save", accelerator=accelerator, state=saved_state, checkpoint=folder)
         if unreadable is not None:
             accelerator.print(f"the stream cannot be read after step {state.step}: "
                               + (f"saved checkpoint step-{state.step}" if saved else "no checkpoint written"),

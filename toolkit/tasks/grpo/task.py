@@ -115,8 +115,11 @@ class GRPO(CausalLM):
                                            f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
         # the fields of held-out evaluation, block_size and the other fields GRPO does not take are refused by their
         # metadata (toolkit.config.help.unused_field); these are every other task's but some, said here why
-        refusals = {"packing": cfg.data.packing, "loss_chunk_size": args.loss_chunk_size,
-                    "dataset_mixture": cfg.data.dataset_mixture}
+        if args.loss_chunk_size:  # the fused path (F.linear_cross_entropy) gives the targets' log-probs only
+            raise ConfigError("loss_chunk_size", "GRPO logs the entropy of every completion token's distribution "
+                                                 "(TRL's entropy metric), which needs every vocabulary logit; the "
+                                                 "fused loss returns only the sampled token's log-prob: unset it")
+        refusals = {"packing": cfg.data.packing, "dataset_mixture": cfg.data.dataset_mixture}
         for field, value in refusals.items():
             if value:
                 raise ConfigError(field, "GRPO does not take it here (prompts are whole rows, the loss is over sampled "
