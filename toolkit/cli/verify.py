@@ -283,18 +283,6 @@ def _load_final(out: str) -> tuple[dict, set[str]]:
     return weights, dtypes
 
 
-def _muon_names(out: str) -> set[str]:
-    """The Muon group's parameter names, by the optimizer's own rule, on the exported model built without weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from toolkit.training.optimizers import muon_split
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(layout.final_dir(out)))
-    return {n for n, _ in muon_split(model)[0]}
-
-
 def _metrics(out: str) -> list[dict]:
     from toolkit.reporting.metrics import read_metrics
 
@@ -313,7 +301,12 @@ def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool
         return False
     diffs = {k: float((a[k] - b[k]).abs().max()) for k in a}
     # the muon check: its Muon group at the tolerance, the rest (its AdamW group) at AdamW's
-    muon = _muon_names(reference) if name == "muon" else set(diffs)
+    if name == "muon":
+        from toolkit.training.optimizers import saved_muon_names
+
+        muon = saved_muon_names(layout.final_dir(reference))
+    else:
+        muon = set(diffs)
     worst = max(muon & set(diffs), key=diffs.get)
     dw, others = diffs[worst], {k: d for k, d in diffs.items() if k not in muon}
     ra, rb = _metrics(strategy), _metrics(reference)

@@ -31,7 +31,7 @@ from toolkit.config import TrainingArguments
 from toolkit.errors import ConfigError
 from toolkit.training.newton_schulz import NewtonSchulzDtype, owner_layout, owner_muon_step
 
-__all__ = ["NewtonSchulzDtype", "MuonWithAdamW", "build_muon", "muon_split"]
+__all__ = ["NewtonSchulzDtype", "MuonWithAdamW", "build_muon", "muon_split", "saved_muon_names"]
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -108,6 +108,17 @@ def muon_split(model: torch.nn.Module) -> tuple[list, list, list]:
     adamw_2d = [(n, p) for n, p in named if p.ndim == 2 and id(p) in table]
     others = [(n, p) for n, p in named if p.ndim != 2]
     return muon, adamw_2d, others
+
+
+def saved_muon_names(folder: str) -> set[str]:
+    """The Muon group's parameter names of the causal LM saved in ``folder`` (an export: its config.json), by
+    ``muon_split`` on the model built on the meta device (no weights read): what equality checks compare at Muon's
+    tolerance (toolkit verify, the capability matrix)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return {n for n, _ in muon_split(model)[0]}
 
 
 def build_muon(model: torch.nn.Module, args: TrainingArguments) -> MuonWithAdamW:
