@@ -24,7 +24,11 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "split": ("even", "uneven", "one"),
     "precision": ("fp32", "bf16"),
     "ending": ("steps", "data_end", "sigterm", "merge", "resume_new_rank"),
+    "optim": ("sgd", "muon"),  # muon: issue 49's optimizer, with fp32 Newton-Schulz (OPTIMS)
 }
+# Dimensions added after the matrix's first runs: a cell's name holds their value only off its base, so that the
+# names written before them (SUITE, docs/testing.md's tables) still name the same cells.
+NAMED_OFF_BASE = ("optim",)
 
 # The seams found by review (issue 47): partial cells the array starts from, so that each is a cell whatever the
 # greedy choice would pick. (name, the values it fixes; the rest are filled in to cover pairs.)
@@ -61,6 +65,11 @@ SIGTERM_AT = 1  # rank 0 is sent SIGTERM after this step: every rank ends the ne
 RESUMED_STEPS = 4  # an interrupted cell's max_steps: stopped at SIGTERM_AT + 1, resumed to here
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
 NEW_RANK = dict(lora_r=8, lora_alpha=16)  # resume_new_rank's relaunch: another rank and alpha
+# optim muon at Keller Jordan's 0.02, its AdamW group (embeddings, head, norms, biases) at 3e-3 with eps 1e-6 (AdamW's
+# equality setting: docs/pitfalls.md#adamw-eps); fp32 iterations, the only ones equal under every split
+# (docs/pitfalls.md#muon-bf16). Its promise 1: the Muon group within the tolerance, the AdamW group within 1e-5.
+OPTIMS = {"sgd": {}, "muon": dict(optim="muon", learning_rate=0.02, muon_adamw_learning_rate=3e-3,
+                                  muon_ns_dtype="float32", adam_epsilon=1e-6)}
 ADAPTERS = {"none": {}, "lora": LORA, "qlora4": {**LORA, "load_in_4bit": True}, "base8": {**LORA, "load_in_8bit": True}}
 VALIDATION_ROWS = {"even": 8, "uneven": 9, "one": 1}  # 8 over 1, 2 or 4 ranks x 2 rows; 9 gives replicas
 # different numbers of evaluation batches (5/4 rows on 2: 3 and 2 batches of 2; 3/2/2/2 on 4: 2 and 1)
@@ -90,6 +99,7 @@ class Cell:
         """The cell ``name`` names (its values joined by '-', as ``name`` writes them), with its seam's name if the
         cell holds one's values."""
         values = dict(zip(DIMENSIONS, name.split("-")))
+        values.update({d: DIMENSIONS[d][0] for d in NAMED_OFF_BASE if d not in values})
         assert len(values) == len(DIMENSIONS) and all(v in DIMENSIONS[d] for d, v in values.items()), name
         seam = next((s for s, partial in SEAMS if all(values[d] == v for d, v in partial.items())), None)
         return cls.of(values, seam)
@@ -99,7 +109,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return "-".join(v for _, v in self.values)
+        return "-".join(v for d, v in self.values if d not in NAMED_OFF_BASE or v != DIMENSIONS[d][0])
 
 
 @dataclass
@@ -129,7 +139,7 @@ def run_of(cell: Cell, files: dict) -> Run:
     recipe, task = TASKS[cell["task"]]
     config, world, micro, accum, layout_fields = LAYOUTS[cell["layout"]]
     fields = {**COMMON, **layout_fields, **_data_fields(cell, files), **ADAPTERS[cell["adapter"]],
-              "model_name_or_path": files["models"][cell["arch"]], **_ending_fields(cell)}
+              "model_name_or_path": files["models"][cell["arch"]], **_ending_fields(cell), **OPTIMS[cell["optim"]]}
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):
         fields["chat_template"] = files["chatml"]
     bf16 = cell["precision"] == "bf16"
