@@ -21,6 +21,10 @@ Muon is what runs (tests/unit/test_optimizers.py checks it against torch's bits 
 to 3e-7: tests/launch/test_muon.py). It also fixes torch's aliasing for bf16 weights: there ``buf.bfloat16()``
 returns the momentum buffer itself (nesterov false), which the iterations' first ``div_`` then normalises in place;
 the mode always hands them a copy.
+
+Under FSDP2, HSDP and TP the Muon matrices are DTensor shards: each one's iterations run once, on an owner rank that
+gathers it whole and scatters the result (``toolkit.training.newton_schulz``: torch's own function on the whole
+matrix, as one process runs it), the cheapest of the ways measured (docs/performance.md#muons-optimizer-step).
 """
 
 from __future__ import annotations
@@ -70,7 +74,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if False in self.inner:
             self.inner[False].step()
         return loss
-
 
     def _muon_step(self) -> None:
         """torch's Muon on plain tensors (one process, DDP) and on DTensors of other layouts; the sharded matrices
