@@ -1,6 +1,6 @@
 """``python -m toolkit verify``: does a launch config train exactly like one process? Check before paying for GPUs.
 
-    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--checks sgd,adamw]
+    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--checks sgd,adamw,muon]
         [--steps 3] [--recipe recipes/gpt2.py] [--work_dir DIR]  RECIPE ARGS (--config ..., any field)
 
 For each check asked for, it runs the recipe, unchanged, twice for a few steps, the way a user would, with
