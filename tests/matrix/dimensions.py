@@ -67,7 +67,8 @@ LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target
 NEW_RANK = dict(lora_r=8, lora_alpha=16)  # resume_new_rank's relaunch: another rank and alpha
 # optim muon at Keller Jordan's 0.02, its AdamW group (embeddings, head, norms, biases) at 3e-3 with eps 1e-6 (AdamW's
 # equality setting: docs/pitfalls.md#adamw-eps); fp32 iterations, the only ones equal under every split
-# (docs/pitfalls.md#muon-bf16). Its promise 1: the Muon group within the tolerance, the AdamW group within 1e-5.
+# (docs/pitfalls.md#muon-bf16). Its promise 1: the Muon group within the tolerance, the AdamW group within
+# test_matrix.MUON_ADAMW_TOLERANCE.
 OPTIMS = {"sgd": {}, "muon": dict(optim="muon", learning_rate=0.02, muon_adamw_learning_rate=3e-3,
                                   muon_ns_dtype="float32", adam_epsilon=1e-6)}
 ADAPTERS = {"none": {}, "lora": LORA, "qlora4": {**LORA, "load_in_4bit": True}, "base8": {**LORA, "load_in_8bit": True}}
