@@ -86,15 +86,19 @@ def group_diffs(a: dict, b: dict, muon_names: set) -> tuple[float, float]:
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_fp32_muon_under_strategy_equals_one_process(muon_runs, muon_names, tiny_model, strategy):
     """DDP and FSDP2: 2 ranks x micro 2 x accumulation 2; HSDP: 4 ranks x micro 2; against one process x micro 8,
-    the same global batches. Under FSDP2 and HSDP torch's Muon steps on DTensor shards."""
+    the same global batches. Under FSDP2 and HSDP each hidden matrix's Newton-Schulz runs once, on an owner rank
+    that gathers it from the shards and scatters the result (toolkit.training.newton_schulz)."""
     ref, out = final(muon_runs, "fp32_1x8x1"), final(muon_runs, f"fp32_{strategy}")
     moved = group_diffs(ref, load_weights(tiny_model), muon_names)
     assert min(moved) > 1e-3, f"both groups must train: {moved}"
     muon, adamw = group_diffs(out, ref, muon_names)
     print(f"{strategy}: Muon group {muon:.1e}, AdamW group {adamw:.1e} from one process")
     assert muon <= MUON_TOLERANCE and adamw <= ADAMW_TOLERANCE
-    if strategy != "hsdp":  # read_probes reads 2 ranks
-        ranks = read_probes(muon_runs.get_planned(f"fp32_{strategy}"))
+    ranks = read_probes(muon_runs.get_planned(f"fp32_{strategy}"))  # ranks 0 and 1
+    # FSDP2 and HSDP: each sharded matrix iterated once, on its owner rank (toolkit.training.newton_schulz)
+    paths = {"owner": 0, "torch": 8} if strategy == "ddp" else {"owner": 8, "torch": 0}
+    assert [r["muon_newton_schulz"] for r in ranks] == [paths] * 2
+    if strategy != "hsdp":
         assert [(p["num_processes"], p["distributed_type"]) for p in ranks] == [
             (2, "MULTI_CPU" if strategy == "ddp" else "FSDP")] * 2
         assert ranks[0]["weights_sha"] == ranks[1]["weights_sha"]
@@ -104,7 +108,8 @@ def test_fp32_muon_under_strategy_equals_one_process(muon_runs, muon_names, tiny
 
 def test_fp32_muon_under_tensor_parallel_equals_one_process(llama_runs, tiny_llama):
     """tp.yaml on the tiny Llama (a TP plan): both ranks take the 8 rows; each hidden matrix is a DTensor split over
-    the 2 ranks (torch's Muon steps on it; the learning rate's shape factor reads the whole shape)."""
+    the 2 ranks by rows or by columns (the owner scheme gathers it along that dimension; the learning rate's shape
+    factor reads the whole shape)."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.training.optimizers import muon_split

@@ -33,7 +33,7 @@ def _assert_passed(out: str, name: str, tolerance: str) -> None:
 @pytest.mark.slow
 def test_verify_zero3_passes(tmp_path, tiny_model, padded_data):
     """The AdamW check, clipped inside DeepSpeed's engine at the recipe's max_grad_norm (the SGD check, which both
-    checks run by default, is the tensor-parallel and FSDP tests' below)."""
+    checks run by default, is the FSDP test's below; the Muon check the tensor-parallel test's)."""
     proc = verify(tmp_path, tiny_model, padded_data, "--checks", "adamw")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -58,12 +58,20 @@ def test_verify_catches_per_micro_batch_averaging(tmp_path, tiny_model, padded_d
 @pytest.mark.slow
 def test_verify_tensor_parallel_uses_the_data_parallel_degree(tmp_path, tiny_llama, padded_data):
     """Under tp.yaml both ranks take the same rows: the reference's batch is micro x accumulation x 1, not x 2
-    (with the process count it trained on twice the rows and FAILed)."""
-    proc = verify(tmp_path, tiny_llama, padded_data, "--checks", "sgd", config="tp.yaml")
+    (with the process count it trained on twice the rows and FAILed). The check is Muon's (instead of SGD's: the
+    same two launches, and a wrong reference batch fails it as well): optim muon with fp32 iterations, each hidden
+    matrix a DTensor split over the 2 ranks (owner-rank Newton-Schulz), its Muon group to 1e-6, the rest to 1e-5
+    (measured 2.2e-7 and 1.8e-6)."""
+    proc = verify(tmp_path, tiny_llama, padded_data, "--checks", "muon", config="tp.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("2 processes (data-parallel degree 1) x micro batch 2 x accumulation 2 vs 1 process x micro batch 4"
             in proc.stdout)
-    _assert_passed(proc.stdout, "sgd", "1e-06")
+    _assert_passed(proc.stdout, "muon", "1e-05")
+    muon = [line for line in proc.stdout.splitlines() if line.startswith("  muon: max |dw| = ")]
+    assert len(muon) == 1 and "tolerance 1e-06 (Muon group); AdamW group max |dw| = " in muon[0], proc.stdout
+    assert muon[0].endswith("tolerance 1e-05: PASS") and "(at model.layers." in muon[0]
+    log = open(tmp_path / "verify" / "muon-strategy.log").read()
+    assert "Newton-Schulz in float32" in log and "optim muon: Muon on the hidden 2-D weights" in log
 
 
 def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
@@ -71,6 +79,10 @@ def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
     assert proc.returncode == 2 and "config error: num_processes" in proc.stderr
     proc = verify(tmp_path, tiny_model, padded_data, learning_rat=0.1)
     assert proc.returncode == 2 and "config error: learning_rat" in proc.stderr and "learning_rate" in proc.stderr
+    # the Muon check under a strategy that refuses muon: refused before any launch, also when it is not the first
+    proc = verify(tmp_path, tiny_model, padded_data, "--checks", "adamw,muon")
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: optim: muon"), proc.stderr
+    assert not os.path.exists(tmp_path / "verify")
 
 
 def test_verify_default_recipe_from_an_installed_wheel(tmp_path):

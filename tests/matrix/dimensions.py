@@ -27,9 +27,11 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     # the speed switches of issue 50: blocks compiled by aot_eager (bitwise eager), checkpoints written in the
     # background (a save every step)
     "speed": ("none", "aot_eager", "async_save"),
+    "optim": ("sgd", "muon"),  # muon: issue 49's optimizer, with fp32 Newton-Schulz (OPTIMS)
 }
-# dimensions a cell's name leaves out at their base value (added after the first cells were named: their names hold)
-NAMED_IF_SET = ("speed",)
+# Dimensions added after the matrix's first runs: a cell's name holds their value only off its base, so that the
+# names written before them (SUITE, docs/testing.md's tables) still name the same cells.
+NAMED_OFF_BASE = ("speed", "optim")
 SPEEDS = {"none": {}, "aot_eager": {"torch_compile": True, "torch_compile_backend": "aot_eager"},
           "async_save": {"async_save": True, "save_steps": 1}}
 
@@ -77,6 +79,12 @@ SIGTERM_AT = 1  # rank 0 is sent SIGTERM after this step: every rank ends the ne
 RESUMED_STEPS = 4  # an interrupted cell's max_steps: stopped at SIGTERM_AT + 1, resumed to here
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
 NEW_RANK = dict(lora_r=8, lora_alpha=16)  # resume_new_rank's relaunch: another rank and alpha
+# optim muon at Keller Jordan's 0.02, its AdamW group (embeddings, head, norms, biases) at 3e-3 with eps 1e-6 (AdamW's
+# equality setting: docs/pitfalls.md#adamw-eps); fp32 iterations, the only ones equal under every split
+# (docs/pitfalls.md#muon-bf16). Its promise 1: the Muon group within the tolerance, the AdamW group within
+# test_matrix.MUON_ADAMW_TOLERANCE.
+OPTIMS = {"sgd": {}, "muon": dict(optim="muon", learning_rate=0.02, muon_adamw_learning_rate=3e-3,
+                                  muon_ns_dtype="float32", adam_epsilon=1e-6)}
 ADAPTERS = {"none": {}, "lora": LORA, "qlora4": {**LORA, "load_in_4bit": True}, "base8": {**LORA, "load_in_8bit": True}}
 VALIDATION_ROWS = {"even": 8, "uneven": 9, "one": 1}  # 8 over 1, 2 or 4 ranks x 2 rows; 9 gives replicas
 # different numbers of evaluation batches (5/4 rows on 2: 3 and 2 batches of 2; 3/2/2/2 on 4: 2 and 1)
@@ -105,7 +113,8 @@ class Cell:
     def from_name(cls, name: str) -> "Cell":
         """The cell ``name`` names (its values joined by '-', as ``name`` writes them), with its seam's name if the
         cell holds one's values."""
-        values = {**{d: DIMENSIONS[d][0] for d in NAMED_IF_SET}, **dict(zip(DIMENSIONS, name.split("-")))}
+        values = dict(zip(DIMENSIONS, name.split("-")))
+        values.update({d: DIMENSIONS[d][0] for d in NAMED_OFF_BASE if d not in values})
         assert len(values) == len(DIMENSIONS) and all(v in DIMENSIONS[d] for d, v in values.items()), name
         seam = next((s for s, partial in SEAMS if all(values[d] == v for d, v in partial.items())), None)
         return cls.of(values, seam)
@@ -115,7 +124,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return "-".join(v for d, v in self.values if d not in NAMED_IF_SET or v != DIMENSIONS[d][0])
+        return "-".join(v for d, v in self.values if d not in NAMED_OFF_BASE or v != DIMENSIONS[d][0])
 
 
 @dataclass
@@ -147,7 +156,8 @@ def run_of(cell: Cell, files: dict) -> Run:
     fields = {**COMMON, **TASK_FIELDS.get(cell["task"], {}), **layout_fields, **_data_fields(cell, files),
               **ADAPTERS[cell["adapter"]],
               "model_name_or_path": files["models"][GRPO_MODELS.get((cell["task"], cell["arch"]), cell["arch"])],
-              **_ending_fields(cell), **SPEEDS[cell["speed"]]}
+              **_ending_fields(cell), **SPEEDS[cell["speed"]],
+              **OPTIMS[cell["optim"]]}
     if (cell["task"], cell["arch"]) == ("grpo", "qwen2"):  # its reward also logs where completions end (test_matrix)
         fields["reward_funcs"] = "grpo_rewards:vowels_ending_turns"
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):

@@ -72,7 +72,9 @@ class Probe:
                   "placements": [str(p) for p in getattr(next(model.parameters()), "placements", ())],
                   "weights_sha": weights_fingerprint(accelerator, model), "weight_decays": self.weight_decays,
                   "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED"),
-                  "saves": self.saves}
+                  "saves": self.saves,
+                  # optim muon: the matrices each Newton-Schulz path took in the last step (owner ranks or torch's)
+                  "muon_newton_schulz": getattr(torch_optimizer(self.optimizer), "newton_schulz", None)}
         if summary["distributed_type"] in ("MULTI_CPU", "MULTI_GPU") or record["is_fsdp2"]:  # DDP, TP, FSDP2
             record.update(clip_probe(accelerator, model))
         if summary["distributed_type"] == "DEEPSPEED":

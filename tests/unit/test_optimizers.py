@@ -279,3 +279,24 @@ def test_resume_with_another_optimizer_is_refused_before_the_weights(tmp_path, t
             train_in_process({**values, "optim": resumed, "output_dir": str(copy), "max_steps": 2,
                               "resume_from_checkpoint": "latest"})
         assert not (copy / "metrics.jsonl").exists()
+
+
+def test_owner_ranks_balance_the_iterations_and_shards_split_as_dtensor_splits():
+    """The owner scheme's bookkeeping (toolkit.training.newton_schulz; run for real under FSDP2, HSDP and TP in
+    tests/launch/test_muon.py): owners by the iterations' cost (each rank within one largest matrix of the others,
+    the same answer from the same shapes), and each rank's piece of a sharded dimension as DTensor's Shard cuts it
+    (torch.chunk, then empty pieces: 5 rows over 4 ranks are 2, 2, 1, 0)."""
+    from torch.distributed.tensor import Shard
+
+    from toolkit.training.newton_schulz import _sizes, assign_owners, ns_cost
+
+    shapes = [(4096, 11008)] * 3 + [(4096, 4096)] * 4 + [(1024, 4096)] * 5
+    for world in (2, 3, 4):
+        owners = assign_owners(shapes, world)
+        assert owners == assign_owners(list(shapes), world) and set(owners) == set(range(world))
+        load = [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == r) for r in range(world)]
+        assert max(load) - min(load) <= ns_cost(shapes[0])
+    for rows in (1, 5, 8, 11):
+        for world in (2, 3, 4):
+            pieces = Shard(0)._split_tensor(torch.zeros(rows, 3), world, with_padding=False)[0]
+            assert _sizes(rows, world) == [p.shape[0] for p in pieces]

@@ -271,7 +271,7 @@ def test_plan_load_in_4bit_command(llama7b, capsys):
 def test_muon_counts_one_momentum_buffer_for_its_group_and_refuses_zero(llama7b, capsys):
     """--optim muon: Muon's group (the 7 hidden matrices of each of the 32 layers) holds 4 bytes a parameter, AdamW's
     (embeddings, head, norms) 8; the largest matrix's Newton-Schulz working set (the 11008 x 4096 MLP: 3 R C + 2 m^2
-    fp32) on every device; the ZeRO rows refused with the reason."""
+    fp32) on every device, and on the sharded layouts the matrices an owner rank gathers; the ZeRO rows refused."""
     from toolkit.cli.plan import main
 
     adamw, m = count_model(llama7b), count_model(llama7b, optim="muon")
@@ -280,7 +280,13 @@ def test_muon_counts_one_momentum_buffer_for_its_group_and_refuses_zero(llama7b,
     ddp = model_states_per_device(m, "DDP", 8, 8, "bf16")
     assert ddp["optimizer"] == 8 * m.trainable - 4 * m.muon
     rows = {r["strategy"]: r for r in plan(m, 8, 80e9)}
-    assert rows["FSDP2"]["optimizer"] == ddp["optimizer"] / 8 + m.muon_transient
+    # FSDP2 and HSDP (8 shards) and TP: an owner rank also holds the whole matrices it iterates on (1/8 of Muon's
+    # group, the largest ones' imbalance and gather buffers: 3 of the 11008 x 4096); DDP every matrix whole already
+    assert m.muon_largest == 4096 * 11008
+    gathered = 4 * (m.muon / 8 + 3 * 4096 * 11008)
+    assert rows["FSDP2"]["optimizer"] == ddp["optimizer"] / 8 + m.muon_transient + gathered
+    assert rows["HSDP"]["optimizer"] == rows["TP"]["optimizer"] == rows["FSDP2"]["optimizer"]
+    assert rows["DDP"]["optimizer"] == ddp["optimizer"] + m.muon_transient
     assert all(rows[s]["config"] is None and "muon" in rows[s]["why_not"] for s in rows if s.startswith("ZeRO"))
     assert main(["--model", llama7b, "--gpus", "8", "--gpu-memory", "80GB", "--optim", "muon"]) == 0
     out = capsys.readouterr().out

@@ -29,7 +29,9 @@ With D data-parallel devices:
 
 With ``--optim muon`` (``toolkit.training.optimizers``) Muon's group (the hidden 2-D weights) holds one fp32 momentum
 buffer, 4 bytes a parameter instead of AdamW's 8, and each device adds the Newton-Schulz working set of the largest
-matrix (fp32, whole; freed after each matrix); the ZeRO rows are refused, as the recipes refuse them.
+matrix (fp32, whole; freed after each matrix); under FSDP2, HSDP and TP also the whole matrices it gathers as their
+owner rank (about Muon's group / the shard degree, plus three largest matrices: ``muon_gathered``); the ZeRO rows are
+refused, as the recipes refuse them.
 
 DPO (``--recipe dpo``): its live reference copy holds weights only, sharded like the policy's (whole under DDP and
 ZeRO-1/2, / D under ZeRO-3 and FSDP2); none with ``--lora-r`` (the adapter disabled is the reference) or
@@ -88,6 +90,7 @@ class ModelCount:
     quantized_bytes: int = 0  # the bytes they take, quantization constants included
     muon: int = 0  # with --optim muon: of ``trainable``, the parameters in Muon's group (toolkit.training.optimizers)
     muon_transient: int = 0  # bytes of the Newton-Schulz working set of the largest Muon matrix (``_muon_count``)
+    muon_largest: int = 0  # the parameters of the largest Muon matrix (what an owner rank gathers whole)
 
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
@@ -137,23 +140,36 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
     from toolkit.models.loading import tensor_parallel_problem  # what the recipe refuses at load, said before launch
 
-    muon, transient = _muon_count(net) if optim == "muon" else (0, 0)
+    muon, transient, largest = _muon_count(net) if optim == "muon" else (0, 0, 0)
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
                       tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
                       quantized_bytes=quantized_bytes, stage_params=lambda stages: _stage_params(net, stages),
-                      muon=muon, muon_transient=transient)
+                      muon=muon, muon_transient=transient, muon_largest=largest)
 
 
-def _muon_count(net) -> tuple[int, int]:
-    """(Muon's parameters, the bytes of its largest matrix's working set). torch's Muon step holds, for one matrix
+def _muon_count(net) -> tuple[int, int, int]:
+    """(Muon's parameters, the bytes of its largest matrix's working set, its largest matrix's parameters).
+    torch's Muon step holds, for one matrix
     at a time, R x C: the Nesterov update (fp32, R C) and, in the iterations on m = min(R, C), n = max: their input
     and output (m n each), the Gram matrix and its update (m^2 each); counted at 4 bytes (muon_ns_dtype float32;
-    bfloat16's iterations take half), whole: under FSDP2 a DTensor matmul may gather the matrix (an upper bound)."""
+    bfloat16's iterations take half), whole (under FSDP2, HSDP and TP the owner rank iterates on the whole matrix:
+    ``muon_gathered`` counts what it gathers besides)."""
     from toolkit.training.optimizers import muon_split
 
     matrices = [p.shape for _, p in muon_split(net)[0]]
     working = max((3 * r * c + 2 * min(r, c) ** 2 for r, c in matrices), default=0)
-    return sum(r * c for r, c in matrices), 4 * working
+    return sum(r * c for r, c in matrices), 4 * working, max((r * c for r, c in matrices), default=0)
+
+
+def muon_gathered(m: ModelCount, strategy: str, devices: int, per_node: int) -> float:
+    """Bytes an owner rank holds gathered during Muon's step under a sharded layout (``toolkit.training.newton_schulz``):
+    the whole fp32 updates of the matrices it owns (owners balance the iterations' cost: about Muon's group / the
+    shard degree, give or take one largest matrix) and, while it gathers one, the pieces and their concatenation
+    (twice the largest matrix). 0 where every rank holds whole matrices (DDP: the working set alone)."""
+    shards = {"FSDP2": devices, "HSDP": per_node, "TP": per_node}.get(strategy, 1)
+    if not m.muon or shards == 1:
+        return 0.0
+    return 4.0 * (m.muon / shards + 3 * m.muon_largest)
 
 
 def _stage_params(net, stages: int) -> list[int] | None:
@@ -387,7 +403,8 @@ def plan(m: ModelCount, gpus: int, gpu_memory: float, nodes: int = 1, micro: int
             why_not = f"a 4-bit base is refused under {name} (checked: {', '.join(QUANTIZED_STRATEGIES)})"
         if m.muon and name.startswith("ZeRO"):  # toolkit.parallel.accelerator.MUON_LAUNCHES
             why_not = "optim muon is refused under DeepSpeed ZeRO (flat 1-D partitions)"
-        states["optimizer"] += m.muon_transient  # one matrix at a time, on every device
+        # the working set of one matrix at a time, on every device; the matrices an owner rank gathers
+        states["optimizer"] += m.muon_transient + muon_gathered(m, name, devices, gpus)
         if reference:
             states["reference"] = reference_per_device(m, name, devices, gpus, precision)
             if name == "TP" and config and not why_not:  # a live reference is refused under TP
@@ -427,7 +444,8 @@ def muon_line(m: ModelCount) -> list[str]:
         return []
     return [f"optim muon: {m.muon / 1e9:.3f} B parameters in Muon's group (4 bytes of state each), "
             f"{(m.trainable - m.muon) / 1e9:.3f} B in AdamW's (8); optim adds {m.muon_transient / GB:.2f} GB on every "
-            "device for the largest matrix's Newton-Schulz working set (fp32, whole)"]
+            "device for the largest matrix's Newton-Schulz working set (fp32, whole), and under FSDP2, HSDP and TP "
+            "the whole matrices a device iterates on as their owner (in the optimizer column)"]
 
 
 # async_save stages what each rank holds of the weights and the optimizer state (DCP's get_state_dict: whole under

@@ -1,6 +1,6 @@
 """``python -m toolkit verify``: does a launch config train exactly like one process? Check before paying for GPUs.
 
-    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--checks sgd,adamw]
+    python -m toolkit verify --config_file accelerate_configs/zero3.yaml [--num_processes 2] [--checks sgd,adamw,muon]
         [--steps 3] [--recipe recipes/gpt2.py] [--work_dir DIR]  RECIPE ARGS (--config ..., any field)
 
 For each check asked for, it runs the recipe, unchanged, twice for a few steps, the way a user would, with
@@ -13,7 +13,11 @@ schedule, and compares the exported ``final/`` weights:
 
 It prints max |dw| and the two loss curves side by side, then PASS or FAIL: SGD without clipping must agree to 1e-6
 (SGD is linear in the gradient, so any error in the loss normalisation, the accumulation boundary or the gradient
-reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-5. The AdamW check runs with eps 1e-6:
+reduction shows) and AdamW, clipped at the recipe's max_grad_norm, to 1e-5. The Muon check (``--checks muon``, not
+run by default: its Newton-Schulz iterations cost minutes on a CPU for a real model) runs ``optim muon`` at 0.02
+with its AdamW group at ``--adamw_lr``, clipped, with ``muon_ns_dtype float32`` (bf16 iterations differ between any
+two splits of a batch, one process included: docs/pitfalls.md#muon-bf16): its Muon group must agree to 1e-6 and the
+rest (the AdamW group) to 1e-5, the proofs' tolerances (tests/launch/test_muon.py). The AdamW check runs with eps 1e-6:
 Adam's update is about lr * g / (|g| + eps), so with the usual 1e-8 a parameter whose gradient is near 1e-8 turns
 fp32 rounding noise (another summation order on another CPU) into a visible change of its step, and the verdict would
 depend on the machine (docs/pitfalls.md#adamw-eps). 1e-5 still catches a missing clip and a norm taken over one
@@ -49,7 +53,8 @@ from toolkit.config.help import recipe_task, takes
 SGD_TOLERANCE = 1e-6
 ADAMW_TOLERANCE = 1e-5
 ADAMW_EPSILON = 1e-6
-TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE}
+MUON_LR = 0.02  # Keller Jordan's, torch's Muon's docstring example
+TOLERANCES = {"sgd": SGD_TOLERANCE, "adamw": ADAMW_TOLERANCE, "muon": SGD_TOLERANCE}  # muon: its AdamW group 1e-5
 UNUSED_OUTPUT = os.devnull + "-unused"  # an output_dir for parsing and checking only: no run writes there
 
 
@@ -66,8 +71,11 @@ def _optimizer_overrides(name: str, args) -> list[str]:
         # is itself off by a little, differently for every sharding, which clipping would turn into a visible dw
         # (docs/strategies.md, toolkit verify). Clipping is checked by the AdamW run.
         return ["--optim", "sgd", "--learning_rate", str(args.sgd_lr), "--weight_decay", "0", "--max_grad_norm", "0"]
-    return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), "--weight_decay", "0.01",
-            "--adam_epsilon", str(ADAMW_EPSILON)]
+    adamw = ["--weight_decay", "0.01", "--adam_epsilon", str(ADAMW_EPSILON)]
+    if name == "muon":  # fp32 iterations: the only ones that are the same under every split (module docstring)
+        return ["--optim", "muon", "--learning_rate", str(MUON_LR), "--muon_adamw_learning_rate", str(args.adamw_lr),
+                "--muon_ns_dtype", "float32", *adamw]
+    return ["--optim", "adamw_torch", "--learning_rate", str(args.adamw_lr), *adamw]
 
 
 def _recipe_argv(args, recipe_args: list[str], name: str) -> list[str]:
@@ -88,12 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config_file", required=True, help="the accelerate launch config to verify")
     p.add_argument("--num_processes", type=int, default=None, help="ranks to launch (default: the config's)")
     p.add_argument("--checks", type=_checks, default=["sgd", "adamw"],
-                   help="comma-separated: sgd, adamw (default both)")
+                   help="comma-separated: sgd, adamw, muon (default sgd,adamw)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     p.add_argument("--recipe", default=None, help="recipe script (default: recipes/gpt2.py)")
     p.add_argument("--work_dir", default=None, help="where the runs go (default: a new temporary folder)")
     p.add_argument("--sgd_lr", type=float, default=0.5, help="SGD learning rate (large, so that errors show)")
-    p.add_argument("--adamw_lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--adamw_lr", type=float, default=3e-3, help="AdamW learning rate (the muon check's AdamW group's too)")
     return p
 
 
@@ -112,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = _plan(args, recipe_args)
         task = recipe_task(args.recipe)
-        if task is not None:  # what a rank of the launch would refuse (toolkit train's checks), before any launch
+        # what a rank of the launch would refuse (toolkit train's checks), before any launch: the first check's
+        # fields, and muon's (the one optimizer some strategies refuse)
+        for name in dict.fromkeys([args.checks[0], *(n for n in args.checks if n == "muon")]) if task else ():
             check(task, args.config_file, plan["world"],
-                  [*_recipe_argv(args, recipe_args, args.checks[0]), "--output_dir", UNUSED_OUTPUT], mixed_precision="no")
+                  [*_recipe_argv(args, recipe_args, name), "--output_dir", UNUSED_OUTPUT], mixed_precision="no")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan['accum']} vs 1 process x micro batch {plan['global']}; {args.steps} steps, fp32, dropout off, "
           f"shuffle on; recipe {args.recipe}; runs in {work}", flush=True)
     print(f"  verify sets: {' '.join(_fixed_overrides(args.steps, task))} and, per check, optim, learning_rate, "
-          "weight_decay (sgd: max_grad_norm 0; adamw: adam_epsilon 1e-6)", flush=True)
+          "weight_decay (sgd: max_grad_norm 0; adamw: adam_epsilon 1e-6; muon: muon_adamw_learning_rate, "
+          "muon_ns_dtype float32, adam_epsilon 1e-6)", flush=True)
     ok = True
     for name in args.checks:
         common = _recipe_argv(args, recipe_args, name)
@@ -288,8 +299,16 @@ def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool
     if set(a) != set(b):
         print(f"  {name}: the exports hold different tensors: {sorted(set(a) ^ set(b))[:5]}")
         return False
-    worst = max(a, key=lambda k: float((a[k] - b[k]).abs().max()))
-    dw = float((a[worst] - b[worst]).abs().max())
+    diffs = {k: float((a[k] - b[k]).abs().max()) for k in a}
+    # the muon check: its Muon group at the tolerance, the rest (its AdamW group) at AdamW's
+    if name == "muon":
+        from toolkit.training.optimizers import saved_muon_names
+
+        muon = saved_muon_names(layout.final_dir(reference))
+    else:
+        muon = set(diffs)
+    worst = max(muon & set(diffs), key=diffs.get)
+    dw, others = diffs[worst], {k: d for k, d in diffs.items() if k not in muon}
     ra, rb = _metrics(strategy), _metrics(reference)
     print(f"\n  {name}: step | loss (strategy)  loss (1 process) |  grad norm (strategy)  (1 process) | lr")
     for x, y in zip(ra, rb):
@@ -298,8 +317,15 @@ def _compare(name: str, strategy: str, reference: str, tolerance: float) -> bool
               f"{gx if gx is None else f'{gx:.6f}':>12}  {gy if gy is None else f'{gy:.6f}':>12} | {x['lr']:.3e}")
     same_steps = [r["step"] for r in ra] == [r["step"] for r in rb]
     passed = dw <= tolerance and same_steps
-    print(f"  {name}: max |dw| = {dw:.3e} (at {worst}), tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}"
-          + ("" if same_steps else " (the runs logged different steps)") + "\n", flush=True)
+    group = ""
+    if name == "muon":
+        rest = max(others, key=others.get)
+        passed &= others[rest] <= ADAMW_TOLERANCE
+        group = (f" (Muon group); AdamW group max |dw| = {others[rest]:.3e} (at {rest}), tolerance "
+                 f"{ADAMW_TOLERANCE:.0e}")
+    print(f"  {name}: max |dw| = {dw:.3e} (at {worst}), tolerance {tolerance:.0e}{group}: "
+          f"{'PASS' if passed else 'FAIL'}" + ("" if same_steps else " (the runs logged different steps)") + "\n",
+          flush=True)
     return passed
 
 

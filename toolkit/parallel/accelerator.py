@@ -327,8 +327,9 @@ def _check_skip_nonfinite(args: TrainingArguments, strategy: str) -> None:
         )
 
 
-# optim muon runs torch's Muon on whole matrices: plain tensors, or the DTensors of FSDP2, HSDP and TP, whose
-# Newton-Schulz matmuls torch distributes; proven equal to one process there (tests/launch/test_muon.py). DeepSpeed
+# optim muon runs its Newton-Schulz on whole matrices: plain tensors, or the DTensors of FSDP2, HSDP and TP, each
+# gathered to one owner rank (toolkit.training.newton_schulz); proven equal to one process there
+# (tests/launch/test_muon.py). DeepSpeed
 # ZeRO hands the optimizer flat 1-D partitions (DeepSpeed 0.19.8's own Muon is another update: a Gram Newton-Schulz
 # in fp16/bf16 by default, docs/strategies.md#muon), FSDP1 flat shards.
 MUON_LAUNCHES = ("single", "ddp", "fsdp2", "tp")  # fsdp2: hsdp.yaml's too

@@ -21,30 +21,23 @@ Muon is what runs (tests/unit/test_optimizers.py checks it against torch's bits 
 to 3e-7: tests/launch/test_muon.py). It also fixes torch's aliasing for bf16 weights: there ``buf.bfloat16()``
 returns the momentum buffer itself (nesterov false), which the iterations' first ``div_`` then normalises in place;
 the mode always hands them a copy.
+
+Under FSDP2, HSDP and TP the Muon matrices are DTensor shards: each one's iterations run once, on an owner rank that
+gathers it whole and scatters the result (``toolkit.training.newton_schulz``: torch's own function on the whole
+matrix, as one process runs it), the cheapest of the ways measured (docs/performance.md#muons-optimizer-step).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from toolkit.config import TrainingArguments
 from toolkit.errors import ConfigError
+from toolkit.training.newton_schulz import NewtonSchulzDtype, owner_layout, owner_muon_step
+
+__all__ = ["NewtonSchulzDtype", "MuonWithAdamW", "build_muon", "muon_split", "saved_muon_names"]
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class NewtonSchulzDtype(TorchFunctionMode):
-    """Inside: ``Tensor.bfloat16()`` returns a copy in ``dtype`` (torch's Muon casts only the Newton-Schulz input)."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.bfloat16:
-            return args[0].to(self.dtype, copy=True)
-        return func(*args, **(kwargs or {}))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -54,7 +47,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     its groups and this state, then runs it. ``split``: the rule's line, printed once."""
 
     def __init__(self, muon_params: list, adamw_groups: list[dict], *, ns_dtype: torch.dtype, muon: dict,
-                 adamw: dict, split: str = ""):
+                 adamw: dict, split: str = "", sharded: str = "owner"):
         self.inner = {}
         if muon_params:
             self.inner[True] = torch.optim.Muon(muon_params, **muon)
@@ -64,7 +57,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for group in optimizer.param_groups:
                 group["use_muon"] = use_muon
         super().__init__([g for _, o in sorted(self.inner.items(), reverse=True) for g in o.param_groups], {})
-        self.ns_dtype, self.split = ns_dtype, split
+        self.ns_dtype, self.split, self.sharded = ns_dtype, split, sharded
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -77,11 +70,30 @@ class MuonWithAdamW(torch.optim.Optimizer):
             optimizer.param_groups = [g for g in self.param_groups if g["use_muon"] is use_muon]
             optimizer.state = self.state
         if True in self.inner:
-            with NewtonSchulzDtype(self.ns_dtype):
-                self.inner[True].step()
+            self._muon_step()
         if False in self.inner:
             self.inner[False].step()
         return loss
+
+    def _muon_step(self) -> None:
+        """torch's Muon on plain tensors (one process, DDP) and on DTensors of other layouts; the sharded matrices
+        by the owner scheme (``toolkit.training.newton_schulz``) unless ``sharded`` is "dtensor" (torch's path)."""
+        muon = self.inner[True]
+        groups, owned = [], []
+        for group in muon.param_groups:
+            mine = [p for p in group["params"] if p.grad is not None and self.sharded == "owner"
+                    and owner_layout(p) is not None]
+            owned.append((group, mine))
+            groups.append({**group, "params": [p for p in group["params"] if not any(p is q for q in mine)]})
+        # how many matrices each path iterated on in this step (what the tests read of a launched run)
+        self.newton_schulz = {"owner": sum(len(m) for _, m in owned),
+                              "torch": sum(p.grad is not None for g in groups for p in g["params"])}
+        muon.param_groups = groups
+        with NewtonSchulzDtype(self.ns_dtype):
+            muon.step()
+        for group, mine in owned:
+            if mine:
+                owner_muon_step(group, mine, self.state, self.ns_dtype)
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list, list, list]:
@@ -99,6 +111,17 @@ def muon_split(model: torch.nn.Module) -> tuple[list, list, list]:
     adamw_2d = [(n, p) for n, p in named if p.ndim == 2 and id(p) in table]
     others = [(n, p) for n, p in named if p.ndim != 2]
     return muon, adamw_2d, others
+
+
+def saved_muon_names(folder: str) -> set[str]:
+    """The Muon group's parameter names of the causal LM saved in ``folder`` (an export: its config.json), by
+    ``muon_split`` on the model built on the meta device (no weights read): what equality checks compare at Muon's
+    tolerance (toolkit verify, the capability matrix)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return {n for n, _ in muon_split(model)[0]}
 
 
 def build_muon(model: torch.nn.Module, args: TrainingArguments) -> MuonWithAdamW:
