@@ -113,7 +113,10 @@ class Cell:
     def from_name(cls, name: str) -> "Cell":
         """The cell ``name`` names (its values joined by '-', as ``name`` writes them), with its seam's name if the
         cell holds one's values."""
-        values = dict(zip(DIMENSIONS, name.split("-")))
+        parts, named = name.split("-"), [d for d in DIMENSIONS if d not in NAMED_OFF_BASE]
+        values = dict(zip(named, parts))
+        for value in parts[len(named):]:  # the later dimensions' values off their base, each in one dimension only
+            values[next(d for d in NAMED_OFF_BASE if value in DIMENSIONS[d])] = value
         values.update({d: DIMENSIONS[d][0] for d in NAMED_OFF_BASE if d not in values})
         assert len(values) == len(DIMENSIONS) and all(v in DIMENSIONS[d] for d, v in values.items()), name
         seam = next((s for s, partial in SEAMS if all(values[d] == v for d, v in partial.items())), None)
