@@ -26,6 +26,8 @@ class Array:
     cells: list[tuple[dict, str | None, str | None]] = field(default_factory=list)  # (values, refusal, seam)
     forbidden: list[tuple[dict, str]] = field(default_factory=list)  # (values, the refusal's message)
     uncoverable: list[tuple] = field(default_factory=list)  # pairs in no running cell and no forbidden set
+    # pairs refused in every cell: a forbidden set within them, or a dimension each of whose values completes one
+    refused_pairs: list[tuple] = field(default_factory=list)
     checks: int = 0
 
 
@@ -51,7 +53,17 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
     def gain(values: dict, dim: str, value: str) -> int:
         return sum(1 for d, v in values.items() if _pair(dims, (d, v), (dim, value)) in uncovered)
 
-    def fill(partial: dict) -> dict | None:
+    def fill(partial: dict, tries: int = 20) -> dict | None:
+        """A cell holding ``partial``, clashing with no forbidden set, each free value the one covering most pairs
+        (in a shuffled order of the dimensions); another order where the greedy choices met a dimension with every
+        value clashing (merge, then an adapter, then a layout that adapter is refused under)."""
+        for _ in range(tries):
+            values = _fill_once(partial)
+            if values is not None:
+                return values
+        return None
+
+    def _fill_once(partial: dict) -> dict | None:
         values = dict(partial)
         free = [d for d in dims if d not in values]
         rng.shuffle(free)
@@ -62,6 +74,12 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
             values[dim] = max(options, key=lambda v: gain(values, dim, v))  # first of the best: stable
         return {d: values[d] for d in dims}
 
+    def refused_everywhere(partial: dict) -> bool:
+        """Every cell holding ``partial`` holds a forbidden set: one within it, or a dimension each of whose values
+        completes one (TP with GPT-2 refused for the plan, with Llama and Qwen2 for compiling: TP x aot_eager)."""
+        return clashes(partial) or any(all(clashes({**partial, d: v}) for v in dimensions[d])
+                                       for d in dims if d not in partial)
+
     def add(values: dict, seam: str | None, partial: dict | None = None) -> None:
         message = check(values)
         if message is None:
@@ -70,6 +88,8 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
             return
         bad = _reduce(values, base, dimensions, check)
         reduced = {**base, **bad}
+        if any(bad == known for known, _ in out.forbidden):  # nothing learnt (the caller sees it)
+            return
         out.forbidden.append((bad, check(reduced)))
         if all(v != reduced for v, _, _ in out.cells):
             own = seam if all((partial or {}).get(d) == v for d, v in bad.items()) else None
@@ -96,11 +116,12 @@ def covering_array(dimensions: dict[str, tuple[str, ...]], refused, seeds=(), se
         pair = min(uncovered, key=lambda p: (dims.index(p[0][0]), dimensions[p[0][0]].index(p[0][1]),
                                              dims.index(p[1][0]), dimensions[p[1][0]].index(p[1][1])))
         values = fill(dict(pair)) if not clashes(dict(pair)) else None
-        if values is None:
-            out.uncoverable.append(pair)
+        learnt = len(uncovered), len(out.forbidden)
+        if values is not None:
+            add(values, None)
+        if values is None or (len(uncovered), len(out.forbidden)) == learnt:  # no cell to try, or nothing learnt
+            (out.refused_pairs if refused_everywhere(dict(pair)) else out.uncoverable).append(pair)
             uncovered.discard(pair)
-            continue
-        add(values, None)
     out.uncoverable += sorted(uncovered)
     return out
 
@@ -126,14 +147,25 @@ def _pairs(dims, values: dict) -> set:
     return {_pair(dims, (a, values[a]), (b, values[b])) for a, b in itertools.combinations(dims, 2)}
 
 
+def _field(message: str) -> str:
+    """The field a refusal names (``ConfigError``'s "field: why"): what tells one refusal's cause from another's."""
+    return message.split(":", 1)[0]
+
+
 def _reduce(values: dict, base: dict, dimensions: dict, check) -> dict:
-    """A minimal set of ``values``' non-base values still refused with base values elsewhere (each dropped in turn
-    where the refusal stays); a single value refused with the base values is widened by the base value it needs (the
-    first dimension where another value is accepted)."""
+    """A minimal set of ``values``' non-base values still refused, for the same field, with base values elsewhere
+    (each dropped in turn where the refusal's field stays). A value whose base value is refused for another field
+    stays in the set: GPT-2 (the base) has no TP plan, so a cell refused for compiling under TP on Llama reduces to
+    {tp, llama, aot_eager}, not {tp} widened by GPT-2; reading TP's own refusal as the cell's had recorded a set the
+    cell did not hold and tried the same cell again until the rounds ran out (267 pairs left in no cell). A single
+    value refused with the base values is widened by the base value it needs (the first dimension where another value
+    is accepted)."""
+    field = _field(check(values))
     bad = {d: v for d, v in values.items() if v != base[d]}
     for d in list(bad):
         trial = {k: v for k, v in bad.items() if k != d}
-        if check({**base, **trial}) is not None:
+        message = check({**base, **trial})
+        if message is not None and _field(message) == field:
             bad = trial
     if len(bad) == 1:
         for d in dimensions:

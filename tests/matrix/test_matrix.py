@@ -280,6 +280,10 @@ def table(results: dict, matrix: dict) -> list[str]:
     lines.append(f"{len(results)} cells ({len(ran)} run, {len(results) - len(ran)} refused), "
                  f"{sum(r['result'] == 'pass' for r in results.values())} pass; cells decided in {seconds['array']:.1f} s "
                  f"({matrix['checks']} checks), files written in {seconds['files']:.1f} s")
+    if matrix["array"] is not None:
+        array = matrix["array"]
+        lines.append(f"pairs: {len(array.uncoverable)} in no cell, {len(array.refused_pairs)} refused in every cell "
+                     f"(a dimension each of whose values completes a refused set), the rest in a cell above")
     return lines
 
 
@@ -516,3 +520,13 @@ def _resumes(i: int, cell: D.Cell, run: D.Run, out: str, runs: Runs, tmp_path) -
     diff = _weights_diff(out, resumed)
     assert diff <= RESUME_TOLERANCE[cell["precision"]], f"promise 3: resumed {diff:.2e} from the uninterrupted run"
     return f"resumed {diff:.1e}"
+
+
+@pytest.mark.matrix_full
+def test_every_pair_is_in_a_cell_that_runs_or_a_refused_set(request):
+    """The array's own promise: every pair of values of two dimensions is in a cell that runs or inside a set the
+    check refuses (``covering.Array.uncoverable`` empty); a pair in neither would be a seam no cell tries."""
+    array = build(request.config)["array"]
+    if array is None:
+        pytest.skip("the array is generated only for the whole matrix (-m '' or TOOLKIT_MATRIX=full)")
+    assert not array.uncoverable, f"{len(array.uncoverable)} pairs in no cell: {array.uncoverable[:20]}"
