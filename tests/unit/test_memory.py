@@ -213,3 +213,20 @@ def test_the_fused_loss_trains_each_task_like_the_materialised_logits(task_name)
         assert float((p - q).abs().max()) <= 1e-6, n
     positions = batch["input_ids"].numel()
     assert outputs == [torch.Size([positions])] * 3, outputs  # one fused call a step: per-position losses, no logits
+
+
+def test_under_bf16_autocast_the_fused_loss_keeps_fp32_logits_where_the_materialised_path_rounds_them():
+    """Why loss_chunk_size is not bitwise the materialised loss under bf16 mixed precision (docs/performance.md#the-
+    loss-without-logits): F.linear_cross_entropy is not an autocast op, so it projects the fp32 hidden states (what a
+    Llama's final norm returns under autocast) with the fp32 head weight, while the materialised path's head runs
+    under autocast and rounds its logits to bf16 before the fp32 cross-entropy. The fused loss is the fp32 one."""
+    from toolkit.loss import chunked_token_losses
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 2048, bias=False)
+    hidden, labels = torch.randn(2, 24, 32), torch.randint(0, 2048, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = chunked_token_losses(hidden, head, labels, 16, fused=True)[0]
+        materialised = token_losses(head(hidden), labels)[0]
+    fp32 = token_losses(head(hidden), labels)[0]
+    assert (fused - fp32).abs().max() < 1e-4 < (materialised - fp32).abs().max()

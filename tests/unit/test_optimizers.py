@@ -250,6 +250,26 @@ def test_muon_is_refused_where_it_is_not_proven_naming_the_launches_that_work(ca
         launch.check("causal-lm", launch.strategy_config(works), processes, fields)
 
 
+def test_muon_for_a_classifier_is_refused_before_launching(capsys, tmp_path, tiny_model, classify_files):
+    """A classifier has no output head (get_output_embeddings) for muon_split to keep on AdamW: one line naming optim,
+    exit 2, from toolkit train's check (the task's check, which the recipe runs too), not in the ranks after the
+    weights load."""
+    from toolkit.cli import train as launch
+
+    fields = ["--model_name_or_path", tiny_model, "--train_file", classify_files["train_file"], "--output_dir",
+              str(tmp_path / "o"), "--optim", "muon"]
+    with pytest.raises(ConfigError, match="^optim: muon needs a causal LM's output head"):  # the check, in process
+        launch.check("sequence-classification", launch.strategy_config("ddp"), 2, fields)
+    argv = ["classify", "--model", tiny_model, "--dataset", classify_files["train_file"], "--output_dir",
+            str(tmp_path / "o"), "--optim", "muon", "--strategy", "ddp", "--num_processes", "2"]
+    assert launch.main(argv) == 2  # and toolkit train's line
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "config error: optim: muon needs a causal LM's output head; the classifier has none (its score layer would "
+        "get Muon): use optim adamw_torch"], captured.err
+    assert "launching" not in captured.out
+
+
 def test_muon_with_lora_is_refused(tmp_path, tiny_llama, padded_data):
     from toolkit.config import config_from_dict
 

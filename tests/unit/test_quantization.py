@@ -262,7 +262,12 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
     for strategy in ("ddp", "fsdp2"):
         with pytest.raises(ConfigError, match="load_in_4bit: a 4bit base is not supported under pipeline parallelism"):
             check_run(cfg, strategy)
-    cfg.train.pipeline_parallel_size, cfg.train.loss_chunk_size = 1, 16
+    cfg.train.pipeline_parallel_size, cfg.train.async_save = 1, True  # DCP's stager on bitsandbytes' layers
+    for strategy in ("single", "ddp"):
+        with pytest.raises(ConfigError, match=r"^async_save: with a quantized base \(load_in_4bit\) is not supported "
+                                              r".*; set async_save: false$"):
+            check_run(cfg, strategy)
+    cfg.train.async_save, cfg.train.loss_chunk_size = False, 16
     with pytest.raises(ConfigError, match="load_in_4bit: loss_chunk_size with a quantized base"):
         check_run(cfg, "ddp")
     cfg.train.loss_chunk_size, cfg.train.precompute_ref_log_probs = 0, True
@@ -270,6 +275,10 @@ def test_quantized_runs_are_refused_where_unchecked(tiny_llama, padded_data, tmp
         check_run(cfg, "ddp")
     cfg.model.load_in_4bit, cfg.model.load_in_8bit, cfg.train.precompute_ref_log_probs = False, True, False
     check_run(cfg, "single")
+    cfg.train.async_save = True  # the 8-bit base: Linear8bitLt has no attribute SCB in DCP's get_state_dict
+    with pytest.raises(ConfigError, match=r"^async_save: with a quantized base \(load_in_8bit\) is not supported"):
+        check_run(cfg, "single")
+    cfg.train.async_save = False
     with pytest.raises(ConfigError, match="load_in_8bit: a 8bit base is not supported under ddp"):
         check_run(cfg, "ddp")
     # 8-bit AdamW, on any base: its update kernel takes no DTensor (FSDP2, TP: a raw error at the first step)
@@ -398,6 +407,8 @@ def test_toolkit_train_refuses_a_quantized_base_before_launching(capsys, tiny_ll
              (lm, ["--strategy", "hsdp", "--num_processes", "4"], four + "hsdp"),  # FSDP2 on a 2 x 2 mesh
              (lm, ["--strategy", "ddp", "--num_processes", "2", "--pipeline_parallel_size", "2",
                    "--gradient_accumulation_steps", "2"], four + "pipeline parallelism"),
+             (lm, ["--strategy", "ddp", "--num_processes", "2", "--async_save", "true"],
+              "async_save: with a quantized base (load_in_4bit) is not supported"),
              (lm, ["--strategy", "fsdp", "--num_processes", "2", "--load_in_4bit", "false", "--optim",
                    "adamw_bnb_8bit"], "optim: adamw_bnb_8bit (bitsandbytes' 8-bit AdamW) is not supported under fsdp2")]
     for task, strategy, words in cases:

@@ -69,6 +69,12 @@ def check_run(cfg: RunConfig, strategy: str) -> None:
     if strategy not in PROVEN[name]:
         raise ConfigError(name, f"a {name[8:]} base is not supported under {strategy} (checked: "
                                 f"{', '.join(PROVEN[name])}); use another launch config, or a full-precision base")
+    if cfg.train.async_save:
+        # DCP's get_state_dict (the asynchronous writer's stager) walks the state dict's keys as attributes: an 8-bit
+        # base's Linear8bitLt has no attribute SCB (AttributeError at the first save), and a 4-bit base's quant-state
+        # keys make its strict set_state_dict refuse the resume; the synchronous path handles both
+        raise ConfigError("async_save", f"with a quantized base ({name}) is not supported (DCP's state dict of the "
+                                        "bitsandbytes layers); set async_save: false")
     if cfg.data.streaming:
         raise ConfigError(name, "a quantized base on a stream (streaming: true) is not checked here; set streaming: "
                                 "false")

@@ -240,6 +240,12 @@ class SequenceClassification(Task):
         if cfg.data.dataset_mixture is not None:
             raise ConfigError("dataset_mixture", "the classifier trains on one labelled dataset (its classes and "
                                                  "split are drawn from it); set dataset_name or train_file")
+        if cfg.train.optim == "muon":
+            # Muon's split (toolkit.training.optimizers.muon_split) keeps the output head on AdamW and finds it by
+            # get_output_embeddings, which a classifier does not have: refused here, before launching, not in the
+            # ranks after the weights load
+            raise ConfigError("optim", "muon needs a causal LM's output head; the classifier has none (its score "
+                                       "layer would get Muon): use optim adamw_torch")
         if cfg.train.loss_chunk_size:
             raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "
                                                  "loss_chunk_size: 0")

@@ -100,7 +100,10 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: li
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=eos_token_id, num_beams=1, use_cache=True)
-    with _without_generation_config(model):
+    # eagerly, under torch_compile too: decoding's shapes (a KV cache one token longer at each step, one-token
+    # inputs, no grad) would each compile a graph of the compiled blocks, up to dynamo's recompile limit; the
+    # compiled graphs are the training forward and backward's
+    with _without_generation_config(model), torch.compiler.set_stance("force_eager"):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                              logits_processor=LogitsProcessorList([RowSampler(seeds, temperature, top_k, top_p)]),
                              synced_gpus=synced_gpus)
