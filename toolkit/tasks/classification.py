@@ -249,10 +249,6 @@ class SequenceClassification(Task):
         if cfg.train.loss_chunk_size:
             raise ConfigError("loss_chunk_size", "the chunked loss is for language models' vocabulary logits; set "
                                                  "loss_chunk_size: 0")
-        if cfg.train.optim == "muon":  # its split needs an output head transformers names (optimizers.muon_split)
-            raise ConfigError("optim", "muon splits a causal LM (Muon on the hidden matrices, AdamW on embeddings "
-                                       "and the output head); a classifier's head would get Muon: use optim "
-                                       "adamw_torch")
 
     def load_raw(self, args):
         raw, self.labels = load_raw_labelled(args)
