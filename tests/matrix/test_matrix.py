@@ -522,6 +522,7 @@ def _resumes(i: int, cell: D.Cell, run: D.Run, out: str, runs: Runs, tmp_path) -
     return f"resumed {diff:.1e}"
 
 
+@pytest.mark.slow  # the array's ~700 checks: only with the whole matrix
 @pytest.mark.matrix_full
 def test_every_pair_is_in_a_cell_that_runs_or_a_refused_set(request):
     """The array's own promise: every pair of values of two dimensions is in a cell that runs or inside a set the
