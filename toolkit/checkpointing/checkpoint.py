@@ -427,9 +427,11 @@ def _realias_tied(state_dict: dict, model) -> dict:
     """
     from collections import defaultdict
 
+    from toolkit.models.lora import FSDP1_WRAPPER
+
     names_by_param = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param[id(param)].append(name.replace("_fsdp_wrapped_module.", ""))
+        names_by_param[id(param)].append(name.replace(FSDP1_WRAPPER, ""))
     state_dict = dict(state_dict)
     for names in names_by_param.values():
         present = [n for n in names if n in state_dict]
