@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -67,9 +68,22 @@ def _run_all(runs: list[dict]) -> None:
                     shutil.copytree(os.path.join(src, name), os.path.join(out, name))
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
+            started = time.time()
             _one_run(run)
+            _log_run(run, time.time() - started)
     finally:
         PartialState.destroy_process_group = destroy
+
+
+def _log_run(run: dict, seconds: float) -> None:
+    """With ``TOOLKIT_TEST_LAUNCH_LOG`` set (helpers.log_launches), rank 0 appends each run's own wall time to
+    ``<log>.runs``: a launch of several runs is one line of the launch log, and the suite's time is cut run by run."""
+    log = os.environ.get("TOOLKIT_TEST_LAUNCH_LOG")
+    if log and int(os.environ.get("RANK", "0")) == 0:
+        with open(log + ".runs", "a") as f:
+            f.write(json.dumps({"out": _output_dir(run), "recipe": run.get("recipe", "gpt2"),
+                                "world": int(os.environ.get("WORLD_SIZE", "1")), "seconds": round(seconds, 2),
+                                "argv": " ".join(run["argv"])[:400]}) + "\n")
 
 
 def _one_run(run: dict) -> None:
