@@ -1,6 +1,7 @@
 """The speed pack of issue 50, each switch on and off: the loss without materialised logits, asynchronous checkpoints.
 
     python bench/speed_pack.py loss  [--positions 2048 --hidden 576 --vocab 49152 --chunks 256,1024 --repeats 3]
+    python bench/speed_pack.py grpo-loss  [the same options]
     python bench/speed_pack.py save  [--steps 12]
     python bench/speed_pack.py switches  [--steps 12]
 
@@ -10,6 +11,9 @@ checkpointed chunks that ``loss_chunk_size`` computed before issue 50 (``chunked
 and torch's ``F.linear_cross_entropy`` in chunks (``fused=True``, what ``loss_chunk_size`` runs now). Peak memory is
 the growth of the process's peak RSS (``ru_maxrss``) over what it held before the first step (weights, hidden states
 and the head's gradient buffer allocated), on a GPU ``torch.cuda.max_memory_allocated`` over the same baseline.
+``grpo-loss``: the same for GRPO's completion log-probs and entropy metric over ``positions`` completion tokens, from
+the logits (``toolkit.tasks.grpo.loss.completion_logps``) against ``loss_chunk_size``'s fused log-probs and chunked
+entropy (``toolkit.loss.chunked_completion_logps``); also the entropies' largest relative difference.
 
 ``save``: recipes/gpt2.py on 2 gloo ranks (DDP and FSDP2) with a checkpoint every step, synchronous against
 ``async_save: true``; the loop's stall per save is read from the run's log (``checkpoint stall``).
@@ -34,6 +38,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 LOSS_SETTINGS = ("materialised logits", "checkpointed chunks", "linear_cross_entropy chunks")
+# GRPO's log-probs and entropy metric (``grpo-loss``): from the logits, or with loss_chunk_size
+GRPO_SETTINGS = ("GRPO materialised logits", "GRPO linear_cross_entropy + chunked entropy")
 
 
 def _rss_mib() -> float:
@@ -55,7 +61,11 @@ def loss_one(setting: str, chunk: int, opts) -> dict:
     labels = torch.randint(0, opts.vocab, (1, opts.positions), device=device)
     labels[0, : opts.positions // 10] = -100  # a prompt's worth of positions without a target
 
+    entropies = {}
+
     def step(which):
+        if which in GRPO_SETTINGS:  # a completion's log-probs (their sum the loss here) and the entropy metric
+            return _grpo_step(which, hidden, head, labels, chunk, entropies)
         if which == LOSS_SETTINGS[0]:
             sums, _ = token_losses(head(hidden), labels)
         else:
@@ -71,6 +81,8 @@ def loss_one(setting: str, chunk: int, opts) -> dict:
     for fused in (False, True):
         chunked_token_losses(few, small, few_labels, 4, fused=fused)[0].sum().backward()
     token_losses(small(few), few_labels)[0].sum().backward()
+    for which in GRPO_SETTINGS:
+        _grpo_step(which, few, small, few_labels, 4, {})
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -88,19 +100,39 @@ def loss_one(setting: str, chunk: int, opts) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _rss_mib()
     grads = head.weight.grad, hidden.grad
     head.weight.grad = hidden.grad = None
-    want = step(LOSS_SETTINGS[0])
+    got_entropy = entropies.get(setting)
+    want = step(GRPO_SETTINGS[0] if setting in GRPO_SETTINGS else LOSS_SETTINGS[0])
     head_grad_mib = head.weight.numel() * 4 / 2**20  # the step's gradient of the head, which every setting keeps
     return {"setting": setting, "chunk": chunk, "step_s": round(statistics.median(times), 3),
             "peak_growth_mib": round(peak - base, 1), "beyond_head_grad_mib": round(peak - base - head_grad_mib, 1),
             "loss": loss, "loss_diff": abs(loss - want),
             "weight_grad_diff": float((grads[0] - head.weight.grad).abs().max()),
             "input_grad_diff": float((grads[1] - hidden.grad).abs().max()),
+            "entropy_rel_diff": (float(((got_entropy - entropies[GRPO_SETTINGS[0]]) / entropies[GRPO_SETTINGS[0]])
+                                       .abs().max()) if got_entropy is not None else None),
             "logits_mib": round(opts.positions * opts.vocab * 4 / 2**20, 1), "device": device}
 
 
-def loss_table(opts) -> list[dict]:
+def _grpo_step(which: str, hidden, head, labels, chunk: int, entropies: dict) -> float:
+    """GRPO's per-token log-probs of ``labels`` (every position a completion token) and their entropies: from the
+    logits (``toolkit.tasks.grpo.loss.completion_logps``) or as ``loss_chunk_size`` computes them
+    (``toolkit.loss.chunked_completion_logps``); the log-probs' sum backpropagated, the entropies kept."""
+    from toolkit.loss import chunked_completion_logps
+    from toolkit.tasks.grpo.loss import completion_logps
+
+    flat_hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).clamp(min=0)
+    if which == GRPO_SETTINGS[0]:
+        logps, entropy = completion_logps(head(flat_hidden), targets, 1.0)
+    else:
+        logps, entropy = chunked_completion_logps(flat_hidden, head, targets, chunk)
+    logps.sum().backward()
+    entropies[which] = entropy.detach()
+    return float(logps.detach().sum())
+
+
+def loss_table(opts, settings=LOSS_SETTINGS) -> list[dict]:
     rows = []
-    runs = [(LOSS_SETTINGS[0], 0)] + [(s, c) for c in opts.chunks for s in LOSS_SETTINGS[1:]]
+    runs = [(settings[0], 0)] + [(s, c) for c in opts.chunks for s in settings[1:]]
     for setting, chunk in runs:
         out = subprocess.run([sys.executable, __file__, "loss-one", "--setting", setting, "--chunk", str(chunk),
                               *_size_args(opts)], capture_output=True, text=True, check=True)
@@ -127,6 +159,20 @@ def loss_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grpo_loss_markdown(rows: list[dict]) -> str:
+    logits = rows[0]["logits_mib"]
+    lines = [f"GRPO's log-probs (forward and backward) and entropy metric, {rows[0]['device']}: the materialised fp32 "
+             f"logits are {logits} MiB.", "",
+             "| log-probs and entropy | chunk | step (s) | peak growth (MiB) | beyond the head's gradient (MiB) | "
+             "/ logits | log-prob sum diff | head grad diff | entropy rel diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['chunk'] or '-'} | {r['step_s']} | {r['peak_growth_mib']} | "
+                     f"{r['beyond_head_grad_mib']} | {r['beyond_head_grad_mib'] / logits:.2f} | "
+                     f"{r['loss_diff']:.1e} | {r['weight_grad_diff']:.1e} | {r['entropy_rel_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def save(rows: dict) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "speed_pack.json")
@@ -135,7 +181,8 @@ def save(rows: dict) -> None:
     with open(path, "w") as f:
         json.dump(old, f, indent=2)
     with open(os.path.join(RESULTS, "speed_pack.md"), "w") as f:
-        for name, text in (("loss", loss_markdown), ("save", save_markdown), ("switches", switches_markdown)):
+        for name, text in (("loss", loss_markdown), ("grpo_loss", grpo_loss_markdown), ("save", save_markdown),
+                           ("switches", switches_markdown)):
             if name in old:
                 f.write(text(old[name]) + "\n")
 
@@ -238,7 +285,7 @@ def switches_markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["loss", "loss-one", "save", "switches"])
+    parser.add_argument("what", choices=["loss", "grpo-loss", "loss-one", "save", "switches"])
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -252,6 +299,8 @@ def main() -> None:
         print(json.dumps(loss_one(opts.setting, opts.chunk, opts)))
     elif opts.what == "loss":
         save({"loss": loss_table(opts)})
+    elif opts.what == "grpo-loss":
+        save({"grpo_loss": loss_table(opts, GRPO_SETTINGS)})
     elif opts.what == "switches":
         save({"switches": switches_table(opts)})
     else:

@@ -152,14 +152,18 @@ def can_fuse(head: torch.nn.Module) -> bool:
 
 
 def _fused_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
-                         chunk_size: int) -> torch.Tensor:
-    """Per-position cross-entropy of ``head(hidden)`` by ``F.linear_cross_entropy`` (``reduction="none"``: its
-    backward recomputes each chunk's logits from the saved hidden states and weight), in fp32 as ``token_losses``.
+                         chunk_size: int, temperature: float = 1.0, entropy: bool = False) -> torch.Tensor:
+    """Per-position cross-entropy of ``head(hidden) / temperature`` by ``F.linear_cross_entropy``
+    (``reduction="none"``: its backward recomputes each chunk's logits from the saved hidden states and weight), in
+    fp32 as ``token_losses``. ``entropy`` (GRPO's metric): also each position's entropy of that distribution,
+    ``chunk_size`` positions at a time under no_grad (``_entropies``); then a (2, positions) tensor, the
+    cross-entropies and the entropies.
 
     It runs as the head's own forward, through ``head(...)``: the module's hooks are what gather a sharded weight
     (ZeRO-3's pre-forward hook, and its pre-backward hook on the output for the backward pass; FSDP2 unshards the
     root, which holds the head, around the whole forward). Calling the functional op on ``head.weight`` directly
-    would read ZeRO-3's empty placeholder."""
+    would read ZeRO-3's empty placeholder. The entropies are taken inside the same call, so that every rank calls
+    the head once per micro-batch whatever its length (ZeRO-3 gathers the weight on each call, collectively)."""
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=max(1, min(chunk_size, len(targets))),
                                                  chunking_method=None)
 
@@ -168,14 +172,78 @@ def _fused_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: torc
         if x.dtype != torch.float32:  # fp32 cross-entropy, as the materialised path's logits.float()
             x, weight = x.float(), weight.float()
             bias = bias.float() if bias is not None else None
-        return F.linear_cross_entropy(x, weight, targets, linear_bias=bias, reduction="none",
-                                      ignore_index=IGNORE_INDEX, options=options)
+        scaled_x, scaled_bias = x, bias
+        if temperature != 1.0:  # (x W^T + b) / t, the logits' division, as x/t W^T + b/t: no logits-sized tensor
+            scaled_x = x / temperature
+            scaled_bias = bias / temperature if bias is not None else None
+        ce = F.linear_cross_entropy(scaled_x, weight, targets, linear_bias=scaled_bias, reduction="none",
+                                    ignore_index=IGNORE_INDEX, options=options)
+        if not entropy:
+            return ce
+        return torch.stack((ce, _entropies(x.detach(), weight.detach(), bias, temperature, chunk_size)))
 
     head.forward = forward  # an instance attribute, for this call only: nn.Module.__call__ runs it inside the hooks
     try:
         return head(hidden)
     finally:
         del head.forward
+
+
+@torch.no_grad()
+def _entropies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+               chunk_size: int) -> torch.Tensor:
+    """Each row's entropy of softmax((x W^T + b) / temperature), ``chunk_size`` rows at a time. TRL's definition
+    (``trl.trainer.utils.entropy_from_logits``: ``-(exp(logp) * logp).sum(-1)``, chunked along the positions as
+    there) and the materialised path's arithmetic (``toolkit.tasks.grpo.loss.completion_logps``); a metric, so no
+    gradient. At most two chunk-sized fp32 buffers live at once (the logits, then their log-softmax and its
+    exp, each product in place): 2 x chunk_size x vocab x 4 bytes."""
+    parts = []
+    for part in x.split(max(1, chunk_size)):
+        logits = F.linear(part, weight, bias).float()
+        logp = torch.log_softmax(logits.div_(temperature), dim=-1)
+        del logits
+        parts.append(logp.exp().mul_(logp).sum(-1).neg_())
+        del logp
+    return torch.cat(parts) if parts else x.new_zeros(0)
+
+
+def chunked_completion_logps(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk_size: int,
+                             temperature: float = 1.0, num_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each of ``targets``, entropy of the distribution it was drawn from) under
+    ``head(hidden) / temperature``, without ever holding the logits of all of ``hidden``'s positions: GRPO's
+    ``toolkit.tasks.grpo.loss.completion_logps`` with ``loss_chunk_size``. ``hidden``: (positions, hidden size), the
+    positions that predict ``targets`` (positions,).
+
+    A plain linear head (``can_fuse``): one fused call (``_fused_cross_entropy``: the log-prob is minus the
+    cross-entropy, the entropy a no_grad metric, both ``chunk_size`` positions at a time). Any other head: the
+    checkpointed chunks of ``chunked_token_losses``, at least ``num_chunks`` of them, the same count on every rank
+    (ZeRO-3's gathers)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if can_fuse(head):
+        ce, entropy = _fused_cross_entropy(hidden, targets, head, chunk_size, temperature, entropy=True)
+        return -ce, entropy.detach()  # a row of the stacked output: cut from the graph, as the metric it is
+    chunks = max(num_chunks, -(-len(targets) // chunk_size))
+    if chunks > num_chunks > 0:
+        raise ValueError(f"{len(targets)} completion positions need {chunks} chunks of {chunk_size}, more than the "
+                         f"{num_chunks} every rank was told to run")
+    logps, entropies = [], []
+    for start in range(0, chunks * chunk_size, chunk_size):
+        part = slice(start, start + chunk_size)
+        logp, entropy = checkpoint(_chunk_logps, hidden[part], targets[part], head, temperature, use_reentrant=False)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _chunk_logps(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One checkpointed chunk: its log-probs (recomputed in the backward pass) and its entropies (no gradient)."""
+    logits = head(hidden).float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def micro_step_loss(

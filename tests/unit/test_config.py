@@ -116,9 +116,10 @@ RECIPE_HELP = {  # recipe: (fields its help lists, fields of other recipes it do
     "classify": (["label_column_name", "class_weights", "block_size", "eval_steps"],
                  ["beta", "chat_template", "ref_model_name_or_path", "dataset_format", "dataset_mixture",
                   "loss_chunk_size"]),
-    "grpo": (["beta", "loss_type", "num_generations", "reward_funcs", "chat_template", "max_train_samples"],
+    "grpo": (["beta", "loss_type", "num_generations", "reward_funcs", "chat_template", "max_train_samples",
+              "loss_chunk_size"],  # issue 50: GRPO's log-probs and entropy metric without the logits
              ["text_column_name", "precompute_ref_log_probs", "label_column_name", "dataset_mixture", "eval_steps",
-              "eval_on_start", "loss_chunk_size", "validation_file", "validation_split_percentage", "max_eval_samples",
+              "eval_on_start", "validation_file", "validation_split_percentage", "max_eval_samples",
               "per_device_eval_batch_size", "block_size", "preprocessing_num_workers", "overwrite_cache",
               "dataset_format", "packing"]),
 }

@@ -441,6 +441,50 @@ def test_a_run_logs_trls_metrics_and_resumes_before_a_reused_batch_exactly(tiny_
     assert 0 < max_abs_diff(reference, load_weights(tiny_model)) and diff <= 1e-6, diff
 
 
+def test_loss_chunk_size_trains_grpo_as_the_materialised_logits_and_logs_the_same_entropy(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    """``loss_chunk_size`` (issue 50): the completions' log-probs from torch's fused ``F.linear_cross_entropy``, the
+    entropy metric from one chunk's logits at a time (toolkit.loss.chunked_completion_logps), the policy's, the old
+    policy's (num_iterations 2) and the live reference's (beta > 0) alike, temperature 0.7. 3 SGD steps in this
+    process end within 1e-6 of the same run on the materialised logits, with the same completions (rewards) and the
+    logged entropy equal (rel 1e-6); the loss never has the head return logits. Before, GRPO refused
+    loss_chunk_size."""
+    import sys
+
+    from helpers import ROOT, load_weights, max_abs_diff, train_in_process
+
+    from toolkit.reporting.metrics import read_metrics
+    from toolkit.tasks.grpo.task import GRPO
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "tests", "scripts"), *sys.path])
+    values = _values(tiny_model, tmp_path, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_steps=3,
+                     num_iterations=2, beta=0.04, temperature=0.7, save_final_model=True,
+                     reward_funcs=["grpo_rewards:vowels"])
+    rows, shapes = {}, []
+
+    class HeadShapes:
+        def on_prepared(self, accelerator, model, optimizer):
+            model.get_output_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+
+    for name, chunk in (("plain", 0), ("chunked", 5)):  # 5: chunks that split rows (4 x 6 completion positions)
+        train_in_process({**values, "loss_chunk_size": chunk, "output_dir": str(tmp_path / name)}, task=GRPO(),
+                         callbacks=[HeadShapes()] if chunk else None)
+        rows[name] = [r for r in read_metrics(str(tmp_path / name)) if "entropy" in r]
+    # the loss's head never returned a micro-batch's logits: its fused calls (the log-probs and entropies of the
+    # 4 x 6 completion positions); the (rows, positions, vocab) calls are generation's
+    assert (2, 24) in shapes and all(len(s) == 3 for s in shapes if s != (2, 24)), sorted(set(shapes))
+    assert len(rows["plain"]) == len(rows["chunked"]) == 3
+    for plain, chunked in zip(rows["plain"], rows["chunked"]):
+        assert chunked.get("reward") == plain.get("reward")  # the same completions were drawn
+        assert chunked["entropy"] == pytest.approx(plain["entropy"], rel=1e-6, abs=0)
+        # the KL (about 0.015) is a difference of nearly equal log-probs: their fp32 rounding (1e-7) weighs more in it
+        for name in ("kl", "clip_ratio/region_mean"):
+            assert chunked[name] == pytest.approx(plain[name], rel=0, abs=1e-6), name
+    final = {name: load_weights(str(tmp_path / name / "final")) for name in rows}
+    assert max_abs_diff(final["plain"], load_weights(tiny_model)) > 1e-3  # it trained
+    assert max_abs_diff(final["chunked"], final["plain"]) <= 1e-6, max_abs_diff(final["chunked"], final["plain"])
+
+
 def test_text_prompts_trls_reward_conventions_and_a_resume_of_an_epoch(tiny_model, tmp_path, monkeypatch):
     """Text prompts from a file, fewer than the global batch of completions (4 prompts x 4 = 2 steps of 8: refused
     before as 4 rows under one batch of 8), one longer than max_prompt_length (its last 16 tokens generate; the reward
@@ -654,8 +698,6 @@ HELD_OUT = "recipes/grpo.py does not use it: delete it"  # toolkit.config.help.u
     ({"dataset_format": "messages"}, "dataset_format", HELD_OUT),
     ({"dataset_mixture": {"datasets": [{"id": "arithmetic"}]}, "dataset_name": None}, "dataset_mixture",
      "GRPO does not take it here"),
-    # the fused loss (toolkit.loss) gives the sampled token's log-prob, not the entropy GRPO logs
-    ({"loss_chunk_size": 64}, "loss_chunk_size", "GRPO logs the entropy of every completion token's distribution"),
 ])
 def test_grpo_refuses_before_any_work(tiny_model, tmp_path, monkeypatch, values, field, message):
     """What every run checks before its weights load (``build.check_inputs``: a recipe's ranks, ``toolkit train``

@@ -230,3 +230,79 @@ def test_under_bf16_autocast_the_fused_loss_keeps_fp32_logits_where_the_material
         materialised = token_losses(head(hidden), labels)[0]
     fp32 = token_losses(head(hidden), labels)[0]
     assert (fused - fp32).abs().max() < 1e-4 < (materialised - fp32).abs().max()
+
+
+def _peak_mib(fn) -> float:
+    """The most CPU memory the tensors allocated during ``fn()`` held at once (MiB): torch's profiler's allocation
+    and free events, summed in time order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def test_grpos_fused_log_probs_and_chunked_entropy_hold_a_fraction_of_the_logits():
+    """GRPO with ``loss_chunk_size`` (toolkit.loss.chunked_completion_logps) at SmolLM2's vocabulary (49152), a
+    256-token completion, chunks of 16: the log-probs' forward and backward and the entropy metric held at most 1/4
+    of the materialised fp32 logits at once (measured: 6 of 48 MiB, 1/8: the entropy's two chunk-sized buffers are
+    the peak; 2048 positions: docs/performance.md#the-loss-without-logits), while the materialised path's forward
+    alone (toolkit.tasks.grpo.loss.completion_logps) held twice the logits (the same measurement: it sees them).
+    The values are the materialised ones; whole runs with and without: tests/unit/test_grpo.py."""
+    from toolkit.loss import chunked_completion_logps
+    from toolkit.tasks.grpo.loss import completion_logps
+
+    torch.manual_seed(0)
+    vocab, positions, chunk = 49152, 256, 16
+    head = torch.nn.Linear(16, vocab, bias=False)
+    hidden = torch.randn(positions, 16, requires_grad=True)
+    targets = torch.randint(0, vocab, (positions,))
+    logits_mib = positions * vocab * 4 / 2**20
+    out = {}
+
+    def chunked_step():
+        logps, entropy = chunked_completion_logps(hidden, head, targets, chunk)
+        logps.sum().backward()
+        out["chunked"] = (logps.detach(), entropy)
+
+    def materialised_forward():
+        with torch.no_grad():
+            out["materialised"] = completion_logps(head(hidden), targets, 1.0)
+
+    peak = _peak_mib(chunked_step)
+    assert peak <= logits_mib / 4, (peak, logits_mib)
+    assert _peak_mib(materialised_forward) >= 2 * logits_mib  # its forward alone: the logits and their log-softmax
+    assert torch.allclose(out["chunked"][0], out["materialised"][0], rtol=1e-6, atol=0)
+    assert torch.allclose(out["chunked"][1], out["materialised"][1], rtol=1e-6, atol=0)
+
+
+def test_grpos_log_probs_through_a_head_that_cannot_be_fused_take_the_checkpointed_chunks():
+    """A head that is not a plain ``nn.Linear`` (LoRA on lm_head; here a subclass, which ``can_fuse`` refuses the
+    same way): GRPO's log-probs and entropies from the checkpointed chunks, every chunk's logits computed by calling
+    the head (each call a chunk, none more), the count the caller asks for (ZeRO-3: the same on every rank, the
+    chunks past the data empty); values and gradients those of the materialised logits, temperature 0.7."""
+    from toolkit.loss import chunked_completion_logps
+    from toolkit.tasks.grpo.loss import completion_logps
+
+    class Head(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    head = Head(8, 97, bias=True)
+    hidden, targets = torch.randn(22, 8, requires_grad=True), torch.randint(0, 97, (22,))
+    calls = []
+    head.register_forward_hook(lambda m, args, out: calls.append(tuple(out.shape)))
+    logps, entropy = chunked_completion_logps(hidden, head, targets, 5, 0.7, num_chunks=6)  # 22: 5 chunks of data
+    assert calls == [(5, 97)] * 4 + [(2, 97), (0, 97)], calls
+    logps.sum().backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    want_logps, want_entropy = completion_logps(head(hidden), targets, 0.7)
+    want_logps.sum().backward()
+    assert torch.allclose(logps, want_logps, rtol=1e-6, atol=0) and torch.allclose(entropy, want_entropy, rtol=1e-6)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-6) and torch.allclose(grads[1], head.weight.grad, atol=1e-6)
+    with pytest.raises(ValueError, match="22 completion positions need 5 chunks of 5, more than the 4"):
+        chunked_completion_logps(hidden, head, targets, 5, 0.7, num_chunks=4)

@@ -36,6 +36,7 @@ from toolkit.config.checks import (
     DPO_ONLY,
     FORMAT_TASKS,
     HELD_OUT_TASKS,
+    LOGIT_TASKS,
     PACKING_TASKS,
     TEXT_TASKS,
     _at_least_zero,
@@ -500,8 +501,9 @@ class _TrainingFields:
         default=0, metadata={"help": "Compute the training and the evaluation loss this many token positions at a "
                                      "time, never holding the whole micro-batch's (or eval batch's) fp32 logits "
                                      "(the largest activation of a small model with a big vocabulary): torch's fused "
-                                     "F.linear_cross_entropy in chunks of this size; 0 = off.",
-                             "tasks": FORMAT_TASKS, "task_checks": True}
+                                     "F.linear_cross_entropy in chunks of this size (GRPO: its completions' log-probs, and the "
+                                     "entropy metric from one chunk's logits at a time); 0 = off.",
+                             "tasks": LOGIT_TASKS, "task_checks": True}
     )
     cpu_memory_reuse: Optional[bool] = field(
         default=None, metadata={"help": "On CPU ranks, keep freed memory in the process for reuse (glibc mallopt) "

@@ -28,10 +28,12 @@ PACKING_TASKS = ("causal-lm", "chat-sft")
 # Held-out evaluation, rows cut to block_size, and a tokenizing map with workers and a cache: every task but GRPO,
 # whose prompts are whole rows (max_prompt_length), tokenized once, and which has no held-out evaluation.
 HELD_OUT_TASKS = ("causal-lm", "chat-sft", "dpo", "sequence-classification")
-# The tasks whose data toolkit.data.formats converts (dataset_format, a dataset_mixture's sets) and whose loss is over a
-# vocabulary's logits (loss_chunk_size): not the classifier (one labelled set, a class head) nor GRPO (prompts only,
-# a loss over sampled completions); those two refuse dataset_mixture and loss_chunk_size themselves, saying why.
+# The tasks whose data toolkit.data.formats converts (dataset_format, a dataset_mixture's sets): not the classifier (one
+# labelled set) nor GRPO (prompts only, a loss over sampled completions); those two refuse dataset_mixture themselves,
+# saying why.
 FORMAT_TASKS = ("causal-lm", "chat-sft", "dpo")
+# The tasks whose loss is over a vocabulary's logits (loss_chunk_size); the classifier (a class head) refuses it.
+LOGIT_TASKS = ("causal-lm", "chat-sft", "dpo", "grpo")
 
 
 def _closest(name: str, choices) -> str | None:

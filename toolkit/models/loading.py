@@ -376,21 +376,34 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     ``max_eval_positions``: the most positions a training / evaluation micro-batch can hold (rows x block_size),
     chosen by the module's train/eval mode; every call then runs the same number of chunks, as ZeRO-3's collective
     gathers of the head need.
+
+    GRPO's log-probs: with ``completion_ids`` (rows x width, the last ``width`` tokens of ``input_ids``) instead of
+    ``labels``, ``token_logps`` and ``entropy`` (rows x width) of each completion token under the logits divided by
+    ``temperature``, from the hidden states of the positions that predict them only
+    (``toolkit.loss.chunked_completion_logps``); ``completion_positions``: the most completion tokens a micro-batch
+    can hold (rows x max_completion_length), for the chunk count of a head that is not fused.
     """
     import types
 
-    from toolkit.loss import chunked_token_losses
+    from toolkit.loss import chunked_completion_logps, chunked_token_losses
 
     check_chunked_loss(model.config)
     original = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, mean_logits=False,
-                row_lengths=None, **kwargs):
-        if labels is None:
+                row_lengths=None, completion_ids=None, temperature=1.0, completion_positions=0, **kwargs):
+        if labels is None and completion_ids is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         # position_ids: a packed row's per-document positions (toolkit.data.packing), None for a padded one
         hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
+        if completion_ids is not None:  # position i predicts token i+1: the width positions before the last
+            rows, width = completion_ids.shape
+            logps, entropy = chunked_completion_logps(hidden[:, -width - 1:-1].reshape(rows * width, -1),
+                                                      self.get_output_embeddings(), completion_ids.reshape(-1),
+                                                      chunk_size, temperature,
+                                                      num_chunks=-(-completion_positions // chunk_size))
+            return {"token_logps": logps.view(rows, width), "entropy": entropy.view(rows, width)}
         positions = max_positions if self.training else max_eval_positions
         out = chunked_token_losses(hidden, self.get_output_embeddings(), labels, chunk_size,
                                    num_chunks=-(-positions // chunk_size), mean_logits=mean_logits,

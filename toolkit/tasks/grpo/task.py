@@ -24,7 +24,9 @@ A step (``step_batches``, the core's per-step hook, then the core's ``train_step
    taken without grad before the first optimizer step on the batch.
 
 The loss of each ``loss_type`` is TRL's (``toolkit.tasks.grpo.loss``), a row sum over the global batch's targets, so N ranks
-x micro b x accumulation k train as one process with N*b*k completions. ``num_iterations`` > 1: the next
+x micro b x accumulation k train as one process with N*b*k completions. With ``loss_chunk_size`` every log-prob (the
+policy's, the old policy's, the reference's) and the entropy metric come without the micro-batch's logits
+(``policy_logps``, ``toolkit.loss.chunked_completion_logps``). ``num_iterations`` > 1: the next
 ``num_iterations - 1`` optimizer steps reuse the batch (their own prompts are not used); a checkpoint between two
 generations holds the batch (``checkpoint_state``: its completions, advantages and old and reference log-probs, made
 by weights no checkpoint holds), so a resume at any step trains on what the straight run did.
@@ -115,10 +117,6 @@ class GRPO(CausalLM):
                                            f"{args.loss_type!r} (a DPO loss: recipes/dpo.py)")
         # the fields of held-out evaluation, block_size and the other fields GRPO does not take are refused by their
         # metadata (toolkit.config.help.unused_field); these are every other task's but some, said here why
-        if args.loss_chunk_size:  # the fused path (F.linear_cross_entropy) gives the targets' log-probs only
-            raise ConfigError("loss_chunk_size", "GRPO logs the entropy of every completion token's distribution "
-                                                 "(TRL's entropy metric), which needs every vocabulary logit; the "
-                                                 "fused loss returns only the sampled token's log-prob: unset it")
         refusals = {"packing": cfg.data.packing, "dataset_mixture": cfg.data.dataset_mixture}
         for field, value in refusals.items():
             if value:
@@ -419,15 +417,20 @@ class GRPO(CausalLM):
             return self._logps(model, batch)[0]
 
     # ------------------------------------------------------------------------------------------ the loss
-    def _logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return policy_logps(model, batch, self.cfg.train.temperature)
+    def _logps(self, model, batch, chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's, the old policy's or the reference's; ``chunked`` (unset: ``loss_chunk_size``) without the
+        micro-batch's logits (every model here has the chunked forward then: the policy's, the live reference's)."""
+        args = self.cfg.train
+        chunked = bool(args.loss_chunk_size) if chunked is None else chunked
+        return policy_logps(model, batch, args.temperature,
+                            args.per_device_train_batch_size * args.max_completion_length if chunked else None)
 
     def count_targets(self, batch: dict) -> torch.Tensor:
         return torch.tensor(batch["num_targets"])
 
     def row_losses(self, model, batch: dict, chunked: bool = False) -> torch.Tensor:
         args = self.cfg.train
-        logps, entropy = self._logps(model, batch)
+        logps, entropy = self._logps(model, batch, chunked)
         eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
         token_loss, kl, ratio = per_token_losses(logps, batch.get("old_logps"), batch["advantages"],
                                                  batch.get("ref_logps"), args.beta, args.epsilon, eps_high)
@@ -550,13 +553,23 @@ def slot_rows(batch: dict) -> list[dict]:
     return rows
 
 
-def policy_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logps(model, batch: dict, temperature: float,
+                 completion_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token log-probs, entropies) of a batch's completions under ``model``. Positions count a row's own tokens
     (from its mask), as generation counts them: TRL passes none, so a left-padded prompt's positions there depend on
     the longest prompt of its micro-batch (measured on GPT-2: logits 0.54 apart), which would tie a completion's loss
-    to the rows it is batched with."""
+    to the rows it is batched with.
+
+    ``completion_positions`` (``loss_chunk_size``: the most completion tokens a micro-batch holds): from the model's
+    chunked forward (``toolkit.models.loading.enable_chunked_loss``), the same values without the micro-batch's logits
+    (the prompt's positions are not projected at all)."""
     mask = batch["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if completion_positions is not None:
+        out = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
+                    completion_ids=batch["completion_ids"], temperature=temperature,
+                    completion_positions=completion_positions)
+        return out["token_logps"], out["entropy"]
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions, use_cache=False).logits
     p = batch["prompt_length"]
     return completion_logps(logits[:, p - 1:-1], batch["completion_ids"], temperature)
