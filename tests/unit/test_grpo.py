@@ -447,8 +447,8 @@ def test_loss_chunk_size_trains_grpo_as_the_materialised_logits_and_logs_the_sam
     entropy metric from one chunk's logits at a time (toolkit.loss.chunked_completion_logps), the policy's, the old
     policy's (num_iterations 2) and the live reference's (beta > 0) alike, temperature 0.7. 3 SGD steps in this
     process end within 1e-6 of the same run on the materialised logits, with the same completions (rewards) and the
-    logged entropy equal (rel 1e-6); the loss never has the head return logits. Before, GRPO refused
-    loss_chunk_size."""
+    logged entropy equal (rel 1e-6); the head never returns a micro-batch's logits, in the loss or in generation's
+    prefill. Before, GRPO refused loss_chunk_size."""
     import sys
 
     from helpers import ROOT, load_weights, max_abs_diff, train_in_process
@@ -470,9 +470,9 @@ def test_loss_chunk_size_trains_grpo_as_the_materialised_logits_and_logs_the_sam
         train_in_process({**values, "loss_chunk_size": chunk, "output_dir": str(tmp_path / name)}, task=GRPO(),
                          callbacks=[HeadShapes()] if chunk else None)
         rows[name] = [r for r in read_metrics(str(tmp_path / name)) if "entropy" in r]
-    # the loss's head never returned a micro-batch's logits: its fused calls (the log-probs and entropies of the
-    # 4 x 6 completion positions); the (rows, positions, vocab) calls are generation's
-    assert (2, 24) in shapes and all(len(s) == 3 for s in shapes if s != (2, 24)), sorted(set(shapes))
+    # the head never returned a micro-batch's logits: the loss's fused calls (the log-probs and entropies of the
+    # 4 x 6 completion positions), and generation's one position a row (its prefill too: logits_to_keep)
+    assert set(shapes) == {(2, 24), (4, 1, 2048)}, sorted(set(shapes))
     assert len(rows["plain"]) == len(rows["chunked"]) == 3
     for plain, chunked in zip(rows["plain"], rows["chunked"]):
         assert chunked.get("reward") == plain.get("reward")  # the same completions were drawn

@@ -383,6 +383,7 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
     (``toolkit.loss.chunked_completion_logps``); ``completion_positions``: the most completion tokens a micro-batch
     can hold (rows x max_completion_length), for the chunk count of a head that is not fused.
     """
+    import inspect
     import types
 
     from toolkit.loss import chunked_completion_logps, chunked_token_losses
@@ -410,6 +411,11 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
                                    row_lengths=row_lengths, fused=True)
         return dict(zip(("row_loss", "row_targets", "row_logit_sum"), out))
 
+    # The model class's signature shown (TRL's add_fused_lm_head keeps it too): generate reads it, and without
+    # logits_to_keep there its prefill projected every prompt position (rows x prompt x vocab logits) where one is
+    # kept. As __signature__, not functools.wraps: accelerate's unwrap_model(keep_fp32_wrapper=False) follows
+    # __wrapped__ down to the first function that is no wrapper, which would then be the class's forward.
+    forward.__signature__ = inspect.signature(type(model).forward)
     model.forward = types.MethodType(forward, model)
 
 
