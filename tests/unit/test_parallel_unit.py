@@ -148,3 +148,33 @@ def test_sequence_split_refuses_a_sliding_window_before_work():
             check_run(cfg, task, windowed)
         assert str(refused.value).startswith(f"{field}: the model attends within a sliding window (8 positions)")
         check_run(cfg, task, Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_ring_refuses_attention_dropout_before_work():
+    """GPT-2's default attention dropout (attn_pdrop 0.1: recipes/configs/gpt2.yaml's model, docs/strategies.md's ring
+    command) under the ring is refused before any work, naming disable_dropout (before, the ranks stopped at the first
+    step with a RuntimeError from the ring's attention, after the weights loaded); Ulysses runs it (its SDPA takes
+    dropout), and so does the ring once the rate is 0 (what disable_dropout makes of the config: load_config)."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, LlamaConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    def cfg(field):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        return SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                               data=SimpleNamespace(streaming=False, padding_free=False),
+                               model=SimpleNamespace(attn_implementation=None))
+
+    task = SimpleNamespace(name="causal-lm")
+    small = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    for dropped, name in ((GPT2Config(n_layer=1, n_head=2), "attn_pdrop 0.1"),
+                          (LlamaConfig(**small, attention_dropout=0.1), "attention_dropout 0.1")):
+        with pytest.raises(ConfigError) as refused:
+            check_run(cfg("context_parallel_size"), task, dropped)
+        assert str(refused.value).startswith(f"disable_dropout: the model's attention dropout ({name}")
+        check_run(cfg("sequence_parallel_size"), task, dropped)
+    check_run(cfg("context_parallel_size"), task, GPT2Config(n_layer=1, n_head=2, attn_pdrop=0.0))
+    check_run(cfg("context_parallel_size"), task, LlamaConfig(**small))
