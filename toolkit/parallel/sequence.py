@@ -94,7 +94,7 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError(name, f"the model attends within a sliding window ({model_config.sliding_window} "
                                 f"positions), which sequence parallelism does not: set {name} 1")
     if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
-        dropout = _attention_dropout(model_config)
+        dropout = attention_dropout(model_config)
         if dropout:  # the ring's kernels run without it: refused here, not at the first step (a RuntimeError there)
             raise ConfigError("disable_dropout", f"the model's attention dropout ({dropout[0]} {dropout[1]}: GPT-2's "
                                                  "default) is not supported inside ring attention "
@@ -112,7 +112,7 @@ def check_run(cfg, task, model_config) -> None:
                                                     f"{heads}")
 
 
-def _attention_dropout(model_config) -> tuple[str, float] | None:
+def attention_dropout(model_config) -> tuple[str, float] | None:
     """(name, rate) of the model config's attention dropout when above 0 (GPT-2's ``attn_pdrop``, Llama's and Qwen2's
     ``attention_dropout``), else None. ``disable_dropout`` has set them to 0 already (``load_config``)."""
     for name in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"):
