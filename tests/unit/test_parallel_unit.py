@@ -150,6 +150,32 @@ def test_sequence_split_refuses_a_sliding_window_before_work():
         check_run(cfg, task, Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
 
 
+def test_sequence_split_refuses_chunked_attention_before_work():
+    """Llama 4's chunked attention (``attention_chunk_size``: its "chunked_attention" layers, built into the mask) is
+    refused before any work under the ring or Ulysses, naming the field: both attend causally over the whole
+    sequence. Before, it ran and silently attended across the chunks (a tiny Llama 4 with chunks of 8, Ulysses 2
+    against one process: 0.04 apart after 3 steps, its first loss the one of chunks of 64)."""
+    from types import SimpleNamespace
+
+    from transformers import Llama4TextConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    small = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, attention_chunk_size=8)
+    for field in ("context_parallel_size", "sequence_parallel_size"):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                              data=SimpleNamespace(streaming=False, padding_free=False),
+                              model=SimpleNamespace(attn_implementation=None))
+        with pytest.raises(ConfigError) as refused:
+            check_run(cfg, SimpleNamespace(name="causal-lm"), Llama4TextConfig(**small))
+        assert str(refused.value) == (f"{field}: the model attends within chunks of 8 positions "
+                                      f"(attention_chunk_size), which sequence parallelism does not: set {field} 1")
+        check_run(cfg, SimpleNamespace(name="causal-lm"), Llama4TextConfig(**small, layer_types=["full_attention"] * 4))
+
+
 def test_ring_refuses_attention_dropout_before_work():
     """GPT-2's default attention dropout (attn_pdrop 0.1: recipes/configs/gpt2.yaml's model, docs/strategies.md's ring
     command) under the ring is refused before any work, naming disable_dropout (before, the ranks stopped at the first

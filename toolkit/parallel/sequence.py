@@ -90,9 +90,9 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
                                                  "it: leave attn_implementation unset or sdpa")
-    if _sliding_window(model_config):  # the split attends causally over the whole sequence: no window, no silent change
-        raise ConfigError(name, f"the model attends within a sliding window ({model_config.sliding_window} "
-                                f"positions), which sequence parallelism does not: set {name} 1")
+    local = _local_attention(model_config)
+    if local:  # the split attends causally over the whole sequence: no window or chunk, no silent change
+        raise ConfigError(name, f"the model attends within {local}, which sequence parallelism does not: set {name} 1")
     if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
         dropout = attention_dropout(model_config)
         if dropout:  # the ring's kernels run without it: refused here, not at the first step (a RuntimeError there)
@@ -122,13 +122,18 @@ def attention_dropout(model_config) -> tuple[str, float] | None:
     return None
 
 
-def _sliding_window(model_config) -> bool:
-    """Whether some layer of the model attends within a sliding window (Qwen2's ``use_sliding_window``, Mistral's)."""
+def _local_attention(model_config) -> str | None:
+    """What restricts some layer's attention to nearby positions, in words, or None: a sliding window (Qwen2's
+    ``use_sliding_window``, Mistral's) or chunks (Llama 4's ``attention_chunk_size``: its "chunked_attention"
+    layers). transformers builds both into the mask, which the split's attention does not read in training."""
     types = getattr(model_config, "layer_types", None)
-    if types is not None:
-        return "sliding_attention" in types
-    return getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window",
-                                                                                 True)
+    window = (types is not None and "sliding_attention" in types) if types is not None else (
+        getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window", True))
+    if window:
+        return f"a sliding window ({model_config.sliding_window} positions)"
+    if types is not None and "chunked_attention" in types:
+        return f"chunks of {model_config.attention_chunk_size} positions (attention_chunk_size)"
+    return None
 
 
 @dataclass
