@@ -90,6 +90,11 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
                                                  "it: leave attn_implementation unset or sdpa")
+    unrouted = _without_attention_interface(model_config)
+    if unrouted:  # transformers only warns and keeps SDPA: each rank would attend within its own part, silently
+        raise ConfigError(name, f"{unrouted} does not route its attention through transformers' AttentionInterface, "
+                                f"which sequence parallelism replaces: set {name} 1, or use a model that does "
+                                "(GPT-2, Llama, Qwen2, Mistral, ...)")
     local = _local_attention(model_config)
     if local:  # the split attends causally over the whole sequence: no window or chunk, no silent change
         raise ConfigError(name, f"the model attends within {local}, which sequence parallelism does not: set {name} 1")
@@ -120,6 +125,16 @@ def attention_dropout(model_config) -> tuple[str, float] | None:
         if isinstance(rate, (int, float)) and rate > 0:
             return name, rate
     return None
+
+
+def _without_attention_interface(model_config) -> str | None:
+    """The causal LM class of ``model_config`` when it does not take an attention function from transformers'
+    ``AttentionInterface`` (``_supports_attention_backend`` false: Falcon, Bloom, GPT-Neo, MPT), else None (also
+    for a class transformers does not map: a trust_remote_code model is not checked)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    return None if cls is None or getattr(cls, "_supports_attention_backend", False) else cls.__name__
 
 
 def _local_attention(model_config) -> str | None:
