@@ -101,10 +101,10 @@ def check_run(cfg, task, model_config) -> None:
     if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
         dropout = attention_dropout(model_config)
         if dropout:  # the ring's kernels run without it: refused here, not at the first step (a RuntimeError there)
-            raise ConfigError("disable_dropout", f"the model's attention dropout ({dropout[0]} {dropout[1]}: GPT-2's "
-                                                 "default) is not supported inside ring attention "
-                                                 "(context_parallel_size); set disable_dropout: true, or "
-                                                 "sequence_parallel_size (Ulysses) instead of the ring")
+            raise ConfigError("disable_dropout", f"the model's attention dropout ({dropout[0]} {dropout[1]}) is not "
+                                                 "supported inside ring attention (context_parallel_size); set "
+                                                 "disable_dropout: true, or sequence_parallel_size (Ulysses) instead "
+                                                 "of the ring")
         if cfg.data.padding_free:
             raise ConfigError("packing_strategy", f"{cfg.data.packing_strategy} (padding-free packing) is not "
                                                   "supported with context_parallel_size (ring attention) yet: use "
@@ -142,7 +142,7 @@ def _local_attention(model_config) -> str | None:
     ``use_sliding_window``, Mistral's) or chunks (Llama 4's ``attention_chunk_size``: its "chunked_attention"
     layers). transformers builds both into the mask, which the split's attention does not read in training."""
     types = getattr(model_config, "layer_types", None)
-    window = (types is not None and "sliding_attention" in types) if types is not None else (
+    window = "sliding_attention" in types if types is not None else (
         getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window", True))
     if window:
         return f"a sliding window ({model_config.sliding_window} positions)"
