@@ -148,7 +148,7 @@ def _owner_ranks(grads: list, coeffs, world: int, rank: int) -> list:
     owners = assign_owners([g.shape for g in grads], world)
     whole = [gather_to_owner(g.to_local(), g.shape, 0, group, o) for g, o in zip(grads, owners)]
     whole = [None if w is None else _zeropower_via_newtonschulz(w, coeffs, 5, 1e-7) for w in whole]
-    return [scatter_from_owner(w, g.to_local().shape, g.shape, 0, group, o, torch.float32)
+    return [scatter_from_owner(w, g.to_local().shape, g.shape, 0, group, o, torch.float32, g.to_local().device)
             for w, g, o in zip(whole, grads, owners)]
 
 

@@ -320,3 +320,23 @@ def test_owner_ranks_balance_the_iterations_and_shards_split_as_dtensor_splits()
         for world in (2, 3, 4):
             pieces = Shard(0)._split_tensor(torch.zeros(rows, 3), world, with_padding=False)[0]
             assert _sizes(rows, world) == [p.shape[0] for p in pieces]
+
+
+def test_owner_scatter_receives_on_the_shards_device():
+    """The owner scheme's scattered shard is received on the device of the shard it updates (under NCCL a GPU's:
+    a host buffer there fails the scatter, and the weight's ``add_``). Before, it was allocated on the host whatever
+    the device: every FSDP2, HSDP and TP Muon step on GPUs would fail at its first scatter (gloo CPU ranks could
+    not show it). Here the device is ``meta`` on torch's fake process group of 2 ranks (no GPU on this machine):
+    the receive buffer must be a meta tensor too (a host one cannot take the meta pieces: fake_pg copies them)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from toolkit.training.newton_schulz import scatter_from_owner
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        whole = torch.zeros(5, 3, device="meta")  # 5 rows over 2 ranks: 3 and 2
+        mine = scatter_from_owner(whole, (3, 3), (5, 3), 0, None, 0, torch.float32, whole.device)
+        assert mine.device.type == "meta" and mine.shape == (3, 3)
+    finally:
+        dist.destroy_process_group()

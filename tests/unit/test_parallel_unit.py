@@ -148,3 +148,87 @@ def test_sequence_split_refuses_a_sliding_window_before_work():
             check_run(cfg, task, windowed)
         assert str(refused.value).startswith(f"{field}: the model attends within a sliding window (8 positions)")
         check_run(cfg, task, Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_sequence_split_refuses_chunked_attention_before_work():
+    """Llama 4's chunked attention (``attention_chunk_size``: its "chunked_attention" layers, built into the mask) is
+    refused before any work under the ring or Ulysses, naming the field: both attend causally over the whole
+    sequence. Before, it ran and silently attended across the chunks (a tiny Llama 4 with chunks of 8, Ulysses 2
+    against one process: 0.04 apart after 3 steps, its first loss the one of chunks of 64)."""
+    from types import SimpleNamespace
+
+    from transformers import Llama4TextConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    small = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, attention_chunk_size=8)
+    for field in ("context_parallel_size", "sequence_parallel_size"):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                              data=SimpleNamespace(streaming=False, padding_free=False),
+                              model=SimpleNamespace(attn_implementation=None))
+        with pytest.raises(ConfigError) as refused:
+            check_run(cfg, SimpleNamespace(name="causal-lm"), Llama4TextConfig(**small))
+        assert str(refused.value) == (f"{field}: the model attends within chunks of 8 positions "
+                                      f"(attention_chunk_size), which sequence parallelism does not: set {field} 1")
+        check_run(cfg, SimpleNamespace(name="causal-lm"), Llama4TextConfig(**small, layer_types=["full_attention"] * 4))
+
+
+def test_ring_refuses_attention_dropout_before_work():
+    """GPT-2's default attention dropout (attn_pdrop 0.1: recipes/configs/gpt2.yaml's model, docs/strategies.md's ring
+    command) under the ring is refused before any work, naming disable_dropout (before, the ranks stopped at the first
+    step with a RuntimeError from the ring's attention, after the weights loaded); Ulysses runs it (its SDPA takes
+    dropout), and so does the ring once the rate is 0 (what disable_dropout makes of the config: load_config)."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, LlamaConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    def cfg(field):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        return SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                               data=SimpleNamespace(streaming=False, padding_free=False),
+                               model=SimpleNamespace(attn_implementation=None))
+
+    task = SimpleNamespace(name="causal-lm")
+    small = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    for dropped, name in ((GPT2Config(n_layer=1, n_head=2), "attn_pdrop 0.1"),
+                          (LlamaConfig(**small, attention_dropout=0.1), "attention_dropout 0.1")):
+        with pytest.raises(ConfigError) as refused:
+            check_run(cfg("context_parallel_size"), task, dropped)
+        assert str(refused.value).startswith(f"disable_dropout: the model's attention dropout ({name}")
+        check_run(cfg("sequence_parallel_size"), task, dropped)
+    check_run(cfg("context_parallel_size"), task, GPT2Config(n_layer=1, n_head=2, attn_pdrop=0.0))
+    check_run(cfg("context_parallel_size"), task, LlamaConfig(**small))
+
+
+def test_sequence_split_refuses_a_model_without_attention_interface_before_work():
+    """A causal LM whose attention does not go through transformers' AttentionInterface (Falcon, Bloom: its
+    ``_supports_attention_backend`` false) is refused before any work under the ring or Ulysses, naming the field.
+    Before, ``set_attn_implementation`` only warned and kept SDPA, so each rank attended within its own part of the
+    sequence: a tiny Falcon under the ring on 2 ranks ended 0.019 from one process after 3 steps, silently."""
+    from types import SimpleNamespace
+
+    from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig
+
+    from toolkit.errors import ConfigError
+    from toolkit.parallel.sequence import check_run
+
+    for field in ("context_parallel_size", "sequence_parallel_size"):
+        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                              data=SimpleNamespace(streaming=False, padding_free=False),
+                              model=SimpleNamespace(attn_implementation=None))
+        task = SimpleNamespace(name="causal-lm")
+        for config, name in ((FalconConfig(num_attention_heads=4), "FalconForCausalLM"),
+                             (BloomConfig(n_head=4), "BloomForCausalLM")):
+            with pytest.raises(ConfigError) as refused:
+                check_run(cfg, task, config)
+            assert str(refused.value).startswith(f"{field}: {name} does not route its attention through "
+                                                 "transformers' AttentionInterface")
+        check_run(cfg, task, GPT2Config(n_head=2, attn_pdrop=0.0))
+        check_run(cfg, task, LlamaConfig(num_attention_heads=4, num_key_value_heads=2))

@@ -344,6 +344,25 @@ def test_context_parallel_plan_divides_activations_by_n_and_attention_by_n_squar
     assert "context_parallel_size: ring attention with Ulysses" in capsys.readouterr().err
 
 
+def test_context_parallel_plan_launches_gpt2_without_attention_dropout(tmp_path, capsys):
+    """The ring refuses a model's attention dropout (GPT-2's attn_pdrop 0.1: toolkit.parallel.sequence.check_run),
+    so the ring's launch commands for such a model carry --disable_dropout true (before, the command the plan
+    printed was refused); Ulysses' do not need it."""
+    from transformers import GPT2Config
+
+    from toolkit.cli.plan import main
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--gpus", "4", "--gpu-memory", "80GB", "--seq-len", "1024",
+                 "--context-parallel-size", "2", "--sequence-parallel-size", "1"]) == 0
+    out = capsys.readouterr().out.split("context parallel 2 (ring attention")[1].splitlines()
+    assert [line.split()[0] for line in out[2:4]] == ["DDP", "FSDP2"]
+    assert all(line.endswith("--context_parallel_size 2 --disable_dropout true") for line in out[2:4])
+    assert main(["--model", str(tmp_path), "--gpus", "4", "--gpu-memory", "80GB", "--seq-len", "1024",
+                 "--sequence-parallel-size", "2"]) == 0
+    assert "disable_dropout" not in capsys.readouterr().out
+
+
 def test_async_save_line_is_what_a_rank_stages(tiny_model, capsys):
     """--async-save: the host memory of each rank's staged checkpoint (DDP: the whole weights and AdamW state; FSDP2:
     an eighth on 8), the figure AsyncSaves logs at the first save, measured here on the tiny GPT-2 after an AdamW step

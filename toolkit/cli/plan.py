@@ -91,6 +91,7 @@ class ModelCount:
     muon: int = 0  # with --optim muon: of ``trainable``, the parameters in Muon's group (toolkit.training.optimizers)
     muon_transient: int = 0  # bytes of the Newton-Schulz working set of the largest Muon matrix (``_muon_count``)
     muon_largest: int = 0  # the parameters of the largest Muon matrix (what an owner rank gathers whole)
+    attention_dropout: bool = False  # above 0 in the config (GPT-2's attn_pdrop): the ring needs disable_dropout
 
     def weight_bytes(self, per_param: int) -> float:
         """Bytes of every weight: ``per_param`` each, the quantized ones theirs."""
@@ -139,12 +140,14 @@ def count_model(model: str, lora_r: int | None = None, lora_target_modules: list
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     logits = config.vocab_size if head is not None else getattr(config, "num_labels", 2)
     from toolkit.models.loading import tensor_parallel_problem  # what the recipe refuses at load, said before launch
+    from toolkit.parallel.sequence import attention_dropout  # what the ring refuses (disable_dropout), said here too
 
     muon, transient, largest = _muon_count(net) if optim == "muon" else (0, 0, 0)
     return ModelCount(params=params, trainable=trainable, layers=layers, width=width, heads=heads, vocab=logits,
                       tp_problem=lambda tp: tensor_parallel_problem(config, tp), quantized=quantized,
                       quantized_bytes=quantized_bytes, stage_params=lambda stages: _stage_params(net, stages),
-                      muon=muon, muon_transient=transient, muon_largest=largest)
+                      muon=muon, muon_transient=transient, muon_largest=largest,
+                      attention_dropout=attention_dropout(config) is not None)
 
 
 def _muon_count(net) -> tuple[int, int, int]:
@@ -315,7 +318,8 @@ def sequence_plan(m: ModelCount, rows: list[dict], sp: int, args, ring: bool = F
                      f"{'/'.join(f'{act[k] / GB:.1f}' for k in ('low', 'expected', 'high')):>17} "
                      f"{total['expected'] / GB:>17.2f} {_fits(total, args.gpu_memory):>5}  accelerate launch "
                      f"{r['config']} recipes/{args.recipe}.py --config recipes/configs/{RECIPE_CONFIGS[args.recipe]} "
-                     f"{recipe_fields(args)} --{field} {sp}")
+                     f"{recipe_fields(args)} --{field} {sp}"
+                     + (" --disable_dropout true" if ring and m.attention_dropout else ""))
     return lines
 
 

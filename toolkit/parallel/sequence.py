@@ -90,10 +90,21 @@ def check_run(cfg, task, model_config) -> None:
         raise ConfigError("attn_implementation", f"sequence parallelism attends with torch's SDPA around its "
                                                  f"all-to-all; {cfg.model.attn_implementation} is not supported under "
                                                  "it: leave attn_implementation unset or sdpa")
-    if _sliding_window(model_config):  # the split attends causally over the whole sequence: no window, no silent change
-        raise ConfigError(name, f"the model attends within a sliding window ({model_config.sliding_window} "
-                                f"positions), which sequence parallelism does not: set {name} 1")
+    unrouted = _without_attention_interface(model_config)
+    if unrouted:  # transformers only warns and keeps SDPA: each rank would attend within its own part, silently
+        raise ConfigError(name, f"{unrouted} does not route its attention through transformers' AttentionInterface, "
+                                f"which sequence parallelism replaces: set {name} 1, or use a model that does "
+                                "(GPT-2, Llama, Qwen2, Mistral, ...)")
+    local = _local_attention(model_config)
+    if local:  # the split attends causally over the whole sequence: no window or chunk, no silent change
+        raise ConfigError(name, f"the model attends within {local}, which sequence parallelism does not: set {name} 1")
     if cfg.train.context_parallel_size > 1:  # the ring: any head count (the key/value heads repeated to the queries')
+        dropout = attention_dropout(model_config)
+        if dropout:  # the ring's kernels run without it: refused here, not at the first step (a RuntimeError there)
+            raise ConfigError("disable_dropout", f"the model's attention dropout ({dropout[0]} {dropout[1]}) is not "
+                                                 "supported inside ring attention (context_parallel_size); set "
+                                                 "disable_dropout: true, or sequence_parallel_size (Ulysses) instead "
+                                                 "of the ring")
         if cfg.data.padding_free:
             raise ConfigError("packing_strategy", f"{cfg.data.packing_strategy} (padding-free packing) is not "
                                                   "supported with context_parallel_size (ring attention) yet: use "
@@ -106,13 +117,38 @@ def check_run(cfg, task, model_config) -> None:
                                                     f"{heads}")
 
 
-def _sliding_window(model_config) -> bool:
-    """Whether some layer of the model attends within a sliding window (Qwen2's ``use_sliding_window``, Mistral's)."""
+def attention_dropout(model_config) -> tuple[str, float] | None:
+    """(name, rate) of the model config's attention dropout when above 0 (GPT-2's ``attn_pdrop``, Llama's and Qwen2's
+    ``attention_dropout``), else None. ``disable_dropout`` has set them to 0 already (``load_config``)."""
+    for name in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"):
+        rate = getattr(model_config, name, None)
+        if isinstance(rate, (int, float)) and rate > 0:
+            return name, rate
+    return None
+
+
+def _without_attention_interface(model_config) -> str | None:
+    """The causal LM class of ``model_config`` when it does not take an attention function from transformers'
+    ``AttentionInterface`` (``_supports_attention_backend`` false: Falcon, Bloom, GPT-Neo, MPT), else None (also
+    for a class transformers does not map: a trust_remote_code model is not checked)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    return None if cls is None or getattr(cls, "_supports_attention_backend", False) else cls.__name__
+
+
+def _local_attention(model_config) -> str | None:
+    """What restricts some layer's attention to nearby positions, in words, or None: a sliding window (Qwen2's
+    ``use_sliding_window``, Mistral's) or chunks (Llama 4's ``attention_chunk_size``: its "chunked_attention"
+    layers). transformers builds both into the mask, which the split's attention does not read in training."""
     types = getattr(model_config, "layer_types", None)
-    if types is not None:
-        return "sliding_attention" in types
-    return getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window",
-                                                                                 True)
+    window = "sliding_attention" in types if types is not None else (
+        getattr(model_config, "sliding_window", None) is not None and getattr(model_config, "use_sliding_window", True))
+    if window:
+        return f"a sliding window ({model_config.sliding_window} positions)"
+    if types is not None and "chunked_attention" in types:
+        return f"chunks of {model_config.attention_chunk_size} positions (attention_chunk_size)"
+    return None
 
 
 @dataclass

@@ -100,13 +100,14 @@ def gather_to_owner(local: torch.Tensor, full_shape, dim: int, group, owner: int
 
 
 def scatter_from_owner(full: torch.Tensor | None, local_shape, full_shape, dim: int, group, owner: int,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shard of ``full`` (held by ``owner``)."""
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's shard of ``full`` (held by ``owner``), received on ``device``: the shard's own (a GPU's under
+    NCCL, which sends no host tensor, and where the weight it updates lives)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sizes = _sizes(full_shape[dim], world)
     shape = list(local_shape)
     shape[dim] = sizes[0]
-    mine = torch.empty(shape, dtype=dtype)
+    mine = torch.empty(shape, dtype=dtype, device=device)
     pieces = None
     if rank == owner:
         pieces = [_padded(piece, dim, sizes[0]) for piece in full.split(sizes, dim=dim)]
@@ -147,6 +148,6 @@ def owner_muon_step(group: dict, params: list, state: dict, ns_dtype: torch.dtyp
                                                                            group["ns_steps"], group["eps"])
     for p, o, (_, dim), g, owner in zip(params, whole, layouts, groups, owners):
         local = p.to_local()
-        mine = scatter_from_owner(o, local.shape, p.shape, dim, g, owner, ns_dtype) if g else o
+        mine = scatter_from_owner(o, local.shape, p.shape, dim, g, owner, ns_dtype, local.device) if g else o
         local.mul_(1 - lr * decay)
         local.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
