@@ -25,15 +25,18 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "precision": ("fp32", "bf16"),
     "ending": ("steps", "data_end", "sigterm", "merge", "resume_new_rank"),
     # the speed switches of issue 50: blocks compiled by aot_eager (bitwise eager), checkpoints written in the
-    # background (a save every step)
-    "speed": ("none", "aot_eager", "async_save"),
+    # background (a save every step), the loss without the micro-batch's logits (fused, chunks of LOSS_CHUNK positions)
+    "speed": ("none", "aot_eager", "async_save", "loss_chunk"),
     "optim": ("sgd", "muon"),  # muon: issue 49's optimizer, with fp32 Newton-Schulz (OPTIMS)
 }
 # Dimensions added after the matrix's first runs: a cell's name holds their value only off its base, so that the
 # names written before them (SUITE, docs/testing.md's tables) still name the same cells.
 NAMED_OFF_BASE = ("speed", "optim")
 SPEEDS = {"none": {}, "aot_eager": {"torch_compile": True, "torch_compile_backend": "aot_eager"},
-          "async_save": {"async_save": True, "save_steps": 1}}
+          "async_save": {"async_save": True, "save_steps": 1},
+          # chunks of 16 positions: a cell's micro-batch of 2-8 rows x up to 48 tokens takes several, so the chunking
+          # (and ZeRO-3's one head call per micro-batch whatever its length) is exercised, not one chunk of all
+          "loss_chunk": {"loss_chunk_size": 16}}
 
 # The seams found by review (issue 47): partial cells the array starts from, so that each is a cell whatever the
 # greedy choice would pick. (name, the values it fixes; the rest are filled in to cover pairs.)
