@@ -125,6 +125,17 @@ def test_ring_steps_cover_the_causal_mask_once_with_equal_work(n):
     assert all(len(set(row)) == 1 for row in work)
 
 
+def _split_config(field: str):
+    """What ``toolkit.parallel.sequence.check_run`` reads of a run's config: ``field`` (the ring's or Ulysses' size)
+    2, the other 1, map-style padded data, the attention implementation left to the model."""
+    from types import SimpleNamespace
+
+    sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
+    return SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
+                           data=SimpleNamespace(streaming=False, padding_free=False),
+                           model=SimpleNamespace(attn_implementation=None))
+
+
 def test_sequence_split_refuses_a_sliding_window_before_work():
     """A model whose layers attend within a sliding window (Qwen2's use_sliding_window, the capability matrix's Qwen2)
     is refused before any work under the ring or Ulysses, naming the field: both attend causally over the whole
@@ -137,10 +148,7 @@ def test_sequence_split_refuses_a_sliding_window_before_work():
     from toolkit.parallel.sequence import check_run
 
     for field in ("context_parallel_size", "sequence_parallel_size"):
-        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
-        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
-                              data=SimpleNamespace(streaming=False, padding_free=False),
-                              model=SimpleNamespace(attn_implementation=None))
+        cfg = _split_config(field)
         task = SimpleNamespace(name="causal-lm")
         windowed = Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                use_sliding_window=True, sliding_window=8, max_window_layers=0)
@@ -165,10 +173,7 @@ def test_sequence_split_refuses_chunked_attention_before_work():
     small = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, attention_chunk_size=8)
     for field in ("context_parallel_size", "sequence_parallel_size"):
-        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
-        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
-                              data=SimpleNamespace(streaming=False, padding_free=False),
-                              model=SimpleNamespace(attn_implementation=None))
+        cfg = _split_config(field)
         with pytest.raises(ConfigError) as refused:
             check_run(cfg, SimpleNamespace(name="causal-lm"), Llama4TextConfig(**small))
         assert str(refused.value) == (f"{field}: the model attends within chunks of 8 positions "
@@ -188,22 +193,16 @@ def test_ring_refuses_attention_dropout_before_work():
     from toolkit.errors import ConfigError
     from toolkit.parallel.sequence import check_run
 
-    def cfg(field):
-        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
-        return SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
-                               data=SimpleNamespace(streaming=False, padding_free=False),
-                               model=SimpleNamespace(attn_implementation=None))
-
     task = SimpleNamespace(name="causal-lm")
     small = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     for dropped, name in ((GPT2Config(n_layer=1, n_head=2), "attn_pdrop 0.1"),
                           (LlamaConfig(**small, attention_dropout=0.1), "attention_dropout 0.1")):
         with pytest.raises(ConfigError) as refused:
-            check_run(cfg("context_parallel_size"), task, dropped)
+            check_run(_split_config("context_parallel_size"), task, dropped)
         assert str(refused.value).startswith(f"disable_dropout: the model's attention dropout ({name}")
-        check_run(cfg("sequence_parallel_size"), task, dropped)
-    check_run(cfg("context_parallel_size"), task, GPT2Config(n_layer=1, n_head=2, attn_pdrop=0.0))
-    check_run(cfg("context_parallel_size"), task, LlamaConfig(**small))
+        check_run(_split_config("sequence_parallel_size"), task, dropped)
+    check_run(_split_config("context_parallel_size"), task, GPT2Config(n_layer=1, n_head=2, attn_pdrop=0.0))
+    check_run(_split_config("context_parallel_size"), task, LlamaConfig(**small))
 
 
 def test_sequence_split_refuses_a_model_without_attention_interface_before_work():
@@ -219,10 +218,7 @@ def test_sequence_split_refuses_a_model_without_attention_interface_before_work(
     from toolkit.parallel.sequence import check_run
 
     for field in ("context_parallel_size", "sequence_parallel_size"):
-        sizes = {"context_parallel_size": 1, "sequence_parallel_size": 1, field: 2}
-        cfg = SimpleNamespace(train=SimpleNamespace(split_size=2, split_field=field, **sizes),
-                              data=SimpleNamespace(streaming=False, padding_free=False),
-                              model=SimpleNamespace(attn_implementation=None))
+        cfg = _split_config(field)
         task = SimpleNamespace(name="causal-lm")
         for config, name in ((FalconConfig(num_attention_heads=4), "FalconForCausalLM"),
                              (BloomConfig(n_head=4), "BloomForCausalLM")):
