@@ -48,7 +48,8 @@ def test_a_wheel_holds_every_module_and_runs_the_recipe_from_a_fresh_environment
     shipped = {f"toolkit/recipes/{p.name}" for p in Path(ROOT, "recipes").glob("*.py")}
     shipped |= {f"toolkit/recipes/configs/{p.name}" for p in Path(ROOT, "recipes", "configs").glob("*.yaml")}
     shipped |= {f"toolkit/accelerate_configs/{p.name}" for p in Path(ROOT, "accelerate_configs").glob("*.yaml")}
-    assert {"toolkit/recipes/gpt2.py", "toolkit/recipes/configs/gpt2.yaml", "toolkit/accelerate_configs/zero3.yaml"} <= shipped
+    assert {"toolkit/recipes/gpt2.py", "toolkit/recipes/configs/gpt2.yaml",
+            "toolkit/accelerate_configs/zero3.yaml"} <= shipped  # what toolkit verify and train --strategy zero3 read
     assert not shipped - inside, f"recipes or launch configs missing from the wheel: {sorted(shipped - inside)}"
 
     # A fresh environment: this interpreter's dependencies (system site packages), the wheel's toolkit, no checkout.
@@ -75,11 +76,11 @@ def test_a_wheel_holds_every_module_and_runs_the_recipe_from_a_fresh_environment
     assert zero3 == os.path.join(where, "accelerate_configs", "zero3.yaml") and os.path.isfile(zero3)
 
     # README command 1's recipe (recipes/gpt2.py, as shipped in the wheel) trains through the `toolkit` console
-    # script, 2 steps of the session's tiny GPT-2 (64 positions: block_size 64) on the built-in pydoc text. (`toolkit offline`, which the README
-    # writes its model with, runs in tests/unit/test_offline.py::test_tiny_gpt2_round_trip, in process.)
+    # script, 2 steps of the session's tiny GPT-2 (64 positions: block_size 64) on the built-in pydoc text.
+    # (`toolkit offline`, which the README writes its model with: tests/unit/test_offline.py, in process.)
     run = subprocess.run([toolkit, "train", "lm", "--config", os.path.join(where, "recipes/configs/tiny_gpt2_pydoc.yaml"),
-                          "--model", tiny_model, "--block_size", "64", "--num_processes", "1", "--output_dir", str(elsewhere / "run"),
-                          "--max_steps", "2", "--eval_steps", "2", "--max_eval_samples", "8", "--report_to", "none"],
+                          "--model", tiny_model, "--block_size", "64", "--num_processes", "1",
+                          "--output_dir", str(elsewhere / "run"), "--max_steps", "2", "--eval_steps", "2", "--max_eval_samples", "8", "--report_to", "none"],
                          capture_output=True, text=True, env=env, cwd=elsewhere, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert os.path.join(where, "recipes", "gpt2.py") in run.stdout  # the wheel's recipe ran, not a checkout's
