@@ -5,13 +5,10 @@ would; its own options cannot be mistaken for recipe fields.
 """
 
 import os
-import shutil
-import subprocess
 import sys
-import zipfile
 
 import pytest
-from helpers import CONFIGS, ROOT, args_from, run, subprocess_env
+from helpers import CONFIGS, ROOT, args_from, run
 
 DATA = dict(packing=False, block_size=48, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=7,
             per_device_eval_batch_size=3)
@@ -85,27 +82,8 @@ def test_verify_usage_errors(tmp_path, tiny_model, padded_data):
     assert not os.path.exists(tmp_path / "verify")
 
 
-def test_verify_default_recipe_from_an_installed_wheel(tmp_path):
-    """Installed from a wheel (no source checkout around it), `toolkit verify` still finds recipes/gpt2.py and
-    `toolkit train` the launch configs: they ship inside the package as toolkit/recipes, toolkit/accelerate_configs."""
-    dist, site, src = tmp_path / "dist", tmp_path / "site", tmp_path / "src"
-    # A copy of the sources: setuptools builds in place (build/), which must neither land in the checkout nor feed
-    # the wheel files from an earlier build.
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "outputs", "__pycache__"))
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)])
-    wheel = next(dist.glob("toolkit-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "toolkit/recipes/gpt2.py" in names and "toolkit/recipes/configs/gpt2.yaml" in names
-    assert "toolkit/accelerate_configs/zero3.yaml" in names  # toolkit train --strategy zero3 from a wheel
-    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
-    env = {**subprocess_env(), "PYTHONPATH": str(site)}
-    code = ("import toolkit, toolkit.cli.verify as v, toolkit.cli.train as l; print(toolkit.__file__); "
-            "print(v.default_recipe()); print(l.strategy_config('zero3'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out[0].startswith(str(site)), out  # the installed copy, not the checkout
-    assert out[1] == str(site / "toolkit" / "recipes" / "gpt2.py") and os.path.isfile(out[1])
-    assert out[2] == str(site / "toolkit" / "accelerate_configs" / "zero3.yaml") and os.path.isfile(out[2])
+# The installed wheel's `toolkit verify` (its recipes/gpt2.py) and `toolkit train --strategy zero3` (its launch config):
+# tests/launch/test_install.py, the suite's one wheel build.
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import pytest
 def test_aot_eager_blocks_train_bitwise_like_eager_with_bounded_graphs(tiny_model, padded_data, tmp_path, capsys):
     """One process, 3 SGD steps over padded micro-batches of varied lengths: the final weights of the compiled run
     are the eager run's exactly, its checkpoint keeps the eager names (no ``_orig_mod.``), and the graphs compiled
-    stay bounded (a static graph, then one with a dynamic sequence dimension that every later length reuses,
-    instead of one per length)."""
+    stay bounded (one graph with dynamic batch and sequence dimensions that every length reuses, instead of one per
+    length)."""
     from helpers import load_weights, max_abs_diff, train_in_process
 
     values = {"model_name_or_path": tiny_model, **padded_data, "block_size": 64, "packing": False,
@@ -29,7 +29,9 @@ def test_aot_eager_blocks_train_bitwise_like_eager_with_bounded_graphs(tiny_mode
     assert "torch_compile: 2 decoder blocks compiled (backend aot_eager" in out
     graphs = int(out.split("torch_compile: ")[-1].split(" graphs compiled")[0])
     lengths = 12  # micro-batches of 12 padded lengths or so in 3 steps x 2 x 2: far fewer graphs than lengths
-    assert 1 <= graphs <= 4 < lengths, out[-2000:]
+    # one graph for every length of the training steps, one for the evaluation's (no grad); issue 50: a static graph
+    # for the first length came on top (3) before compile_blocks marked the shapes dynamic from the first call
+    assert 1 <= graphs <= 2 < lengths, out[-2000:]
     assert os.path.isdir(tmp_path / "compiled" / "final")
 
 

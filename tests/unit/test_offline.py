@@ -43,8 +43,13 @@ def test_tiny_gpt2_round_trip(tmp_path):
     assert model.config.n_layer == 2 and model.config.n_embd == 64 and model.config.n_positions == 256
     assert tok.model_max_length == 256
 
-    # Same seed -> same weights, and saving/loading changes nothing: identical logits.
-    path2 = offline.save_tiny_gpt2(tmp_path / "tiny2", seed=0)
+    # Same seed -> same weights, and saving/loading changes nothing: identical logits. The second copy is written by
+    # `toolkit offline tiny-gpt2 DIR` (the README's step; toolkit's main, in process: the installed console script is
+    # tests/launch/test_install.py's), whose defaults are save_tiny_gpt2's.
+    from toolkit.__main__ import main
+
+    assert main(["offline", "tiny-gpt2", str(tmp_path / "tiny2")]) == 0
+    path2 = str(tmp_path / "tiny2")
     model2 = AutoModelForCausalLM.from_pretrained(path2)
     ids = torch.tensor([tok("Hello world, this is a test.")["input_ids"]])
     model.eval()

@@ -420,19 +420,24 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_size: int, max_positions: 
 
 
 def compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | None,
-                   cache_dir: str | None = None) -> int:
+                   cache_dir: str | None = None, dynamic: bool = True) -> int:
     """``torch_compile``: compile each decoder block in place (``nn.Module.compile``, torchtitan's per-block compile),
     the model's ``_no_split_modules`` classes. In place, so that the state dict keeps its names (``torch.compile(model)``
-    would add ``_orig_mod.``) and the checkpoints of a compiled run are those of an eager one. Recompilations are
-    bounded by dynamo's automatic dynamic shapes: the first padded length compiles a static graph, the next one a
-    graph with a dynamic sequence dimension, which every later length reuses (``compiled_graphs``). Returns the number
-    of blocks compiled."""
+    would add ``_orig_mod.``) and the checkpoints of a compiled run are those of an eager one. ``dynamic=True``: the
+    batch and sequence dimensions are symbolic from the first call, so every padded length and micro-batch size
+    reuses one graph (per grad mode and attention mask present or absent; a dimension of size 1 is specialised).
+    Without it dynamo's automatic dynamic shapes compiled a static graph for the first length and then a dynamic one
+    (a compile more), and which graphs a process compiled depended on the shapes it had seen before, so the cache of
+    a 2-rank run did not serve a one-process run (tests/launch/test_strategies.py, docs/performance.md). Under FSDP2
+    (``dynamic=False``: automatic dynamic shapes, as before) symbolic shapes over its sharded parameters made the
+    compile about twice as slow although it compiled 3 graphs instead of 8 (measured: 38 s against 19 s for the
+    launch). Returns the number of blocks compiled (``compiled_graphs``: the graphs)."""
     if cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)  # read when inductor first compiles
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for block in blocks:
-        block.compile(backend=backend or "inductor", mode=mode)
+        block.compile(backend=backend or "inductor", mode=mode, dynamic=True if dynamic else None)
     return len(blocks)
 
 

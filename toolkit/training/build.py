@@ -109,8 +109,9 @@ def build(cfg: RunConfig, accelerator=None, log=None, task: Task | None = None) 
         enable_activation_checkpointing(model)
         log("activation checkpointing: each layer's activations are recomputed in the backward pass")
     if cfg.train.torch_compile:
+        fsdp2 = accelerator is not None and getattr(accelerator, "is_fsdp2", False)  # dynamic shapes: slower there
         blocks = compile_blocks(model, cfg.train.torch_compile_backend, cfg.train.torch_compile_mode,
-                                cfg.train.torch_compile_cache_dir)
+                                cfg.train.torch_compile_cache_dir, dynamic=not fsdp2)
         log(f"torch_compile: {blocks} decoder blocks compiled (backend {cfg.train.torch_compile_backend or 'inductor'}"
             f", mode {cfg.train.torch_compile_mode or 'default'}) at their first step")
     if cfg.model.use_peft:

@@ -648,7 +648,7 @@ def _train(cfg: RunConfig, accelerator, model, tokenizer, train_dataset, eval_da
         if hasattr(first[0], "close"):
             first[0].close()
         logger.close()  # also when a step raises: the bar ends its line before the error message is printed
-    if args.torch_compile:  # bounded by dynamo's automatic dynamic shapes (toolkit.models.loading.compile_blocks)
+    if args.torch_compile:  # bounded: shapes dynamic from the first call (toolkit.models.loading.compile_blocks)
         accelerator.print(f"torch_compile: {compiled_graphs()}", flush=True)
     if ended in (ENDED_COMPLETED, ENDED_DATA_RAN_OUT):
         _export_if_not_yet(accelerator, run, state, start_step, ended)
