@@ -46,6 +46,19 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The test process's torch on one thread, as every launched rank is (subprocess_env: OMP_NUM_THREADS=1). Its
+    tiny models' ops are too small for a second thread to pay, and the other core is the prefetched launch's
+    (``_prefetch``) or another process's: two OpenMP threads on one free core spin at each op's barrier, waiting for
+    the descheduled one (the quick layer, load 3: 86.9 -> 48.4 s; test_grpo.py alone, load 2.4: 38.7 -> 10.3 s). Set
+    here, not through OMP_NUM_THREADS, so the subprocesses the tests start without subprocess_env keep their own."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _prefetch(request):
     """Before the session's first test: the run pool planned and its one-process batches launched in a thread
     (``RunPool.prefetch``), when a selected test uses the pool; at the end, that thread joined."""
