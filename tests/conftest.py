@@ -31,7 +31,7 @@ BPE_2048 = os.path.join(os.path.dirname(__file__), "data", "bpe-2048", "tokenize
 def pytest_configure(config):
     # The test process is not offline (tests/unit/test_hub.py tests the Hub's absence itself), so datasets'
     # load_dataset of a local json file sent the Hub a HEAD to count the download (datasets.load.increase_load_count):
-    # without a network, one DNS wait of 5 s in the quick layer (a stream test, in whatever test loaded first).
+    # without a network, one DNS wait of 5 s in the quick layer (seen in test_stream.py, in three different tests).
     # Its only effect is that count; set before datasets is imported (datasets.config reads it then).
     os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
     if os.environ.get(LAUNCH_LOG_ENV):  # every subprocess's command and wall time, for tests/scripts/launch_log.py
