@@ -29,6 +29,11 @@ BPE_2048 = os.path.join(os.path.dirname(__file__), "data", "bpe-2048", "tokenize
 
 
 def pytest_configure(config):
+    # The test process is not offline (tests/unit/test_hub.py tests the Hub's absence itself), so datasets'
+    # load_dataset of a local json file sent the Hub a HEAD to count the download (datasets.load.increase_load_count):
+    # without a network, one DNS wait of 5 s in the quick layer (seen in test_stream.py, in three different tests).
+    # Its only effect is that count; set before datasets is imported (datasets.config reads it then).
+    os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
     if os.environ.get(LAUNCH_LOG_ENV):  # every subprocess's command and wall time, for tests/scripts/launch_log.py
         log_launches(os.environ[LAUNCH_LOG_ENV])
 
@@ -43,6 +48,20 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if item.path.parent.name == "launch":
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The test process's torch on one thread, as every launched rank is (subprocess_env: OMP_NUM_THREADS=1). Its
+    tiny models' ops are too small for a second thread to pay, and the other core is the prefetched launch's
+    (``_prefetch``) or another process's: two OpenMP threads on one free core spin at each op's barrier, waiting for
+    the descheduled one (tests/unit beside the prefetch, a full suite's start: 177.8 -> 115.0 s; the quick layer:
+    86.9 -> 60.5 s). Set here, not through OMP_NUM_THREADS, so the subprocesses the tests start without
+    subprocess_env keep their own."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
