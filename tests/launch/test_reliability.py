@@ -50,6 +50,9 @@ SIGTERM_STEPS = SIGTERM_STRAIGHT["max_steps"]
 SIGKILL = {"max_steps": 9, "save_steps": 1, "save_total_limit": 2}
 SIGKILL_CONFIGS = ["ddp.yaml", "zero3.yaml", "fsdp.yaml"]
 ASYNC_CONFIGS = ["ddp.yaml", "fsdp.yaml"]  # async_save: DDP and FSDP2 (refused elsewhere: tests/unit/test_config.py)
+# SIGKILLed mid-write under FSDP2 only: the same AsyncSaves and DCP write under DDP, where a kill costs one more launch
+# of its own (about 7 s of the suite) to show the same `latest` rule
+ASYNC_KILLED = ["fsdp.yaml"]
 NONFINITE = {"max_steps": 12, "save_steps": 1, "learning_rate": 1e20}  # SGD at lr 1e20 blows the weights up
 SKIPPED = {**NONFINITE, "skip_nonfinite_steps": True, "save_steps": 12}
 STREAM = {"streaming": True, "shuffle_buffer_size": 12, "packing": True}
@@ -72,8 +75,9 @@ def plan_runs(pool, tmp_path_factory, tiny_model, padded_data, text_shards):
         r.plan(f"killed_{config}", config, 2, 2, 2, SIGKILL, probe=False, interrupted=Killed(before_step=6, config=config))
         r.plan(f"straight_{config}", config, 2, 2, 2, SIGKILL, probe=False)
     for config in ASYNC_CONFIGS:  # the same runs with async_save: a checkpoint written in the background every step
-        r.plan(f"killed_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False,
-               interrupted=Killed(before_step=6, config=config))
+        if config in ASYNC_KILLED:
+            r.plan(f"killed_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True}, probe=False,
+                   interrupted=Killed(before_step=6, config=config))
         r.plan(f"straight_async_{config}", config, 2, 2, 2, {**SIGKILL, "async_save": True})  # on_save probed
     # the stream: killed on 2 ranks x 2 x 2, resumed on 1 process x 8 (the one-process launch after the 2-rank one)
     stream = Runs(tmp_path_factory.mktemp("reliability-stream"), tiny_model, text_shards, COMMON, pool=pool)
@@ -283,7 +287,7 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(runs, config):
 def test_async_save_changes_nothing_and_a_kill_mid_write_resumes_exactly(runs, config):
     """async_save: true (toolkit.checkpointing.checkpoint.AsyncSaves), a checkpoint every step written while the next
     steps train: the run ends with exactly the weights of the run with synchronous saves, and its last checkpoints
-    are complete (latest names the newest, written by DCP). SIGKILLed while a write is under way (its step-N.tmp
+    are complete (latest names the newest, written by DCP). SIGKILLed (FSDP2) while a write is under way (its step-N.tmp
     exists: the background thread is writing it), the previous checkpoint is latest; the relaunch from it (an
     async checkpoint, loaded by DCP) clears the leftover and ends with exactly the synchronous run's weights."""
     straight, quick = runs.get_planned(f"straight_{config}"), runs.get_planned(f"straight_async_{config}")
@@ -299,6 +303,8 @@ def test_async_save_changes_nothing_and_a_kill_mid_write_resumes_exactly(runs, c
     assert [s[:2] for s in ranks[0]["saves"]] == [s[:2] for s in ranks[1]["saves"]] == [
         [step, f"step-{step}"] for step in range(1, 10)]
     assert [s[2] for s in ranks[0]["saves"]] == [f"step-{step}" for step in range(1, 10)]
+    if config not in ASYNC_KILLED:
+        return
     out, killed = runs.get_planned(f"killed_async_{config}"), runs.interrupted[f"killed_async_{config}"]
     assert killed.left and not _saving(out), "the relaunch removes what the killed write left"
     diff = max_abs_diff(load_weights(os.path.join(out, "final")), load_weights(os.path.join(straight, "final")))
