@@ -173,8 +173,126 @@ def run(cmd: list[str], check: bool = True, timeout: int = 600, env: dict | None
 
 
 def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` through ``popen``."""
+    with popen(cmd, cwd=ROOT, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE,
+               stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()
+            e.output, e.stderr = proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+# ------------------------------------------------------------------ the launcher, forked from the test process
+WRAPPER = os.path.join(SCRIPTS, "accelerate_launch.py")
+FORK_LAUNCHER_ENV = "TOOLKIT_TEST_FORK_LAUNCHER"  # "0": every launcher a new interpreter, as before
+_POPEN = subprocess.Popen  # the class before log_launches replaces it: a forked launcher's own subprocesses use it
+_FORKED: dict[type, type] = {}
+
+
+def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)``; where ``cmd`` is tests/scripts/accelerate_launch.py's (``launch_command``)
+    and this is the main thread, the launcher process is a fork of this one instead of a new interpreter.
+
+    Why: a launcher imports torch and accelerate before it starts a rank (1.9 s of one core, measured; the ranks and
+    what they run are the same either way), about 40 times a suite. The test process imported them already: a fork
+    of it runs accelerate's own ``main()`` at once, as the new interpreter would after its imports (``_launcher``
+    below gives it the interpreter's state that matters: its descriptors, folder, environment, arguments, signals,
+    logging and warnings). Only from the main thread: a fork copies one thread, and another thread of ours (the
+    prefetch, ``run_all``'s workers) may hold a lock the copy would then wait on forever."""
+    fork = (len(cmd) > 1 and cmd[1] == WRAPPER and threading.current_thread() is threading.main_thread()
+            and os.environ.get(FORK_LAUNCHER_ENV, "1") != "0")
+    if not fork:
+        return subprocess.Popen(cmd, **kwargs)
+    import accelerate.commands.launch  # noqa: F401  (imported once, here; every fork finds it)
+    import accelerate_launch  # noqa: F401  (tests/scripts)
+    import torch.distributed.run  # noqa: F401
+
+    base = subprocess.Popen  # LoggedPopen where the launch log is on: the fork is logged as the process was
+    if base not in _FORKED:
+        _FORKED[base] = type("ForkedLauncher", (_ForkedLauncher, base), {})
+    return _FORKED[base](cmd, **kwargs)
+
+
+class _ForkedLauncher:
+    """``subprocess.Popen`` whose child is a fork running tests/scripts/accelerate_launch.py's ``_run`` (the parent's
+    side, pipes, ``wait``, ``kill``, ``communicate``, is Popen's own)."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
+                       shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids,
+                       uid, umask, start_new_session, process_group):
+        pid = os.fork()
+        if pid == 0:  # never returns: whatever happens, this copy of the test process ends here
+            code = 1
+            try:
+                code = _launcher(list(args), cwd, env, (p2cread, c2pwrite, errwrite), start_new_session)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        self.pid = pid
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+
+def _launcher(args: list[str], cwd, env, fds: tuple[int, int, int], new_session: bool) -> int:
+    """In the fork: what a new interpreter running ``args`` would start with, then accelerate's launcher."""
+    import faulthandler
+    import gc
+    import io
+    import logging
+    import warnings
+
+    gc.freeze()  # the test process's objects: never collected here, so their pages are never copied
+    faulthandler.disable()  # pytest's, on a descriptor closed below
+    if new_session:
+        os.setsid()
+    for fd, target in zip(fds, (0, 1, 2)):  # Popen's -1: inherited, as exec would
+        if fd != -1 and fd != target:
+            os.dup2(fd, target)
+    os.closerange(3, 1 << 16)  # close_fds: no copy of another pipe's end keeps its reader from EOF
+    if cwd is not None:
+        os.chdir(cwd)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    # PYTHONUNBUFFERED=1 (subprocess_env): written through, as the interpreter would
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                   errors="backslashreplace")
+    faulthandler.enable()  # on the new stderr
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    subprocess.Popen = _POPEN  # the ranks: not this session's launch log's lines
+    root = logging.getLogger()  # pytest's capture handlers: an interpreter's root logger has none
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    for logger in [root, *logging.Logger.manager.loggerDict.values()]:  # torch's own handlers ("torch", dynamo's...)
+        for handler in getattr(logger, "handlers", ()):  # hold the stderr of when they were made: pytest's capture
+            if type(handler) is logging.StreamHandler:
+                handler.stream = sys.stderr
+    logging.captureWarnings(False)
+    warnings.resetwarnings()  # an interpreter's default filters (pytest's per-test filters and recording undone)
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    warnings.showwarning = warnings._showwarning_orig
+    warnings._showwarnmsg_impl = lambda msg: sys.stderr.write(warnings._formatwarnmsg(msg))
+    sys.argv = list(args[1:])  # accelerate_launch.py and its arguments, as sys.argv is for ``python script ...``
+    import accelerate_launch
+
+    return accelerate_launch._run()
 
 
 def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None = None, processes_each: int = 1
@@ -672,10 +790,8 @@ class Interrupted:
         self.recipe = "gpt2"
 
     def launcher(self) -> list[str]:
-        """The command that starts the run (a new port each time)."""
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                os.path.join(CONFIGS, self.config), "--num_processes", "2", "--main_process_port", str(free_port()),
-                os.path.join(ROOT, "recipes", f"{self.recipe}.py"), *self.argv]
+        """The command that starts the run (a new port each time): ``launch_command``'s (``popen`` forks it)."""
+        return launch_command(self.argv, config=self.config, script=os.path.join(ROOT, "recipes", f"{self.recipe}.py"))
 
     @staticmethod
     def env() -> dict:
@@ -709,8 +825,8 @@ class Killed(Interrupted):
         for _ in range(5):
             shutil.rmtree(out, ignore_errors=True)
             with LAUNCHING:
-                proc = subprocess.Popen(self.launcher(), cwd=ROOT, env=self.env(), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+                proc = popen(self.launcher(), cwd=ROOT, env=self.env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
                 deadline = time.time() + 120
                 while (not (len(steps_logged(out)) >= 3 and saving_checkpoints(out)) and time.time() < deadline
                        and proc.poll() is None):

@@ -31,6 +31,7 @@ from helpers import (
     launch_command,
     load_weights,
     max_abs_diff,
+    popen,
     steps_logged,
     subprocess_env,
 )
@@ -305,8 +306,7 @@ def test_a_ddp_checkpoint_resumes_under_a_pipeline(pipeline_runs):
 def _start(cfg: dict, out: str, resume: bool = False) -> subprocess.Popen:
     """The recipe under ``accelerate launch`` on 2 ranks, as a user starts it (the launcher forwards SIGTERM)."""
     cmd = launch_command(args_from({**cfg, "output_dir": out, **(RESUME if resume else {})}))
-    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for_step(proc: subprocess.Popen, out: str, step: int) -> None:

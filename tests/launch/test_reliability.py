@@ -27,6 +27,7 @@ from helpers import (
     launch,
     load_weights,
     max_abs_diff,
+    popen,
     read_probes,
     subprocess_env,
     wait_until_gone,
@@ -98,8 +99,7 @@ def stream_runs(run_pool):
 
 def _signal_after_3_steps(cmd: list[str], out: str) -> tuple[str, int]:
     """Start ``cmd``, send it SIGTERM once 3 steps are logged, return its output and exit code (bounded in time)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while len(_steps_logged(out)) < 3 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -147,6 +147,11 @@ class Preempted(Interrupted):
 class LauncherLost(Interrupted):
     """The launcher SIGKILLed alone once 3 steps are logged (no signal reaches the ranks: torch elastic gives each a
     session of its own): what the orphaned ranks printed, whether they were gone within 30 s, what they left."""
+
+    def launcher(self) -> list[str]:
+        """``python -m accelerate.commands.launch``: the launcher module itself, in an interpreter of its own."""
+        cmd = super().launcher()
+        return [cmd[0], "-m", "accelerate.commands.launch", *cmd[2:]]
 
     def __call__(self, out: str) -> None:
         proc = subprocess.Popen(self.launcher(), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,

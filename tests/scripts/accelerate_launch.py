@@ -4,8 +4,10 @@ accelerate.commands.launch`` run), ending without the interpreter's teardown onc
 The tests' launches (``helpers.launch_command``) go through it: a launcher process that imported torch and accelerate
 spends about 0.55 s of CPU freeing them at exit, after its ranks are done, at every launch (docs/testing.md). What it
 prints and its exit code are accelerate's: a ``SystemExit`` keeps its code, an exception is printed by Python's own
-hook and exits 1, as an uncaught one does. Tests that check the launcher module itself (test_multinode.py,
-test_reliability.py's lost launcher, ``toolkit verify``) run ``python -m accelerate.commands.launch``.
+hook and exits 1, as an uncaught one does. From the test process's main thread, ``helpers.popen`` runs ``_run`` in a
+fork of the test process, which imported torch and accelerate already, instead of a new interpreter (1.2-1.4 s a
+launch: docs/testing.md). Tests that check the launcher module itself (test_multinode.py, test_reliability.py's lost
+launcher, ``toolkit verify``) run ``python -m accelerate.commands.launch`` in an interpreter of its own.
 
 Usage: accelerate_launch.py <accelerate launch arguments>
 """
