@@ -273,7 +273,9 @@ def _launcher(args: list[str], cwd, env, fds: tuple[int, int, int], new_session:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    subprocess.Popen = _POPEN  # the ranks: not this session's launch log's lines
+    for module in list(sys.modules.values()):  # the ranks: not lines of the launch log (torch elastic's handler
+        if getattr(getattr(module, "__dict__", {}).get("Popen"), "_toolkit_logged", False):  # bound Popen at import)
+            module.Popen = _POPEN
     root = logging.getLogger()  # pytest's capture handlers: an interpreter's root logger has none
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -307,6 +309,9 @@ def run_all(cmds: list[list[str]], timeout: int = 600, envs: list[dict] | None =
     envs = envs or [None] * len(cmds)
     workers = len(cmds) if processes_each == 1 else (os.cpu_count() or 1) // processes_each
     workers = max(1, min(len(cmds), workers))
+    if workers == 1:  # one after another in this thread: ``popen`` forks launchers from the main thread only
+        with LAUNCHING:
+            return [_run(cmd, timeout, env) for cmd, env in zip(cmds, envs)]
     with LAUNCHING, ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda c: _run(c[0], timeout, c[1]), zip(cmds, envs)))
 
@@ -376,6 +381,11 @@ class RunPool:
         self.modules: dict[tuple[str, str], "Runs"] = {}  # (module, fixture) -> its Runs, planned at the session's start
 
     def add(self, out: str, spec: dict) -> None:
+        config, world = spec["kind"]
+        if config in CONFIG_VARIANTS:  # joins the launch of the config it varies, its variables set for it alone
+            options = spec["options"]
+            env = {**variant_env(config, CONFIG_VARIANTS[config], world), **options.get("env", {})}
+            spec = {**spec, "kind": (CONFIG_VARIANTS[config], world), "options": {**options, "env": env}}
         key = spec["key"]
         if key is not None and key in self.planned_keys:
             self.same[out] = self.planned_keys[key]
@@ -584,6 +594,46 @@ class Runs:
 
 # a run's options in probe_runs.py (Runs.plan's options=): env, sigterm_at, watchdog_s, keep_going
 RUN_OPTIONS = ("env", "sigterm_at", "watchdog_s", "keep_going")
+
+
+# Launch configs that differ from another of the same distributed type in accelerate's variables alone (FSDP1's
+# version, prefetch and sync flags; ZeRO-3's offload devices): their planned runs join that config's launch with the
+# variables that differ set for the run (``variant_env``), as the bf16 runs do (``mixed_precision_env``): a launch
+# fewer each. What the run was given is the rank's own record (probe_run.py: the distributed type, FSDP's version,
+# DeepSpeed's optimizer): the tests read it, as before.
+CONFIG_VARIANTS = {"fsdp1.yaml": "fsdp.yaml", "zero3_offload.yaml": "zero3.yaml"}
+
+
+def variant_env(config: str, base: str, world: int) -> dict:
+    """What a rank launched with ``config`` has that one launched with ``base`` has not (None: to unset), both from
+    accelerate's own code (``toolkit.cli.train.launch_env``, as ``toolkit train`` computes a rank's environment)."""
+    from toolkit.cli.train import launch_env
+
+    ours, theirs = launch_env(os.path.join(CONFIGS, config), world), launch_env(os.path.join(CONFIGS, base), world)
+    return {k: ours.get(k) for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
+
+
+def mixed_precision_env(config: str, world: int) -> dict:
+    """What ``accelerate launch --mixed_precision bf16`` gives a rank beyond what the launch config alone gives (from
+    accelerate's own code, as ``toolkit train`` computes a rank's environment): set per run in a shared launch."""
+    from toolkit.cli.train import launch_env
+
+    if world == 1 and config == "ddp.yaml":
+        return {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    import tempfile
+
+    import yaml
+
+    with open(os.path.join(CONFIGS, config)) as f:
+        data = yaml.safe_load(f)
+    data["mixed_precision"] = "bf16"
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(data, f)
+    try:
+        plain, bf16 = launch_env(os.path.join(CONFIGS, config), world), launch_env(f.name, world)
+    finally:
+        os.unlink(f.name)
+    return {k: v for k, v in bf16.items() if plain.get(k) != v}
 
 
 def launch_runs(folder, runs: list[dict], num_processes: int = 2, config: str = "ddp.yaml"

@@ -32,6 +32,7 @@ from helpers import (
     launch,
     load_weights,
     max_abs_diff,
+    mixed_precision_env,
     read_probes,
 )
 
@@ -374,11 +375,14 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
            recipe="dpo", probe=False)
     for strategy in DPO_STRATEGIES:  # joining the LoRA and classifier launches of those configs
         r.plan(f"dpo_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False)
-    r.plan("dpo_bf16", _bf16_config(r.tmp, "ddp.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
-    r.plan("dpo_bf16_zero3", _bf16_config(r.tmp, "zero3.yaml"), 2, 2, 2, dpo, recipe="dpo", probe=False)
+    # bf16: what `accelerate launch --mixed_precision bf16` adds to the launch config's environment, set for these
+    # runs inside the shared DDP and ZeRO-3 launches (as the matrix's bf16 cells are), not a launch of their own each
+    bf16 = {config: {"env": mixed_precision_env(config, 2)} for config in ("ddp.yaml", "zero3.yaml")}
+    r.plan("dpo_bf16", "ddp.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False, options=bf16["ddp.yaml"])
+    r.plan("dpo_bf16_zero3", "zero3.yaml", 2, 2, 2, dpo, recipe="dpo", probe=False, options=bf16["zero3.yaml"])
     for name in ("dpo_two", "dpo_zero3", "dpo_bf16", "dpo_bf16_zero3"):
         r.plan(f"{name}_precomputed", r.planned[name]["config"], 2, 2, 2, _dpo_precomputed(gpt2_256, pairs),
-               recipe="dpo", probe=False)
+               recipe="dpo", probe=False, options=bf16.get(r.planned[name]["config"]) if "bf16" in name else None)
     for strategy in DPO_LORA_STRATEGIES:
         r.plan(f"dpo_lora_{strategy}", f"{strategy}.yaml", 2, 2, 2, dpo_lora, recipe="dpo", probe=False)
     r.plan("classify_two", "fsdp.yaml", 2, 2, 2, cfg, recipe="classify", probe=False)
@@ -389,18 +393,6 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_bert, padded_data, classi
     r.plan("lora_resumed", "ddp.yaml", 2, 2, 2, {**_lora(tiny_model, padded_data), "resume_from_checkpoint": "latest"},
            copy_from=("lora_ddp", 2), probe=False)  # recipes/gpt2.py itself
     return {"runs": r}
-
-
-def _bf16_config(folder, config: str) -> str:
-    """``config`` with bf16 mixed precision, written into ``folder``."""
-    import yaml
-    from helpers import CONFIGS
-
-    data = {**yaml.safe_load(open(os.path.join(CONFIGS, config))), "mixed_precision": "bf16"}
-    path = os.path.join(str(folder), f"bf16_{config}")
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
-    return path
 
 
 @pytest.fixture(scope="module")

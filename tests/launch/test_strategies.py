@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from helpers import (
+    CONFIG_VARIANTS,
     CONFIGS,
     RECIPE,
     SCRIPTS,
@@ -148,6 +149,14 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
         r.plan(f"eval{rows}_1x8x1", None, 1, 8, 1, uneven_eval(few_validation_rows, rows))
         r.plan(f"eval{rows}_{strategy}", STRATEGIES[strategy][0], 2, 2, 2, uneven_eval(few_validation_rows, rows),
                probe=False, timeout=EVAL_TIMEOUT_S)
+    # launch configs of the same distributed type with one switch changed: their runs join fsdp.yaml's and
+    # zero3.yaml's launches, the switch's variables set for the run (helpers.CONFIG_VARIANTS)
+    variants = tmp_path_factory.mktemp("launch-configs")
+    r.variant_configs = {"fsdp_activation_checkpointing": _launch_config_with(
+        variants, "fsdp.yaml", fsdp_activation_checkpointing=True), "zero3_no_16bit": _zero3_without_16bit(variants)}
+    for name, base in (("fsdp_activation_checkpointing", "fsdp.yaml"), ("zero3_no_16bit", "zero3.yaml")):
+        CONFIG_VARIANTS[r.variant_configs[name]] = base
+        r.plan(f"sgd_{name}", r.variant_configs[name], 2, 2, 2, SGD)
     r.plan("sgd_aot_eager_ddp", "ddp.yaml", 2, 2, 2, AOT_EAGER)
     # inductor on one process (the suite's one cold compile), its compile cache in a folder of its own: a one-process
     # run, so it is made in the one-process launch that runs beside tests/unit (conftest's prefetch), off the
@@ -379,6 +388,14 @@ def test_validation_rows_split_unevenly_over_the_ranks_evaluate_like_one_process
     assert last["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
 
 
+def _zero3_without_16bit(folder) -> str:
+    config = yaml.safe_load(open(os.path.join(CONFIGS, "zero3.yaml")))
+    config["deepspeed_config"]["zero3_save_16bit_model"] = False
+    path = folder / "zero3_no_16bit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
     config = yaml.safe_load(open(os.path.join(CONFIGS, base)))
     config["fsdp_config"].update(fsdp_config)
@@ -395,11 +412,10 @@ def _launch_config_with(tmp_path, base: str, **fsdp_config) -> str:
 # bench/memory.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, switch", SWITCHES)
-def test_memory_switches_train_like_the_plain_run(runs, tmp_path_factory, strategy, switch):
+def test_memory_switches_train_like_the_plain_run(runs, strategy, switch):
     plain = runs.strategy(strategy, "sgd", SGD)
     if switch == "fsdp_activation_checkpointing":  # FSDP's own, honoured from the launch config (applied in prepare)
-        config = _launch_config_with(tmp_path_factory.mktemp("ac"), "fsdp.yaml", fsdp_activation_checkpointing=True)
-        out = runs.get("sgd_fsdp_activation_checkpointing", config, 2, 2, 2, SGD)
+        out = runs.get(f"sgd_{switch}", runs.variant_configs[switch], 2, 2, 2, SGD)
     else:
         value = SWITCH_VALUES[switch]
         out = runs.strategy(strategy, f"sgd_{switch}", {**SGD, switch: value})
@@ -507,14 +523,10 @@ def test_plan_predicts_the_model_states_each_rank_holds(runs, tiny_model, strate
 
 
 @pytest.mark.slow
-def test_zero3_without_16bit_save_still_exports(runs, tmp_path, tiny_model):
+def test_zero3_without_16bit_save_still_exports(runs):
     """A ZeRO-3 launch config without zero3_save_16bit_model once crashed at the final export, after all the compute;
     the toolkit turns it on (save_final_model asks for the full weights) and the export equals one process."""
-    config = yaml.safe_load(open(os.path.join(CONFIGS, "zero3.yaml")))
-    config["deepspeed_config"]["zero3_save_16bit_model"] = False
-    path = tmp_path / "zero3_no_16bit.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = runs.get("sgd_zero3_no_16bit", str(path), 2, 2, 2, SGD)
+    out = runs.get("sgd_zero3_no_16bit", runs.variant_configs["zero3_no_16bit"], 2, 2, 2, SGD)
     assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.reference("sgd", SGD)))) <= 1e-6
 
 

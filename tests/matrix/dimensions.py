@@ -10,7 +10,6 @@ below). The pairwise array then gives it a few cells with every other dimension'
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 # dimension -> its values; the first is the *base* value (the plainest, accepted with every other base value): a
@@ -169,6 +168,8 @@ def run_of(cell: Cell, files: dict) -> Run:
     if cell["arch"] == "qwen2" and cell["task"] in ("sft", "dpo", "grpo"):
         fields["chat_template"] = files["chatml"]
     bf16 = cell["precision"] == "bf16"
+    from helpers import mixed_precision_env
+
     return Run(recipe, task, config, world, micro, accum, {k: v for k, v in fields.items() if v is not None},
                env=mixed_precision_env(config, world) if bf16 else {}, mixed_precision="bf16" if bf16 else None)
 
@@ -213,31 +214,6 @@ def _data_fields(cell: Cell, files: dict) -> dict:
         if data == "bfd":
             out["packing_strategy"] = "bfd"
     return out
-
-
-def mixed_precision_env(config: str, world: int) -> dict:
-    """What ``accelerate launch --mixed_precision bf16`` gives a rank beyond what the launch config alone gives (from
-    accelerate's own code, as ``toolkit train`` computes a rank's environment): set per run in a shared launch."""
-    from helpers import CONFIGS
-
-    from toolkit.cli.train import launch_env
-
-    if world == 1 and config == "ddp.yaml":
-        return {"ACCELERATE_MIXED_PRECISION": "bf16"}
-    import tempfile
-
-    import yaml
-
-    with open(os.path.join(CONFIGS, config)) as f:
-        data = yaml.safe_load(f)
-    data["mixed_precision"] = "bf16"
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(data, f)
-    try:
-        plain, bf16 = launch_env(os.path.join(CONFIGS, config), world), launch_env(f.name, world)
-    finally:
-        os.unlink(f.name)
-    return {k: v for k, v in bf16.items() if plain.get(k) != v}
 
 
 # ------------------------------------------------------------------ the models and files the cells train on

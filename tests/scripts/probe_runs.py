@@ -4,8 +4,8 @@ the same ranks, so that they pay for one process start (imports, the process gro
 Usage: probe_runs.py RUNS_JSON. RUNS_JSON is a list of {"argv": the recipe's command line, "copy_from": null or
 [run_dir, step, output_dir], "recipe": "gpt2" (default), "sft", "classify" or "dpo" (recipes/<recipe>.py's ``main``),
 "probe": true (default: probe_run.py's callbacks, gpt2 only) or false, and the options (helpers.RUN_OPTIONS):
-"env" (variables set for this run only: the launcher's environment beyond the launch config's, e.g. bf16 mixed
-precision), "sigterm_at" (SIGTERM to rank 0 after that step, as a scheduler signals one process: every rank ends
+"env" (variables set for this run only, null: unset: the launcher's environment beyond the launch config's, e.g.
+bf16 mixed precision, or another launch config's of the same distributed type: helpers.CONFIG_VARIANTS), "sigterm_at" (SIGTERM to rank 0 after that step, as a scheduler signals one process: every rank ends
 the next step, saves it and stops), "watchdog_s" (a run still going after that many seconds ends the launch, exit
 124, its output_dir's ``watchdog.txt`` saying so: a hang fails its cell instead of the session), "keep_going" (an
 exception of this run is written to its output_dir's ``error_rank<R>.txt`` and, if every rank raised, the next run
@@ -109,7 +109,11 @@ def _one_run(run: dict) -> None:
     if run.get("sigterm_at"):
         callbacks.append(SigtermAt(run["sigterm_at"]))
     saved = dict(os.environ)
-    os.environ.update(run.get("env") or {})
+    for name, value in (run.get("env") or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     watchdog = run.get("watchdog_s") and threading.Timer(run["watchdog_s"], _watchdog_fired, (run,))
     if watchdog:
         watchdog.daemon = True
