@@ -227,7 +227,7 @@ class _ForkedLauncher:
         if pid == 0:  # never returns: whatever happens, this copy of the test process ends here
             code = 1
             try:
-                code = _launcher(list(args), cwd, env, (p2cread, c2pwrite, errwrite), start_new_session)
+                code = _launcher(list(args), cwd, env, (p2cread, c2pwrite, errwrite), pass_fds, start_new_session)
             except BaseException:
                 import traceback
 
@@ -243,7 +243,7 @@ class _ForkedLauncher:
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
-def _launcher(args: list[str], cwd, env, fds: tuple[int, int, int], new_session: bool) -> int:
+def _launcher(args: list[str], cwd, env, fds: tuple[int, int, int], pass_fds, new_session: bool) -> int:
     """In the fork: what a new interpreter running ``args`` would start with, then accelerate's launcher."""
     import faulthandler
     import gc
@@ -258,7 +258,10 @@ def _launcher(args: list[str], cwd, env, fds: tuple[int, int, int], new_session:
     for fd, target in zip(fds, (0, 1, 2)):  # Popen's -1: inherited, as exec would
         if fd != -1 and fd != target:
             os.dup2(fd, target)
-    os.closerange(3, 1 << 16)  # close_fds: no copy of another pipe's end keeps its reader from EOF
+    low = 3  # close_fds (but pass_fds): no copy of another pipe's end keeps its reader from EOF
+    for fd in sorted({*pass_fds, 1 << 16}):
+        os.closerange(low, fd)
+        low = fd + 1
     if cwd is not None:
         os.chdir(cwd)
     if env is not None:
@@ -395,6 +398,8 @@ class RunPool:
         if spec["copy_from"]:
             source, step = spec["copy_from"]
             spec = {**spec, "copy_from": (self.same.get(source, source), step)}
+        if spec.get("after"):
+            spec = {**spec, "after": self.same.get(spec["after"], spec["after"])}
         self.specs[out] = spec
 
     def get(self, out: str, _launching: tuple = ()) -> str:
@@ -416,7 +421,7 @@ class RunPool:
         (``LAUNCHING``); a failed batch fails the tests that ask for its runs, as in ``get``."""
         first = {}
         for out, spec in self.specs.items():
-            if spec["kind"][1] == 1 and not spec["copy_from"] and not spec.get("before"):
+            if spec["kind"][1] == 1 and not spec["copy_from"] and not spec.get("after") and not spec.get("before"):
                 first.setdefault(spec["kind"], out)
 
         def launch_all():
@@ -438,12 +443,12 @@ class RunPool:
             raise AssertionError(f"{out}: its launch failed earlier in this session:\n{self.failed[out]}")
         spec = self.specs[out]
         kind = spec["kind"]
-        if spec["copy_from"]:
-            self.get(spec["copy_from"][0], _launching)  # its source's launch first
+        if _needs(spec):
+            self.get(_needs(spec), _launching)  # its source's launch first
         # The sources of this kind's other runs, where they are of another kind, so that those runs join this launch
         # (unless that kind waits on this one: then they wait for a later launch).
         for other, s in list(self.specs.items()) if not prefetching else ():
-            source = s["copy_from"] and s["copy_from"][0]
+            source = _needs(s)
             if other in self.done or s["kind"] != kind or not source or source in self.done or source in self.failed:
                 continue
             if self.specs[source]["kind"] != kind and self.specs[source]["kind"] not in _launching:
@@ -452,7 +457,7 @@ class RunPool:
         for other, s in self.specs.items():
             if other in self.done or other in self.failed or s["kind"] != kind:
                 continue
-            if s["copy_from"] and s["copy_from"][0] not in self.done and s["copy_from"][0] not in batch:
+            if _needs(s) and _needs(s) not in self.done and _needs(s) not in batch:
                 continue  # its source is of another kind, not run yet: a later launch
             if s.get("before") and prefetching:
                 continue  # an interrupted run to make first: not on the prefetching thread, beside the unit tests
@@ -499,6 +504,11 @@ class RunPool:
         return self.done[out]
 
 
+def _needs(spec: dict) -> str | None:
+    """The run a planned run must follow: the one whose checkpoint it copies, or its ``after``."""
+    return (spec["copy_from"] and spec["copy_from"][0]) or spec.get("after")
+
+
 class Runs:
     """Lazily launched, cached runs of the real recipe (through tests/scripts/probe_run.py) of one test module, keyed
     by name, so that several tests share one launch (each costs ~5-10 s of process start).
@@ -528,7 +538,7 @@ class Runs:
     def plan(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict,
              copy_from: tuple[str, int] | None = None, recipe: str = "gpt2", probe: bool = True,
              interrupted: Interrupted | None = None, timeout: int | None = None,
-             options: dict | None = None) -> None:
+             options: dict | None = None, after: str | None = None) -> None:
         """Declare a run that ``get(name, ...)`` will ask for, with the same arguments (``copy_from``: the name of a
         planned run and the step whose checkpoint seeds this one, what ``copy_checkpoint`` does for ``get``).
         ``recipe``: which of recipes/ runs it (gpt2, sft, classify, dpo, grpo); ``probe``: with probe_run.py's
@@ -537,8 +547,11 @@ class Runs:
         the run counts as hung and fails its launch (probe_runs.py's RUN_TIMEOUT_S by default); ``options``:
         probe_runs.py's per-run options (RUN_OPTIONS: the launcher's environment beyond the launch config's, a SIGTERM
         to rank 0 after a step, a watchdog, going on after a run that failed on every rank); a run with options is
-        never shared with an equal one."""
+        never shared with an equal one. ``after``: the name of a planned run that must have ended before this one
+        starts (nothing copied: e.g. a compile cache it fills); this run joins its kind's launch once that run is done,
+        as a ``copy_from`` run does."""
         assert not set(options or {}) - set(RUN_OPTIONS), f"{name}: unknown options {options}"
+        assert after is None or after in self.planned, f"{name}: plan {after} first"
         assert copy_from is None or copy_from[0] in self.planned, f"{name}: plan {copy_from[0]} first"
         assert probe is False or recipe == "gpt2", f"{name}: the probes are gpt2's"
         config = config or "ddp.yaml"
@@ -549,11 +562,11 @@ class Runs:
             interrupted.recipe, extra = recipe, {**extra, "resume_from_checkpoint": "latest"}
         self.planned[name] = dict(config=config, world=world, micro=micro, accum=accum, extra=extra,
                                   copy_from=copy_from)
-        key = None if copy_from or interrupted or options or (recipe, probe) != ("gpt2", True) else self._shared_key(
+        key = None if copy_from or after or interrupted or options or (recipe, probe) != ("gpt2", True) else self._shared_key(
             config, world, micro, accum, extra)
         self.pool.add(out, {"kind": (config, world), "argv": args_from(self._cfg(out, micro, accum, extra)),
                             "recipe": recipe, "probe": probe, "key": key, "before": interrupted, "timeout": timeout,
-                            "options": dict(options or {}),
+                            "options": dict(options or {}), "after": after and str(self.tmp / after),
                             "copy_from": copy_from and (str(self.tmp / copy_from[0]), copy_from[1])})
 
     def get(self, name: str, config: str | None, world: int, micro: int, accum: int, extra: dict, prepare=None) -> str:

@@ -10,7 +10,6 @@ Launches are shared between assertions (each costs ~10 s of process start).
 import json
 import math
 import os
-import re
 import shutil
 
 import pytest
@@ -19,7 +18,6 @@ import yaml
 from helpers import (
     CONFIG_VARIANTS,
     CONFIGS,
-    RECIPE,
     SCRIPTS,
     Runs,
     args_from,
@@ -164,6 +162,9 @@ def plan_runs(pool, tmp_path_factory, tiny_model, tiny_llama, padded_data, text_
     r.inductor_cache = str(tmp_path_factory.mktemp("inductor-cache"))
     r.plan("sgd_inductor_1x2x4", None, 1, 2, 4, inductor(SGD, r.inductor_cache), timeout=INDUCTOR_TIMEOUT_S)
     r.plan("sgd_1x2x4", None, 1, 2, 4, SGD)
+    # the restart on 2 DDP ranks reading that cache: in the DDP launch, once the one process has filled it
+    r.plan("adamw_inductor_ddp", "ddp.yaml", 2, 2, 2, inductor(ADAMW, r.inductor_cache), after="sgd_inductor_1x2x4",
+           timeout=INDUCTOR_TIMEOUT_S)
     # FSDP2 with compiled blocks, and the resume of its checkpoint beside the eager run's resume (the fsdp launch)
     r.plan("adamw_aot_eager_fsdp", "fsdp.yaml", 2, 2, 2, AOT_EAGER_ADAMW)
     r.plan("adamw_resumed_fsdp", "fsdp.yaml", 2, 2, 2, RESUME, copy_from=("adamw_fsdp", 2))
@@ -454,29 +455,27 @@ def test_aot_eager_compiled_blocks_train_and_resume_bitwise_like_eager_under_fsd
 
 
 @pytest.mark.slow
-def test_inductor_trains_like_eager_and_its_cache_spares_another_run_the_compile(runs, tiny_model, padded_data,
-                                                                                 tmp_path):
+def test_inductor_trains_like_eager_and_its_cache_spares_another_run_the_compile(runs):
     """torch_compile: true with inductor (generated kernels, which round differently): one process, 3 SGD steps over
     padded micro-batches of 2 rows of varied lengths, ends within 1e-6 of its eager run (the suite's one cold
     compile, in the one-process launch beside tests/unit); then 2 DDP ranks, 3 AdamW steps, with the same
     torch_compile_cache_dir (a restart on another world size and optimizer: the blocks' graphs depend on neither,
-    their shapes being dynamic) take every graph from the cache: the log counts inductor's cache hits and no miss;
-    and they end within 1e-5 of their eager run."""
+    their shapes being dynamic) take every graph from the cache: each rank counts inductor's cache hits and no miss
+    (what its log's ``torch_compile:`` line says: tests/unit/test_compile.py); and they end within 1e-5 of their eager
+    run. The restart runs in the shared DDP launch once the one process has ended (``plan(after=...)``);
+    probe_runs.py starts an inductor run without the graphs earlier runs of its launch compiled."""
     out = runs.get("sgd_inductor_1x2x4", None, 1, 2, 4, inductor(SGD, runs.inductor_cache))
     assert max_abs_diff(load_weights(final(out)), load_weights(final(runs.get("sgd_1x2x4", None, 1, 2, 4, SGD)))) <= 1e-6
     assert os.listdir(os.path.join(runs.inductor_cache, "fxgraph"))  # the one process compiled into the folder
     # The same micro-batches of 2 rows as the one process; its evaluation (batches of 3 over 16 rows, one of 1 row)
     # compiled every evaluation shape the ranks' batches of 3 over 8 rows each take. The evaluation leaves the
     # weights alone.
-    proc = launch(args_from({**COMMON, **padded_data, **inductor(ADAMW, runs.inductor_cache), "plot": False,
-                             "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "restart"),
-                             "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
-                  num_processes=2, timeout=INDUCTOR_TIMEOUT_S)
-    line = proc.stdout.split("torch_compile: ")[-1].splitlines()[0]
-    hits, misses = (int(n) for n in re.fullmatch(r".*inductor's cache: (\d+) hits, (\d+) misses\)", line).groups())
-    assert hits >= 1 and misses == 0, line
+    restart = runs.get("adamw_inductor_ddp", "ddp.yaml", 2, 2, 2, inductor(ADAMW, runs.inductor_cache))
+    caches = [p["inductor_cache"] for p in probes(restart)]
+    print(f"inductor's cache, [hits, misses] by rank: {caches}")
+    assert len(caches) == 2 and all(hits >= 1 and misses == 0 for hits, misses in caches), caches
     eager = runs.strategy("ddp", "adamw", ADAMW)
-    assert max_abs_diff(load_weights(final(str(tmp_path / "restart"))), load_weights(final(eager))) <= ADAMW_TOLERANCE
+    assert max_abs_diff(load_weights(final(restart)), load_weights(final(eager))) <= ADAMW_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -494,8 +493,6 @@ def refusals(request, tmp_path_factory, tiny_model, padded_data):
         if name in selected:
             cases[name] = (launch_command(args_from(cfg), config=config, script=script), env, str(out))
 
-    case("test_checkpointing_asked_twice_is_refused", script=RECIPE, gradient_checkpointing=True,
-         config=_launch_config_with(root, "fsdp.yaml", fsdp_activation_checkpointing=True))
     for config in SILENT_FALLBACK:
         case(f"test_silent_fallback_is_refused[{config}]", config=config, env={"TOOLKIT_CPU_SHIM": "0"})
     names = list(cases)
@@ -503,13 +500,18 @@ def refusals(request, tmp_path_factory, tiny_model, padded_data):
     return {n: (proc, cases[n][2]) for n, proc in zip(names, procs)}
 
 
-@pytest.mark.slow  # 2-rank launches: the full suite's layer (the quick layer runs in one process)
-def test_checkpointing_asked_twice_is_refused(request, refusals):
-    proc, out = refusals[request.node.name]
+def test_checkpointing_asked_twice_is_refused(tmp_path, tiny_model, padded_data):
+    """gradient_checkpointing with a launch config that sets fsdp_activation_checkpointing: one line before any
+    launch (toolkit train's check, in the environment the launch gives a rank: the check each rank makes before its
+    process group and weights, ``check_launch``; test_silent_fallback_is_refused shows such a refusal through the
+    launcher)."""
+    config = _launch_config_with(tmp_path, "fsdp.yaml", fsdp_activation_checkpointing=True)
+    cfg = {**COMMON, **padded_data, **SGD, "model_name_or_path": tiny_model, "output_dir": str(tmp_path / "out"),
+           "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "gradient_checkpointing": True}
     words = "gradient_checkpointing: the launch config already sets fsdp_activation_checkpointing"
-    assert proc.returncode == 1 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
-    assert f"config error: {words}" in proc.stderr
-    assert "weights train in" not in proc.stdout and not os.path.exists(os.path.join(out, "final"))
+    with pytest.raises(ConfigError, match=words):
+        toolkit_launch.check("causal-lm", config, 2, args_from(cfg))
+    assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.slow

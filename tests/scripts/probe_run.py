@@ -74,7 +74,10 @@ class Probe:
                   "held_bytes": held_bytes(model, self.optimizer, summary["distributed_type"] == "DEEPSPEED"),
                   "saves": self.saves,
                   # optim muon: the matrices each Newton-Schulz path took in the last step (owner ranks or torch's)
-                  "muon_newton_schulz": getattr(torch_optimizer(self.optimizer), "newton_schulz", None)}
+                  "muon_newton_schulz": getattr(torch_optimizer(self.optimizer), "newton_schulz", None),
+                  # torch_compile with inductor: its graph cache's hits and misses in this run (probe_runs.py clears
+                  # dynamo's counters before an inductor run); what the log's "torch_compile:" line says
+                  "inductor_cache": inductor_cache()}
         if summary["distributed_type"] in ("MULTI_CPU", "MULTI_GPU") or record["is_fsdp2"]:  # DDP, TP, FSDP2
             record.update(clip_probe(accelerator, model))
         if summary["distributed_type"] == "DEEPSPEED":
@@ -103,6 +106,15 @@ class Probe:
                              ("imports", {"deepspeed": "deepspeed" in sys.modules})):
             with open(os.path.join(self.probe_dir, f"{name}_rank{rank}.json"), "w") as f:
                 json.dump(record, f)
+
+
+def inductor_cache() -> list[int] | None:
+    """[hits, misses] of inductor's FX graph cache counted in this process (None: dynamo never imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import counters
+
+    return [int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])]
 
 
 def clip_probe(accelerator, model) -> dict:

@@ -54,7 +54,7 @@ def _run_all(runs: list[dict]) -> None:
             if i:
                 AcceleratorState._reset_state(reset_partial_state=False)
                 GradientState._reset_state()
-                _forget_compiled_graphs(run)
+                _forget_compiled_graphs(run, runs[i - 1])
                 gc.collect()
             # What is alive now lives as long as the process (the modules, and those a recipe's main imported in the
             # first run): out of the collector's sight, the collection above and the automatic ones during a run
@@ -76,14 +76,19 @@ def _run_all(runs: list[dict]) -> None:
         PartialState.destroy_process_group = destroy
 
 
-def _forget_compiled_graphs(run: dict) -> None:
+def _inductor(run: dict) -> bool:
+    argv = " ".join(run["argv"])
+    return "--torch_compile true" in argv and "aot_eager" not in argv
+
+
+def _forget_compiled_graphs(run: dict, previous: dict) -> None:
     """An inductor run (torch_compile without aot_eager) compiles as in a process of its own: dynamo's graphs, shape
     history and counters are per process, and a batch's earlier aot_eager run otherwise left graphs and shapes that
     the inductor run reused, so it did not compile (nor put in its cache folder) every graph it would alone, and its
     log's counts summed over the runs (issue 50, measured: 2 misses in the one-process run that read that cache).
+    The run after an inductor run starts without its graphs too (an aot_eager run must not find inductor's code).
     Other runs keep what earlier runs compiled (an aot_eager resume reuses its source run's graphs: 0.7 s, not 20)."""
-    argv = " ".join(run["argv"])
-    if "torch._dynamo" in sys.modules and "--torch_compile true" in argv and "aot_eager" not in argv:
+    if "torch._dynamo" in sys.modules and (_inductor(run) or _inductor(previous)):
         import torch._dynamo
 
         torch._dynamo.reset()

@@ -35,6 +35,29 @@ def test_aot_eager_blocks_train_bitwise_like_eager_with_bounded_graphs(tiny_mode
     assert os.path.isdir(tmp_path / "compiled" / "final")
 
 
+def test_the_log_line_counts_inductors_cache_hits_and_misses():
+    """What a compiled run's ``torch_compile:`` line says: the graphs dynamo compiled, and inductor's cache hits and
+    misses once it looked (the counters the launched inductor restart reads on each rank: tests/launch/
+    test_strategies.py)."""
+    from torch._dynamo.utils import counters
+
+    from toolkit.models.loading import compiled_graphs
+
+    saved = {group: dict(values) for group, values in counters.items()}
+    try:
+        counters.clear()
+        counters["stats"]["unique_graphs"] += 2
+        assert compiled_graphs() == "2 graphs compiled in this process"
+        counters["inductor"]["fxgraph_cache_hit"] += 3
+        assert compiled_graphs() == "2 graphs compiled in this process (inductor's cache: 3 hits, 0 misses)"
+        counters["inductor"]["fxgraph_cache_miss"] += 1
+        assert compiled_graphs().endswith("(inductor's cache: 3 hits, 1 misses)")
+    finally:
+        counters.clear()
+        for group, values in saved.items():
+            counters[group].update(values)
+
+
 def test_torch_compile_outside_one_process_ddp_and_fsdp2_is_refused(monkeypatch, tmp_path):
     """ZeRO, FSDP1, TP and pipelines are not proven with compiled blocks: one line, before accelerate or a model
     (FSDP1 here; ZeRO-2: the capability matrix's refused cell lm-zero2-...-aot_eager, tests/matrix)."""

@@ -158,6 +158,7 @@ def check_launch(args: TrainingArguments, mixed_precision: str | None = None) ->
     _check_skip_nonfinite(args, launched_strategy())
     _check_async_save(args)
     _check_torch_compile(args)
+    _check_activation_checkpointing(args)
     _check_parallel_sizes()
     if launched_parallel_sizes():
         _refuse_parallel_sizes(**{name: size for name, size in launched_parallel_sizes().items()})
@@ -435,6 +436,18 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments, load_
         ds["zero_force_ds_cpu_optimizer"] = False
 
 
+CHECKPOINTING_TWICE = ("the launch config already sets fsdp_activation_checkpointing: true, which checkpoints every "
+                      "layer; set gradient_checkpointing: false (or turn the FSDP option off)")
+
+
+def _check_activation_checkpointing(args: TrainingArguments) -> None:
+    """Activation checkpointing asked twice (the field and the FSDP launch config's option) is refused from the
+    launch's environment, before the process group and the weights (and by ``toolkit train`` before it launches);
+    ``resolve_activation_checkpointing`` refuses it again from the plugin, for an Accelerator made otherwise."""
+    if args.gradient_checkpointing and launched_strategy() == "fsdp" and _env_true("FSDP_ACTIVATION_CHECKPOINTING"):
+        raise ConfigError("gradient_checkpointing", CHECKPOINTING_TWICE)
+
+
 def resolve_activation_checkpointing(accelerator: Accelerator, gradient_checkpointing: bool) -> bool:
     """Whether the model should use transformers' activation checkpointing: the recipe's field, or FSDP's own option
     (``fsdp_activation_checkpointing`` in the launch config), which is then handed over to transformers.
@@ -448,11 +461,7 @@ def resolve_activation_checkpointing(accelerator: Accelerator, gradient_checkpoi
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     from_launch_config = plugin is not None and plugin.activation_checkpointing
     if gradient_checkpointing and from_launch_config:
-        raise ConfigError(
-            "gradient_checkpointing",
-            "the launch config already sets fsdp_activation_checkpointing: true, which checkpoints every layer; "
-            "set gradient_checkpointing: false (or turn the FSDP option off)",
-        )
+        raise ConfigError("gradient_checkpointing", CHECKPOINTING_TWICE)
     if from_launch_config:
         plugin.activation_checkpointing = False  # done by transformers instead (see above)
         accelerator.print("fsdp_activation_checkpointing: each decoder layer is recomputed in the backward pass "
