@@ -236,14 +236,22 @@ def chunked_completion_logps(hidden: torch.Tensor, head: torch.nn.Module, target
     return torch.cat(logps), torch.cat(entropies)
 
 
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each of ``targets``, entropy of the distribution it was drawn from) from ``logits``
+    (positions x vocab) divided by the sampling ``temperature``, as TRL's fused head divides them; in fp32. GRPO's
+    materialised path (``toolkit.tasks.grpo.loss.completion_logps``) and the checkpointed chunks below;
+    ``entropy_grad`` False: the entropy as a metric, without a graph."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
 def _chunk_logps(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One checkpointed chunk: its log-probs (recomputed in the backward pass) and its entropies (no gradient)."""
-    logits = head(hidden).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+    return token_logps(head(hidden), targets, temperature, entropy_grad=False)
 
 
 def micro_step_loss(

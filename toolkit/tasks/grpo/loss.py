@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.loss import token_logps
+
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -31,12 +33,9 @@ def completion_logps(logits: torch.Tensor, completion_ids: torch.Tensor,
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each completion token, entropy of the distribution it was drawn from), from the logits
     of the positions that predict the completion (``logits[:, -T-1:-1]`` of prompt + completion), divided by the
-    sampling ``temperature`` as TRL's fused head divides them."""
-    logits = logits.float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    token_logps = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return token_logps, entropy
+    sampling ``temperature`` as TRL's fused head divides them (``toolkit.loss.token_logps``, which the chunked path
+    shares)."""
+    return token_logps(logits, completion_ids, temperature)
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
